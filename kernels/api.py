@@ -1,0 +1,265 @@
+"""Public entry points: `chunk_kda` (SGLang's serving contract) and `kda_prefill`.
+
+Both validate their arguments into a `PrefillProblem` and hand it to one backend.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .backends import resolve_backend
+from .problem import MAX_HEAD_DIM, PrefillProblem
+
+POOL_REQUIRED = "KDA prefill requires an indexed initial-state pool"
+G_BETA_SHORT = "g and beta must cover every q token"
+TRAINING_KNOBS = (
+    "kda_prefill is the inference forward path: cp_context, and disable_recompute "
+    "are training-side knobs it does not implement"
+)
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+_POOL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _reject_training_knobs(knobs: dict[str, Any]) -> None:
+    """Raise NotImplementedError for the training knobs, TypeError for anything unknown."""
+    unknown = sorted(set(knobs) - {"cp_context", "disable_recompute"})
+    if unknown:
+        raise TypeError(f"chunk_kda got unexpected keyword argument(s): {', '.join(unknown)}")
+    if knobs.get("cp_context") is not None or knobs.get("disable_recompute", False):
+        raise NotImplementedError(TRAINING_KNOBS)
+
+
+def _shape(x: torch.Tensor) -> str:
+    return str(tuple(x.shape))
+
+
+def _check_rank(name: str, x: torch.Tensor, rank: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dimensions, got shape {_shape(x)}")
+
+
+def _packed_bounds(
+    B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """cu_seqlens as a device int64 tensor and a host tuple, checked against B and T."""
+    if cu_seqlens is None:
+        bounds = tuple(range(0, B * T + 1, T)) if T > 0 else (0,) * (B + 1)
+        return torch.tensor(bounds, dtype=torch.int64, device=device), bounds
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1, got q of batch {B}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor of N + 1 >= 2 offsets, got {cu_seqlens!r}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    bounds = tuple(int(x) for x in cu_seqlens.tolist())
+    if bounds[0] != 0 or bounds[-1] != T or any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(
+            f"cu_seqlens must start at 0, increase strictly and end at T={T}, got {list(bounds)}"
+        )
+    return cu_seqlens.to(device=device, dtype=torch.int64), bounds
+
+
+def _check_indices(indices: torch.Tensor, n_seq: int, num_slots: int) -> torch.Tensor:
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.numel() != n_seq:
+        shape = _shape(indices) if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(f"initial_state_indices must have shape ({n_seq},), one per sequence, got {shape}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"initial_state_indices must be int32 or int64, got {indices.dtype}")
+    host = indices.tolist()
+    bad = [i for i in host if i < -1 or i >= num_slots]
+    if bad:
+        raise ValueError(
+            f"initial_state_indices out of range for a pool of {num_slots} slots: {bad[:8]}"
+        )
+    live = [i for i in host if i >= 0]
+    if len(set(live)) != len(live):
+        raise ValueError(f"initial_state_indices repeats a slot: {host}")
+    return indices.to(torch.int64)
+
+
+def build_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: Optional[float],
+    pool: torch.Tensor,
+    indices: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor],
+    A_log: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor],
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
+    output_intermediate_states: bool,
+) -> PrefillProblem:
+    """Validate public arguments (batched layout [B, T, ...]) into a packed PrefillProblem."""
+    _check_rank("q", q, 4)
+    _check_rank("k", k, 4)
+    _check_rank("v", v, 4)
+    _check_rank("g", g, 4)
+    _check_rank("beta", beta, 3)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {_shape(q)}, got {_shape(k)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T} as in q, got {_shape(v)}")
+    if HV % H != 0:
+        raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's heads H={H} (GVA)")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM or K < 1 or V < 1:
+        raise ValueError(f"head dims must be in 1..{MAX_HEAD_DIM}, got K={K}, V={V}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.dtype not in _FLOAT_INPUTS:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    if g.shape[0] != B or g.shape[2:] != (HV, K) or beta.shape[0] != B or beta.shape[2] != HV:
+        raise ValueError(
+            f"g must be [B, T', HV, K] and beta [B, T', HV] with B={B}, HV={HV}, K={K}, "
+            f"got g {_shape(g)}, beta {_shape(beta)}"
+        )
+    if g.shape[1] < T or beta.shape[1] < T:
+        raise ValueError(G_BETA_SHORT)
+    if pool.dim() != 4:
+        raise ValueError(f"initial_state must be the pool [num_slots, HV, V, K], got shape {_shape(pool)}")
+    want = (HV, V, K) if state_v_first else (HV, K, V)
+    if tuple(pool.shape[1:]) != want:
+        layout = "[num_slots, HV, V, K]" if state_v_first else "[num_slots, HV, K, V]"
+        raise ValueError(f"initial_state must be {layout} = [S, {', '.join(map(str, want))}], got {_shape(pool)}")
+    if pool.dtype not in _POOL_DTYPES:
+        raise ValueError(f"initial_state must be float32 or bfloat16, got {pool.dtype}")
+    if pool.device != q.device:
+        raise ValueError(f"initial_state is on {pool.device}, q on {q.device}")
+    if A_log is not None and tuple(A_log.shape) != (HV,):
+        raise ValueError(f"A_log must have shape ({HV},), got {_shape(A_log)}")
+    if dt_bias is not None:
+        if dt_bias.numel() != HV * K:
+            raise ValueError(f"dt_bias must have shape ({HV}, {K}) or ({HV * K},), got {_shape(dt_bias)}")
+        dt_bias = dt_bias.reshape(HV, K)
+    if lower_bound is not None and not (-5.0 <= float(lower_bound) < 0.0):
+        raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}")
+
+    cu, bounds = _packed_bounds(B, T, cu_seqlens, q.device)
+    n_seq = len(bounds) - 1
+    idx = _check_indices(indices, n_seq, pool.shape[0]).to(q.device)
+
+    def packed(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :T].reshape(B * T, *x.shape[2:])
+
+    return PrefillProblem(
+        q=packed(q), k=packed(k), v=packed(v), g=packed(g), beta=packed(beta),
+        cu_seqlens=cu, bounds=bounds, pool=pool, indices=idx, state_v_first=state_v_first,
+        scale=float(K ** -0.5 if scale is None else scale),
+        A_log=A_log, dt_bias=dt_bias,
+        lower_bound=None if lower_bound is None else float(lower_bound),
+        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
+    )
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    initial_state_indices: Optional[torch.Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    lower_bound: Optional[float] = None,
+    output_intermediate_states: bool = False,
+    *,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = True,
+    backend: Optional[str] = None,
+    **training_knobs: Any,
+):
+    """KDA chunked prefill in place on an indexed state pool (SGLang's contract).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T', HV, K]; beta: [B, T', HV], T' >= T
+    (trimmed to T). B > 1 without cu_seqlens: B equal-length sequences; with cu_seqlens
+    ([N + 1], int32/int64) B must be 1. initial_state: the pool [S, HV, V, K] (or
+    [S, HV, K, V] with ``state_v_first=False``), fp32 or bf16; initial_state_indices [N]:
+    each sequence's slot, -1 for a zero state and no write-back. Final states are written
+    back in place; no other slot is touched.
+
+    Returns o [B, T, HV, V] in v's dtype, or ``(o, h)`` with ``output_intermediate_states``,
+    h [1, NT, HV, V, K] (fp32; [1, NT, HV, K, V] when not v-first): the state before each chunk.
+    """
+    _reject_training_knobs(training_knobs)
+    if initial_state is None or initial_state_indices is None:
+        raise ValueError(POOL_REQUIRED)
+    problem = build_problem(
+        q, k, v, g, beta, scale=scale, pool=initial_state, indices=initial_state_indices,
+        cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+        output_intermediate_states=output_intermediate_states,
+    )
+    o, h = resolve_backend(backend, q.device)(problem)
+    o = o.reshape(v.shape)
+    if output_intermediate_states:
+        return o, h.unsqueeze(0)
+    return o
+
+
+def kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    lower_bound: Optional[float] = None,
+    *,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = True,
+    backend: Optional[str] = None,
+    cp_context: Any = None,
+    disable_recompute: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA prefill, functional form: returns ``(o, final_state)``.
+
+    Same tensors as `chunk_kda`; initial_state is [N, HV, V, K] (one per sequence, fp32 or
+    bf16; not modified) or None for zeros. final_state: [N, HV, V, K] in initial_state's
+    dtype (fp32 when None).
+    """
+    _reject_training_knobs({"cp_context": cp_context, "disable_recompute": disable_recompute})
+    B, T, H, K = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is None:
+        HV, V = v.shape[2], v.shape[3]
+        shape = (n_seq, HV, V, K) if state_v_first else (n_seq, HV, K, V)
+        states = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    else:
+        if initial_state.dim() != 4 or initial_state.shape[0] != n_seq:
+            raise ValueError(
+                f"initial_state must be [N={n_seq}, HV, V, K], one per sequence, got {_shape(initial_state)}"
+            )
+        states = initial_state.clone()
+    indices = torch.arange(n_seq, dtype=torch.int64, device=q.device)
+    o = chunk_kda(
+        q, k, v, g, beta, scale, states, indices, use_qk_l2norm_in_kernel, cu_seqlens,
+        A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, backend=backend,
+    )
+    return o, states
