@@ -1,0 +1,367 @@
+"""`StatePool`: the GPU-resident (or CPU) pool of KDA recurrent states behind opaque slot ids."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import math
+import operator
+import threading
+import time
+from typing import Callable, Optional, Sequence, TypeVar, Union
+
+import torch
+
+from . import snapshot, transfer
+from .errors import GeometryMismatch, PoolError, PoolFull, UnknownSlot
+from .geometry import PoolGeometry
+from .ids import check_prefix, new_slot_id
+from .memory import available_bytes
+from .records import PoolStats, SlotInfo
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A live slot: ``created`` in unix seconds, ``last_used`` on the pool's clock."""
+
+    row: int
+    created: float
+    last_used: float
+    tokens_per_layer: list[int]
+    state_lost: bool = False
+
+
+def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run ``method`` holding the pool's lock."""
+
+    @functools.wraps(method)
+    def wrapper(self: "StatePool", *args, **kwargs) -> _T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class StatePool:
+    """Recurrent states of many sequences in one tensor, handed out as slots.
+
+    ``tensor`` is [num_layers, num_slots, num_heads, head_v_dim, head_k_dim] (V-first, K
+    contiguous), float32 or bfloat16, on ``device``, allocated once. A slot is one row
+    across all layers; its public id is an opaque random string (``id_prefix`` first).
+    A row is never mapped by two live ids, and an id is never handed out twice.
+
+    Slots idle (not used by rows, read_state, write_state, fork, export, import_,
+    record_tokens) for more than ``ttl`` seconds of ``clock`` are freed: lazily, on access
+    to the id, and by `sweep`. Every method holds ``lock`` (a re-entrant lock the caller
+    may also hold, e.g. across a kernel launch on `layer_view`).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: Union[str, torch.device] = "cpu",
+        ttl: Optional[float] = None,
+        clock: Callable[[], float] = time.monotonic,
+        id_prefix: str = "",
+    ) -> None:
+        geometry = PoolGeometry(
+            num_layers, num_slots, num_heads, head_k_dim, head_v_dim, dtype, torch.device(device)
+        )
+        if ttl is not None and (
+            isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < math.inf
+        ):
+            raise ValueError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+        self._id_prefix = check_prefix(id_prefix)
+        _check_fits(geometry)
+        self._tensor = torch.zeros(geometry.shape, dtype=dtype, device=geometry.device)
+        self._geometry = dataclasses.replace(geometry, device=self._tensor.device)
+        self._ttl = ttl
+        self._clock = clock
+        self._wall_offset = time.time() - clock()
+        self._lock = threading.RLock()
+        self._slots: dict[str, _Slot] = {}
+        self._free_rows = list(range(num_slots))  # a min-heap: lowest free row first
+        self._allocations = self._frees = self._expiries = 0
+
+    @property
+    def geometry(self) -> PoolGeometry:
+        return self._geometry
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The pool, [L, S, HV, V, K]; kernels update rows of it in place."""
+        return self._tensor
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    @_locked
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of the pool, [S, HV, V, K], a view (the kernels' ``initial_state``)."""
+        return self._tensor[self._layer_index(layer)]
+
+    @_locked
+    def alloc(self, count: int = 1) -> list[str]:
+        """Allocate ``count`` slots with zero state on every layer, all or none."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"count must be a positive integer, got {count!r}")
+        rows = self._take_rows(count)
+        self._tensor.index_fill_(1, torch.tensor(rows, device=self._tensor.device), 0)
+        return [self._issue(row, [0] * self._geometry.num_layers) for row in rows]
+
+    @_locked
+    def free(self, slot_id: str) -> None:
+        """Free a slot; its row returns to the free list. UnknownSlot if it is not live."""
+        self._resolve(slot_id)
+        self._release(slot_id)
+        self._frees += 1
+
+    @_locked
+    def fork(self, slot_id: str) -> str:
+        """A new slot holding a copy of ``slot_id``'s state on every layer (and its token
+        counts): prefix reuse. The two are independent afterwards."""
+        source = self._touch(slot_id)
+        row = self._take_rows(1)[0]
+        self._tensor[:, row].copy_(self._tensor[:, source.row])
+        return self._issue(row, list(source.tokens_per_layer), source.state_lost)
+
+    @_locked
+    def contains(self, slot_id: str) -> bool:
+        """Whether ``slot_id`` is live (does not count as a use)."""
+        try:
+            self._resolve(slot_id)
+        except UnknownSlot:
+            return False
+        return True
+
+    @_locked
+    def slot_ids(self) -> list[str]:
+        """The live slot ids."""
+        self._expire_idle()
+        return list(self._slots)
+
+    @_locked
+    def rows(self, slot_ids: Sequence[str]) -> list[int]:
+        """Pool rows of ``slot_ids``, in order (the kernels' ``initial_state_indices``).
+
+        Raises UnknownSlot for the first id that is not live, having resolved none;
+        otherwise marks every slot used.
+        """
+        if isinstance(slot_ids, str):
+            raise TypeError("rows() takes a sequence of slot ids, not one id")
+        slots = [self._resolve(slot_id) for slot_id in slot_ids]
+        now = self._clock()
+        for slot in slots:
+            slot.last_used = now
+        return [slot.row for slot in slots]
+
+    @_locked
+    def read_state(self, slot_id: str) -> torch.Tensor:
+        """A copy of the slot's state, [L, HV, V, K] in the pool dtype, on the pool device."""
+        row = self._touch(slot_id).row
+        return self._tensor[:, row].clone(memory_format=torch.contiguous_format)
+
+    @_locked
+    def write_state(self, slot_id: str, state: torch.Tensor) -> None:
+        """Copy ``state`` [L, HV, V, K] (pool dtype, any device) into the slot.
+
+        Shape and dtype are checked first (GeometryMismatch). Token counts are left alone.
+        """
+        expected = {"shape": list(self._geometry.slot_shape), "dtype": self._geometry.dtype_name}
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"state must be a torch.Tensor, got {type(state).__name__}")
+        if tuple(state.shape) != self._geometry.slot_shape or state.dtype != self._geometry.dtype:
+            got = {"shape": list(state.shape), "dtype": str(state.dtype).removeprefix("torch.")}
+            raise GeometryMismatch(expected, got)
+        slot = self._touch(slot_id)
+        self._tensor[:, slot.row].copy_(state)
+        slot.state_lost = False
+
+    @_locked
+    def export(self, slot_id: str) -> bytes:
+        """The slot's state as safetensors bytes (see `state_store.transfer`)."""
+        slot = self._touch(slot_id)
+        layers = [self._tensor[layer, slot.row] for layer in range(self._geometry.num_layers)]
+        return transfer.encode(self._geometry, layers, slot.tokens_per_layer)
+
+    @_locked
+    def import_(self, data: Union[bytes, bytearray, memoryview], slot_id: Optional[str] = None) -> str:
+        """Load an `export` into a new slot (``slot_id`` None) or over a live slot; returns
+        the slot id. Everything is checked first: on any error nothing changes
+        (UnknownSlot, GeometryMismatch, SnapshotError for bytes that are not an export,
+        PoolFull)."""
+        if slot_id is not None:
+            self._resolve(slot_id)
+        state, tokens = transfer.decode(data, self._geometry)
+        tokens = tokens if tokens is not None else [0] * self._geometry.num_layers
+        if slot_id is None:
+            row = self._take_rows(1)[0]
+            self._tensor[:, row].copy_(state)
+            return self._issue(row, tokens)
+        slot = self._touch(slot_id)
+        self._tensor[:, slot.row].copy_(state)
+        slot.tokens_per_layer = tokens
+        slot.state_lost = False
+        return slot_id
+
+    @_locked
+    def record_tokens(self, slot_id: str, layer: int, count: int) -> None:
+        """Add ``count`` tokens to the slot's count on ``layer``."""
+        layer = self._layer_index(layer)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"count must be a non-negative integer, got {count!r}")
+        self._touch(slot_id).tokens_per_layer[layer] += count
+
+    @_locked
+    def mark_lost(self, slot_ids: Sequence[str]) -> None:
+        """Flag slots whose state can no longer be trusted (an in-place update on their rows
+        failed midway). Resolves all ids first, like `rows`; does not count as a use."""
+        if isinstance(slot_ids, str):
+            raise TypeError("mark_lost() takes a sequence of slot ids, not one id")
+        for slot in [self._resolve(slot_id) for slot_id in slot_ids]:
+            slot.state_lost = True
+
+    @_locked
+    def slot_info(self, slot_id: str) -> SlotInfo:
+        """The slot's metadata (does not count as a use)."""
+        return self._info(slot_id, self._resolve(slot_id))
+
+    @_locked
+    def sweep(self) -> list[str]:
+        """Free every slot idle for more than ttl; returns their ids ([] when ttl is None)."""
+        return self._expire_idle()
+
+    @_locked
+    def snapshot(self, path: snapshot.PathLike) -> None:
+        """Write the whole pool and its id map to ``path`` atomically (see `state_store.snapshot`)."""
+        self._expire_idle()
+        infos = [self._info(slot_id, slot) for slot_id, slot in self._slots.items()]
+        snapshot.write(path, self._geometry, self._tensor, infos, self._wall(self._clock()))
+
+    @_locked
+    def restore(self, path: snapshot.PathLike) -> None:
+        """Replace the pool's contents and id map with a snapshot's, verified in full first:
+        on any error (SnapshotError, GeometryMismatch) the pool is left as it was.
+
+        Each slot keeps the idle time it had when the snapshot was taken; time between
+        snapshot and restore does not count towards its ttl.
+        """
+        pool, infos, saved_at = snapshot.read(path, self._geometry)
+        self._tensor.copy_(pool)
+        now = self._clock()
+        self._slots = {
+            info.slot_id: _Slot(
+                row=info.row,
+                created=info.created,
+                last_used=now - max(0.0, saved_at - info.last_used),
+                tokens_per_layer=list(info.tokens_per_layer),
+                state_lost=info.state_lost,
+            )
+            for info in infos
+        }
+        used = {info.row for info in infos}
+        self._free_rows = [row for row in range(self._geometry.num_slots) if row not in used]
+
+    @_locked
+    def stats(self) -> PoolStats:
+        """Capacity and counters (expired slots are freed first)."""
+        self._expire_idle()
+        return PoolStats(
+            capacity=self._geometry.num_slots,
+            free=len(self._free_rows),
+            used=len(self._slots),
+            allocations=self._allocations,
+            frees=self._frees,
+            expiries=self._expiries,
+            bytes_per_slot=self._geometry.bytes_per_slot,
+        )
+
+    def _layer_index(self, layer: int) -> int:
+        if isinstance(layer, bool):
+            raise ValueError(f"layer must be an integer, got {layer!r}")
+        try:
+            index = operator.index(layer)
+        except TypeError:
+            raise ValueError(f"layer must be an integer, got {layer!r}") from None
+        if not 0 <= index < self._geometry.num_layers:
+            raise IndexError(f"layer {index} out of range: the pool has {self._geometry.num_layers} layers")
+        return index
+
+    def _resolve(self, slot_id: str) -> _Slot:
+        """The live slot ``slot_id``; an idle-expired one is freed and reported unknown."""
+        slot = self._slots.get(slot_id) if isinstance(slot_id, str) else None
+        if slot is None:
+            raise UnknownSlot(slot_id)
+        if self._ttl is not None and self._clock() - slot.last_used > self._ttl:
+            self._release(slot_id)
+            self._expiries += 1
+            raise UnknownSlot(slot_id)
+        return slot
+
+    def _touch(self, slot_id: str) -> _Slot:
+        slot = self._resolve(slot_id)
+        slot.last_used = self._clock()
+        return slot
+
+    def _take_rows(self, count: int) -> list[int]:
+        """Pop ``count`` free rows (freeing idle slots if short), or raise PoolFull."""
+        if count > len(self._free_rows):
+            self._expire_idle()
+        if count > len(self._free_rows):
+            raise PoolFull(count, len(self._free_rows))
+        return [heapq.heappop(self._free_rows) for _ in range(count)]
+
+    def _issue(self, row: int, tokens_per_layer: list[int], state_lost: bool = False) -> str:
+        """Map a new id to ``row`` (whose state the caller has set)."""
+        slot_id = new_slot_id(self._id_prefix, self._slots)
+        now = self._clock()
+        self._slots[slot_id] = _Slot(row, self._wall(now), now, tokens_per_layer, state_lost)
+        self._allocations += 1
+        return slot_id
+
+    def _release(self, slot_id: str) -> None:
+        heapq.heappush(self._free_rows, self._slots.pop(slot_id).row)
+
+    def _expire_idle(self) -> list[str]:
+        if self._ttl is None:
+            return []
+        now = self._clock()
+        expired = [sid for sid, slot in self._slots.items() if now - slot.last_used > self._ttl]
+        for slot_id in expired:
+            self._release(slot_id)
+        self._expiries += len(expired)
+        return expired
+
+    def _wall(self, clock_time: float) -> float:
+        """Unix seconds of a time on the pool's clock."""
+        return clock_time + self._wall_offset
+
+    def _info(self, slot_id: str, slot: _Slot) -> SlotInfo:
+        return SlotInfo(
+            slot_id=slot_id,
+            row=slot.row,
+            created=slot.created,
+            last_used=self._wall(slot.last_used),
+            tokens_per_layer=list(slot.tokens_per_layer),
+            state_lost=slot.state_lost,
+        )
+
+
+def _check_fits(geometry: PoolGeometry) -> None:
+    """Refuse, before allocating, a pool larger than the device's free memory."""
+    needed = geometry.total_bytes
+    available = available_bytes(geometry.device)
+    if available is not None and needed > available:
+        raise PoolError(
+            f"a {geometry.dtype_name} pool of shape {list(geometry.shape)} needs {needed} bytes "
+            f"({needed / 2**30:.2f} GiB) on {geometry.device}, but only {available} bytes "
+            f"({available / 2**30:.2f} GiB) are available"
+        )

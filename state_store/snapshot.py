@@ -1,0 +1,185 @@
+"""Whole-pool snapshot files: write atomically, read and verify before anything changes.
+
+A snapshot is a safetensors file with one tensor ``"pool"`` [L, S, HV, V, K] (the pool
+dtype) and this metadata:
+- ``format`` = "kda-serve/pool-snapshot", ``version`` = "1";
+- ``index``: JSON ``{"geometry": {num_slots, num_layers, num_heads, head_k_dim, head_v_dim,
+  dtype}, "saved_at": unix seconds, "slots": [{slot_id, row, created, last_used,
+  tokens_per_layer, state_lost}, ...]}``;
+- ``index_sha256`` and ``pool_sha256``: hex sha256 of the index string (UTF-8) and of the
+  tensor's bytes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+from typing import Any, Iterator, Union
+
+import torch
+
+from . import container
+from .errors import GeometryMismatch, SnapshotError
+from .geometry import PoolGeometry
+from .records import SlotInfo
+
+FORMAT = "kda-serve/pool-snapshot"
+VERSION = "1"
+TENSOR_NAME = "pool"
+PathLike = Union[str, os.PathLike]
+_SLOT_KEYS = {field.name for field in dataclasses.fields(SlotInfo)}
+
+
+def write(
+    path: PathLike, geometry: PoolGeometry, pool: torch.Tensor, slots: list[SlotInfo], saved_at: float
+) -> None:
+    """Write ``pool`` [L, S, HV, V, K] (any device) and its id map to ``path`` atomically.
+
+    The file is written to a temporary name in the same directory, flushed and fsynced,
+    renamed over ``path``, and the directory fsynced: a crash leaves the old snapshot or
+    the new one, never a mix. The pool is copied to the host one layer at a time.
+    Raises SnapshotError when the file cannot be written.
+    """
+    index = json.dumps(
+        {
+            "geometry": geometry.pool_fields(),
+            "saved_at": saved_at,
+            "slots": [dataclasses.asdict(slot) for slot in slots],
+        }
+    )
+    pool_hash = hashlib.sha256()
+    for layer in _layers(pool):
+        pool_hash.update(container.as_bytes(layer))
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "index": index,
+        "index_sha256": hashlib.sha256(index.encode()).hexdigest(),
+        "pool_sha256": pool_hash.hexdigest(),
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                container.write(out, TENSOR_NAME, geometry.dtype, geometry.shape, _layers(pool), metadata)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        _fsync_directory(directory)
+    except OSError as exc:
+        raise SnapshotError(path, f"cannot write: {exc}") from exc
+
+
+def _layers(pool: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The pool's layers [S, HV, V, K] in order; their bytes concatenated are the pool's."""
+    return (pool[layer] for layer in range(pool.shape[0]))
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(path: PathLike, geometry: PoolGeometry) -> tuple[torch.Tensor, list[SlotInfo], float]:
+    """Read and verify a snapshot taken of a pool of ``geometry``.
+
+    Returns the pool as a CPU tensor [L, S, HV, V, K], the slots, and the unix time the
+    snapshot was taken. Raises GeometryMismatch when it is of another geometry or dtype,
+    SnapshotError when it is unreadable, truncated, corrupted or not a pool snapshot.
+    """
+    try:
+        with open(path, "rb") as stream:
+            header = container.read_header(stream, os.fstat(stream.fileno()).st_size, TENSOR_NAME)
+            index = _verified_index(header.metadata)
+            expected = geometry.pool_fields()
+            if index.get("geometry") != expected:
+                raise GeometryMismatch(expected, index.get("geometry"))
+            if header.entry.shape != geometry.shape:
+                raise container.ContainerError(
+                    f"tensor {TENSOR_NAME!r} has shape {list(header.entry.shape)}, the index "
+                    f"declares {list(geometry.shape)}"
+                )
+            slots = _slots(index.get("slots"), geometry)
+            saved_at = _finite(index.get("saved_at"), "saved_at")
+            pool_hash = hashlib.sha256()
+            pool = container.read_tensor(stream, header, geometry.dtype, pool_hash)
+    except OSError as exc:
+        raise SnapshotError(path, f"cannot read: {exc}") from exc
+    except container.ContainerError as exc:
+        raise SnapshotError(path, str(exc)) from None
+    if pool_hash.hexdigest() != header.metadata["pool_sha256"]:
+        raise SnapshotError(path, "pool tensor checksum mismatch: the data is corrupted")
+    return pool, slots, saved_at
+
+
+def _verified_index(metadata: dict[str, str]) -> dict[str, Any]:
+    if metadata.get("format") != FORMAT:
+        raise container.ContainerError(f"not a kda-serve pool snapshot (format {metadata.get('format')!r})")
+    if metadata.get("version") != VERSION:
+        raise container.ContainerError(f"unsupported snapshot version {metadata.get('version')!r}")
+    missing = [key for key in ("index", "index_sha256", "pool_sha256") if key not in metadata]
+    if missing:
+        raise container.ContainerError(f"metadata lacks {missing}")
+    if hashlib.sha256(metadata["index"].encode()).hexdigest() != metadata["index_sha256"]:
+        raise container.ContainerError("index checksum mismatch: the id map is corrupted")
+    try:
+        index = json.loads(metadata["index"])
+    except json.JSONDecodeError as exc:
+        raise container.ContainerError(f"index is not JSON ({exc})") from None
+    if not isinstance(index, dict):
+        raise container.ContainerError("index is not a JSON object")
+    return index
+
+
+def _slots(raw: Any, geometry: PoolGeometry) -> list[SlotInfo]:
+    if not isinstance(raw, list):
+        raise container.ContainerError("index slots is not a list")
+    slots = [_slot(item, geometry) for item in raw]
+    if len({slot.slot_id for slot in slots}) != len(slots):
+        raise container.ContainerError("index maps one slot id twice")
+    if len({slot.row for slot in slots}) != len(slots):
+        raise container.ContainerError("index maps one row to two slot ids")
+    return slots
+
+
+def _slot(item: Any, geometry: PoolGeometry) -> SlotInfo:
+    if not isinstance(item, dict) or set(item) != _SLOT_KEYS:
+        raise container.ContainerError(f"malformed slot entry {item!r}")
+    slot = SlotInfo(**item)
+    tokens = slot.tokens_per_layer
+    if not (
+        isinstance(slot.slot_id, str)
+        and slot.slot_id
+        and _count(slot.row)
+        and slot.row < geometry.num_slots
+        and isinstance(tokens, list)
+        and len(tokens) == geometry.num_layers
+        and all(_count(t) for t in tokens)
+        and isinstance(slot.state_lost, bool)
+    ):
+        raise container.ContainerError(f"malformed slot entry {item!r}")
+    _finite(slot.created, "created")
+    _finite(slot.last_used, "last_used")
+    return slot
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise container.ContainerError(f"index {name} is not a finite number: {value!r}")
+    return float(value)
