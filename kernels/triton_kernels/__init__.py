@@ -1,0 +1,23 @@
+"""Triton kernels for KDA chunked prefill and decode, one module per stage:
+
+- `gate`: device functions for the gate, beta and L2-norm transforms (fused everywhere);
+- `intra`: per-chunk gate cumsum, A_qk / A_kk, the triangular solve, WY factors w/u;
+- `state`: the sequential chunk-to-chunk state pass, in place on the pool;
+- `output`: per-chunk outputs from the states and the intra-chunk matrices;
+- `recurrent`: single-token sequences (decode), in place on the pool;
+- `config`: fixed launch configurations by shape.
+"""
+from .config import LaunchConfig, select_config
+from .intra import chunk_intra_kernel
+from .output import chunk_output_kernel
+from .recurrent import recurrent_step_kernel
+from .state import chunk_state_kernel
+
+__all__ = [
+    "LaunchConfig",
+    "select_config",
+    "chunk_intra_kernel",
+    "chunk_state_kernel",
+    "chunk_output_kernel",
+    "recurrent_step_kernel",
+]

@@ -1,0 +1,52 @@
+"""Stage 3 of chunked KDA: outputs, all chunks in parallel.
+
+    o = qg h + A_qk v_new        per chunk: [64, K] x [K, BV] + [64, 64] x [64, BV]
+
+with h the state before the chunk (from the state pass), qg = scale * Q * exp(G).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_output_kernel(
+    qg, h, v_new, aqk, o, chunks,
+    s_hk, s_hv,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Grid (NTc * cdiv(V, BV), HV). chunks: [NTc, 3] int64 (first token, end token, h index).
+
+    qg: [T, HV, K], v_new: [T, HV, V], aqk: [T, HV, 64] (work dtype); h: [NT, HV, .., ..]
+    (strides s_hk, s_hv); o: [T, HV, V] in v's dtype.
+    """
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_v = tl.program_id(0) % NV
+    i_c = tl.program_id(0) // NV
+    i_hv = tl.program_id(1)
+    t0 = tl.load(chunks + i_c * 3)
+    t1 = tl.load(chunks + i_c * 3 + 1)
+    i_g = tl.load(chunks + i_c * 3 + 2)
+    o_t = tl.arange(0, 64)
+    rows = t0 + o_t
+    m_t = rows < t1
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+
+    acc = tl.zeros([64, BV], dtype=tl.float32)
+    h_base = h + (i_g * HV + i_hv) * (K * V)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = tl.load(qg + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_h = tl.load(h_base + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        acc = tl.dot(b_q, b_h.to(b_q.dtype), acc, input_precision="ieee")
+    b_a = tl.load(aqk + rows[:, None] * (HV * 64) + i_hv * 64 + o_t[None, :], mask=m_t[:, None], other=0.0)
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_v = tl.load(v_new + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
+    acc = tl.dot(b_a, b_v, acc, input_precision="ieee")
+    tl.store(o + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)

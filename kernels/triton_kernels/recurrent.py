@@ -1,0 +1,71 @@
+"""Single-token sequences (decode): the per-token recurrence, in place on the pool.
+
+    S = diag(exp(g)) S;  S = S + k (beta (v - S^T k))^T;  o = S^T q
+
+One program per (sequence, value head, V block); the [K, BV] state slice is read from
+``pool[indices[seq]]`` and written back to the same row (index -1: zeros, no write).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gate import activate_beta, gate_params, log_decay
+
+
+@triton.jit
+def recurrent_step_kernel(
+    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs,
+    scale, lower_bound,
+    s_slot, s_head, s_pk, s_pv, s_hk, s_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    STORE_H: tl.constexpr,
+):
+    """Grid (N1 * cdiv(V, BV), HV). decs: [N1, 3] int64 (sequence id, token, h index).
+
+    q, k: [T, H, K]; v, o: [T, HV, V]; g: [T, HV, K]; beta: [T, HV]; pool strides as in
+    the state pass; h (when STORE_H): [NT, HV, .., ..] fp32, receives the initial state.
+    """
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_v = tl.program_id(0) % NV
+    i_n = tl.program_id(0) // NV
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    seq = tl.load(decs + i_n * 3)
+    t = tl.load(decs + i_n * 3 + 1)
+    i_g = tl.load(decs + i_n * 3 + 2)
+    slot = tl.load(indices + seq)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+
+    b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if USE_L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_q = b_q * scale
+    bias, a = gate_params(a_log, dt_bias, i_hv, o_k, m_k, K, HAS_A_LOG, HAS_DT_BIAS)
+    b_g = tl.load(g + (t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g = log_decay(b_g, bias, a, lower_bound, GATE)
+    b_b = activate_beta(tl.load(beta + t * HV + i_hv).to(tl.float32), BETA_SIGMOID, NEG_EIGVAL)
+    b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+
+    p_pool = pool + slot * s_slot + i_hv * s_head + o_k[:, None] * s_pk + o_v[None, :] * s_pv
+    m_live = m_kv & (slot + o_k * 0 >= 0)[:, None]  # slot -1: zeros, no write
+    b_s = tl.load(p_pool, mask=m_live, other=0.0).to(tl.float32)  # [BK, BV] math layout
+    if STORE_H:
+        p_h = h + (i_g * HV + i_hv) * (K * V) + o_k[:, None] * s_hk + o_v[None, :] * s_hv
+        tl.store(p_h, b_s, mask=m_kv)
+    b_s = b_s * tl.where(m_k, tl.exp(b_g), 0.0)[:, None]
+    b_d = b_b * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
+    b_s = b_s + b_k[:, None] * b_d[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], axis=0)
+    tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    tl.store(p_pool, b_s.to(pool.dtype.element_ty), mask=m_live)

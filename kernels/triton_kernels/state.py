@@ -1,0 +1,78 @@
+"""Stage 2 of chunked KDA: the sequential chunk-to-chunk state pass, in place on the pool.
+
+One program per (sequence, value head, V block). The state [K, BV] lives in registers in
+fp32 across the sequence's chunks:
+
+    h[chunk]  = S                                    (state before the chunk)
+    v_new     = u - w S                              [64, BV]
+    S         = diag(exp(G_last)) S + kg^T v_new
+
+The initial state is read from ``pool[indices[seq]]`` and the final state written back to
+the same row by this kernel (no gather/scatter copies); index -1 reads zeros and writes
+nothing. The pool is addressed through its strides, so [S, HV, V, K] and [S, HV, K, V]
+layouts (fp32 or bf16) are one code path. This kernel must never be autotuned: a timing
+run would advance live states.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_state_kernel(
+    w, u, kg, gexp, v_new, h, pool, indices, seqs,
+    s_slot, s_head, s_pk, s_pv, s_hk, s_hv,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Grid (Nc * HV * cdiv(V, BV),). seqs: [Nc, 4] int64 (sequence id, first token, end
+    token, h index of its first chunk).
+
+    w, kg: [T, HV, K]; u, v_new: [T, HV, V] (work dtype); gexp: [NT, HV, K] fp32;
+    h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state;
+    pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64.
+    """
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_v = tl.program_id(0) % NV
+    i_nh = tl.program_id(0) // NV
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    seq = tl.load(seqs + i_n * 4)
+    bos = tl.load(seqs + i_n * 4 + 1)
+    eos = tl.load(seqs + i_n * 4 + 2)
+    hoff = tl.load(seqs + i_n * 4 + 3)
+    slot = tl.load(indices + seq)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_pool = pool + slot * s_slot + i_hv * s_head + o_k[:, None] * s_pk + o_v[None, :] * s_pv
+    m_live = m_kv & (slot + o_k * 0 >= 0)[:, None]  # slot -1: zeros, no write
+    b_h = tl.load(p_pool, mask=m_live, other=0.0).to(tl.float32)
+
+    o_t = tl.arange(0, 64)
+    for i_t in range(tl.cdiv(eos - bos, 64)):
+        rows = bos + i_t * 64 + o_t
+        m_t = rows < eos
+        i_g = hoff + i_t
+        p_h = h + (i_g * HV + i_hv) * (K * V) + o_k[:, None] * s_hk + o_v[None, :] * s_hv
+        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
+
+        p_w = w + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_u = u + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_v = tl.load(p_u, mask=m_tv, other=0.0).to(tl.float32)
+        b_v -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision="ieee")
+        p_vn = v_new + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        tl.store(p_vn, b_v.to(v_new.dtype.element_ty), mask=m_tv)
+
+        b_gl = tl.load(gexp + (i_g * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        p_kg = kg + rows[None, :] * (HV * K) + i_hv * K + o_k[:, None]
+        b_kt = tl.load(p_kg, mask=m_k[:, None] & m_t[None, :], other=0.0)  # [BK, 64]
+        b_h = b_h * b_gl[:, None] + tl.dot(b_kt, b_v.to(b_kt.dtype), input_precision="ieee")
+
+    tl.store(p_pool, b_h.to(pool.dtype.element_ty), mask=m_live)
