@@ -45,8 +45,10 @@ def _packed_bounds(
     B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """cu_seqlens as a device int64 tensor and a host tuple, checked against B and T."""
+    if T == 0 or B == 0:
+        raise ValueError(f"q has no tokens: shape [B, T] = [{B}, {T}]")
     if cu_seqlens is None:
-        bounds = tuple(range(0, B * T + 1, T)) if T > 0 else (0,) * (B + 1)
+        bounds = tuple(range(0, B * T + 1, T))
         return torch.tensor(bounds, dtype=torch.int64, device=device), bounds
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1, got q of batch {B}")

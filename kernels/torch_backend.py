@@ -1,0 +1,329 @@
+"""Torch chunked KDA: the CPU backend.
+
+Chunk 64 in WY form, vectorized over every chunk of every sequence and head, with one
+sequential pass over chunk steps for the chunk-to-chunk state. Single-token sequences
+take a batched recurrent step instead.
+
+Decays stay finite for real gates: no exp(G) is ever split as exp(G_t) * exp(-G_s).
+Within a chunk, pairs in different 16-token sub-blocks factor through the cumulative
+decay at the start of the later sub-block (both factors are exp of a non-positive
+number); pairs in the same sub-block use pairwise exponents. Exponents are differences
+of a float64 cumulative sum, so a token with a decay of -2600 does not wash out the
+small decays after it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .gate import beta_transform, l2norm, log_decay
+from .problem import CHUNK_SIZE, PrefillProblem
+
+SUB_BLOCK = 16
+# Elements of the largest intra-chunk temporary ([n, C/16, C, K] decayed keys) per group
+# of chunk-heads: small enough to stay in cache, large enough to amortize op overhead.
+INTRA_GROUP_ELEMENTS = 1 << 19
+# Largest |log decay| inside one sub-block for which exp(x) and exp(-x) both stay normal
+# fp32 numbers (exp(-87.3) is the smallest normal).
+FACTOR_LIMIT = 80.0
+
+
+@dataclass
+class _Prepared:
+    """fp32 inputs after gate, norms, scale, beta transform and GVA expansion.
+
+    q, k, g: [T, HV, K]; v: [T, HV, V]; beta: [T, HV].
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+
+def prepare_inputs(p: PrefillProblem) -> _Prepared:
+    """Apply the fused input transforms of DESIGN.md in fp32."""
+    f32 = torch.float32
+    q, k = p.q.to(f32), p.k.to(f32)
+    if p.use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * p.scale
+    group = p.v.shape[1] // p.q.shape[1]
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+    a_log = None if p.A_log is None else p.A_log.to(f32)
+    bias = None if p.dt_bias is None else p.dt_bias.to(f32)
+    g = log_decay(p.g.to(f32), a_log, bias, p.lower_bound)
+    beta = beta_transform(p.beta.to(f32), p.use_beta_sigmoid, p.allow_neg_eigval)
+    return _Prepared(q=q, k=k, v=p.v.to(f32), g=g, beta=beta)
+
+
+def _read_states(p: PrefillProblem) -> torch.Tensor:
+    """Initial states in math layout [N, HV, K, V] fp32; zeros where the index is -1."""
+    idx = p.indices
+    live = idx >= 0
+    rows = p.pool.index_select(0, idx.clamp(min=0)).to(torch.float32)
+    if p.state_v_first:
+        rows = rows.transpose(-1, -2)
+    return torch.where(live[:, None, None, None], rows, torch.zeros_like(rows)).contiguous()
+
+
+def _write_states(p: PrefillProblem, states: torch.Tensor) -> None:
+    """Write math-layout states [N, HV, K, V] back to their pool rows (index -1 skipped)."""
+    live = (p.indices >= 0).nonzero().flatten()
+    if live.numel() == 0:
+        return
+    rows = states.index_select(0, live)
+    if p.state_v_first:
+        rows = rows.transpose(-1, -2)
+    p.pool.index_copy_(0, p.indices.index_select(0, live), rows.to(p.pool.dtype))
+
+
+def recurrent_step(
+    x: _Prepared, tokens: torch.Tensor, states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence. tokens: [M] token positions; states: [M, HV, K, V].
+
+    Returns (o [M, HV, V], new states [M, HV, K, V]), fp32.
+    """
+    q, k, v = x.q[tokens], x.k[tokens], x.v[tokens]
+    S = states * torch.exp(x.g[tokens])[..., None]
+    pred = torch.einsum("mhk,mhkv->mhv", k, S)
+    delta = x.beta[tokens][..., None] * (v - pred)
+    S = S + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("mhk,mhkv->mhv", q, S), S
+
+
+@dataclass
+class _ChunkLayout:
+    """Multi-token sequences cut into chunks, ordered step-major.
+
+    Sequences are sorted by chunk count, descending, so that at step c the active
+    sequences are a prefix of length ``active[c]`` and their chunks are the contiguous
+    range ``offsets[c] : offsets[c] + active[c]`` of the chunk axis.
+    token_index: token positions; chunk_index / pos_index: each one's chunk and place in it.
+    """
+
+    order: list[int]
+    active: list[int]
+    offsets: list[int]
+    num_chunks: int
+    token_index: torch.Tensor
+    chunk_index: torch.Tensor
+    pos_index: torch.Tensor
+
+
+def _chunk_layout(starts: list[int], lengths: list[int], device: torch.device) -> _ChunkLayout:
+    C = CHUNK_SIZE
+    counts = [(n + C - 1) // C for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda m: -counts[m])
+    steps = counts[order[0]]
+    active = [sum(1 for m in order if counts[m] > c) for c in range(steps)]
+    offsets = [0]
+    for a in active:
+        offsets.append(offsets[-1] + a)
+    tok, chunk, pos = [], [], []
+    for rank, m in enumerate(order):
+        for c in range(counts[m]):
+            width = min(C, lengths[m] - c * C)
+            tok.append(torch.arange(starts[m] + c * C, starts[m] + c * C + width))
+            chunk.append(torch.full((width,), offsets[c] + rank))
+            pos.append(torch.arange(width))
+    return _ChunkLayout(
+        order=order, active=active, offsets=offsets, num_chunks=offsets[-1],
+        token_index=torch.cat(tok).to(device), chunk_index=torch.cat(chunk).to(device),
+        pos_index=torch.cat(pos).to(device),
+    )
+
+
+def _to_chunks(x: torch.Tensor, layout: _ChunkLayout) -> torch.Tensor:
+    """Scatter token rows [T, HV, D] into zero-padded, head-major chunks [NC, HV, C, D]."""
+    buf = x.new_zeros(layout.num_chunks, x.shape[1], CHUNK_SIZE, *x.shape[2:])
+    buf[layout.chunk_index, :, layout.pos_index] = x[layout.token_index]
+    return buf
+
+
+@dataclass
+class _ChunkTerms:
+    """Per-chunk WY terms, [n, ...] fp32 over chunk-heads:
+
+    wq [2C, K]: w (rows :C) and q * exp(G) (rows C:), so one product with the chunk's
+    initial state S0 gives both w S0 and the inter-chunk output; u [C, V]: u0 on entry,
+    such that the chunk's new values are u0 - w S0 (the state pass completes it in place);
+    aqk [C, C]: decayed q.k for s <= t; kd [C, K] = k * exp(G_last - G); decay [K] = exp(G_last).
+    """
+
+    wq: torch.Tensor
+    u: torch.Tensor
+    aqk: torch.Tensor
+    kd: torch.Tensor
+    decay: torch.Tensor
+
+
+def _intra_group(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, out: _ChunkTerms
+) -> None:
+    """WY terms for n chunk-heads, written into ``out``.
+
+    q, k, g: [n, C, K]; v: [n, C, V]; beta: [n, C].
+    """
+    n, C, K = q.shape
+    S = SUB_BLOCK
+    nb = C // S
+    G = g.double().cumsum(1)  # [n, C, K], float64 so that differences keep their bits
+    Gb = G.view(n, nb, S, K)
+    ends = Gb[:, :, -1]  # [n, nb, K]: cumulative decay at each sub-block's end
+    R = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)  # before each sub-block
+    local = (Gb - R[:, :, None]).float()  # G_t - R_i, t in sub-block i
+    to_end = (ends[:, :, None] - Gb).float()  # G_end(i) - G_s, s in sub-block i
+    # A sub-block is tame when every |G - R_i| inside it is within FACTOR_LIMIT: then
+    # exp(G_t - G_s) = exp(G_t - R_i) * exp(R_i - G_s) holds in fp32 for t, s in it.
+    tame = local.abs().amax(dim=(-1, -2)) <= FACTOR_LIMIT  # [n, nb]
+    # Decays between sub-block boundaries, all <= 1: exp(ends_j - ends_i) for j >= i.
+    span = torch.exp((ends[:, None, :, :] - ends[:, :, None, :]).float())  # [n, nb(i), nb(j), K]
+
+    qb, kb = q.view(n, nb, S, K), k.view(n, nb, S, K)
+    t_fac = torch.exp(local)
+    q_t, k_t = qb * t_fac, kb * t_fac
+    k_end = kb * torch.exp(to_end)  # k_s decayed to the end of its sub-block
+    # ks[:, i] holds every key s up to the end of sub-block i, decayed to R_i.
+    ks = q.new_zeros(n, nb, nb, S, K)
+    for i in range(1, nb):
+        ks[:, i, :i] = k_end[:, :i] * span[:, :i, i - 1, None]
+    own = kb * torch.exp(-local)  # inf where a wild sub-block overflows: masked next
+    ks.diagonal(dim1=1, dim2=2).copy_(torch.where(tame[:, :, None, None], own, 0.0).permute(0, 2, 3, 1))
+    ks = ks.view(n, nb, C, K)
+    aqk = torch.einsum("nisk,nick->nisc", q_t, ks).reshape(n, C, C)
+    akk = torch.einsum("nisk,nick->nisc", k_t, ks).reshape(n, C, C)
+
+    # Wild sub-blocks (a decay beyond FACTOR_LIMIT inside one): pairwise exponents.
+    wild = (~tame).nonzero(as_tuple=True)
+    if wild[0].numel():
+        Gw = Gb[wild]  # [U, S, K]
+        tri = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        diff = (Gw[:, :, None] - Gw[:, None]).masked_fill(~tri[:, :, None], float("-inf"))
+        kE = torch.exp(diff.float()) * kb[wild][:, None]  # [U, S(t), S(s), K]
+        for a, x in ((aqk, qb[wild]), (akk, kb[wild])):
+            view = a.view(n, nb, S, nb, S)
+            view[wild[0], wild[1], :, wild[1], :] = (x[:, :, None] * kE).sum(-1)
+
+    # exp(G_t) = exp(R_i) * exp(G_t - R_i) and exp(G_last - G_s) = exp(G_last - ends_i) *
+    # exp(ends_i - G_s): products of factors <= 1, so no extra exp and no overflow.
+    eG = (t_fac * torch.exp(R.float())[:, :, None]).view(n, C, K)
+    torch.mul(eG, q, out=out.wq[:, C:])
+    torch.mul(k_end, span[:, :, -1, None], out=out.kd.view(n, nb, S, K))
+    out.decay.copy_(span[:, 0, -1] * torch.exp(ends[:, 0].float()))
+    torch.tril(aqk, out=out.aqk)
+    L = torch.tril(akk, -1).mul_(beta[..., None])
+    L.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    bk = beta[..., None] * k
+    rhs = torch.cat([bk * eG, beta[..., None] * v], dim=-1)
+    sol = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    out.wq[:, :C] = sol[..., :K]
+    out.u.copy_(sol[..., K:])
+
+
+def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> _ChunkTerms:
+    """WY terms for every chunk-head, in cache-sized groups.
+
+    q, k, g: [NC, HV, C, K]; v: [NC, HV, C, V]; beta: [NC, HV, C]; returns terms shaped
+    [NC, HV, ...].
+    """
+    NC, HV, C, K = q.shape
+    V = v.shape[-1]
+    flat = [x.flatten(0, 1) for x in (q, k, v, g, beta)]
+    total = NC * HV
+    out = _ChunkTerms(
+        wq=q.new_empty(total, 2 * C, K), u=q.new_empty(total, C, V), aqk=q.new_empty(total, C, C),
+        kd=q.new_empty(total, C, K), decay=q.new_empty(total, K),
+    )
+    fields = _ChunkTerms.__dataclass_fields__
+    step = max(1, INTRA_GROUP_ELEMENTS // (C // SUB_BLOCK * C * K))
+    for a in range(0, total, step):
+        part = _ChunkTerms(*(getattr(out, f)[a : a + step] for f in fields))
+        _intra_group(*(x[a : a + step] for x in flat), out=part)
+    return _ChunkTerms(*(getattr(out, f).unflatten(0, (NC, HV)) for f in fields))
+
+
+def chunked_pass(
+    x: _Prepared, starts: list[int], lengths: list[int], states: torch.Tensor, keep_intermediate: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[list[torch.Tensor]]]:
+    """Run multi-token sequences. states: [M, HV, K, V] initial states, one per sequence.
+
+    Returns (token_index [T'], o [T', HV, V] for those tokens, final states [M, HV, K, V],
+    and with keep_intermediate a list per sequence of [NC_m, HV, K, V] states before each chunk).
+    """
+    C = CHUNK_SIZE
+    layout = _chunk_layout(starts, lengths, x.q.device)
+    q, k, v, g = (_to_chunks(t, layout) for t in (x.q, x.k, x.v, x.g))
+    beta = _to_chunks(x.beta[..., None], layout).squeeze(-1)
+    terms = _intra_chunk(q, k, v, g, beta)
+
+    order = torch.tensor(layout.order, device=states.device)
+    S = states.index_select(0, order)  # sorted by chunk count, descending
+    o = torch.empty_like(terms.u)  # [NC, HV, C, V]
+    h = S.new_empty(layout.num_chunks, *S.shape[1:]) if keep_intermediate else None
+    for c, n_act in enumerate(layout.active):
+        sl = slice(layout.offsets[c], layout.offsets[c] + n_act)
+        S_c = S[:n_act]
+        if h is not None:
+            h[sl] = S_c
+        P = terms.wq[sl] @ S_c  # [n, HV, 2C, V]: w S0 and q exp(G) S0
+        u = terms.u[sl].sub_(P[:, :, :C])
+        o[sl] = P[:, :, C:]
+        S[:n_act] = torch.baddbmm(
+            (terms.decay[sl][..., None] * S_c).flatten(0, 1),
+            terms.kd[sl].transpose(-1, -2).flatten(0, 1), u.flatten(0, 1),
+        ).view_as(S_c)
+    o += terms.aqk @ terms.u
+    finals = torch.empty_like(S)
+    finals[order] = S
+    o_tok = o[layout.chunk_index, :, layout.pos_index]
+    inter = None
+    if h is not None:
+        inter = [None] * len(lengths)
+        for rank, m in enumerate(layout.order):
+            n_chunks = (lengths[m] + C - 1) // C
+            inter[m] = torch.stack([h[layout.offsets[c] + rank] for c in range(n_chunks)])
+    return layout.token_index, o_tok, finals, inter
+
+
+def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The torch backend: see `kernels.problem.Backend`."""
+    x = prepare_inputs(p)
+    states = _read_states(p)  # [N, HV, K, V]
+    finals = states.clone()
+    o = torch.empty(x.v.shape, dtype=torch.float32, device=x.v.device)
+    starts, lengths = list(p.bounds[:-1]), p.lengths
+    single = [n for n, length in enumerate(lengths) if length == 1]
+    multi = [n for n, length in enumerate(lengths) if length > 1]
+    inter: list[Optional[torch.Tensor]] = [None] * len(lengths)
+
+    if single:
+        sel = torch.tensor(single, device=states.device)
+        tokens = torch.tensor([starts[n] for n in single], device=states.device)
+        o[tokens], finals[sel] = recurrent_step(x, tokens, states[sel])
+        for n in single:
+            inter[n] = states[n : n + 1]
+    if multi:
+        sel = torch.tensor(multi, device=states.device)
+        tok, o_tok, f, hs = chunked_pass(
+            x, [starts[n] for n in multi], [lengths[n] for n in multi], states[sel], p.output_intermediate_states
+        )
+        o[tok] = o_tok
+        finals[sel] = f
+        if hs is not None:
+            for j, n in enumerate(multi):
+                inter[n] = hs[j]
+
+    _write_states(p, finals)
+    h = None
+    if p.output_intermediate_states:
+        h = torch.cat(inter)
+        if p.state_v_first:
+            h = h.transpose(-1, -2)
+        h = h.contiguous()
+    return o.to(p.v.dtype), h
