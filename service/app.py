@@ -1,0 +1,221 @@
+"""`create_app(settings)`: the FastAPI front end of a `ServerCore`.
+
+Routes (all but /health/* need the API key when one is set):
+POST /slots, GET/DELETE /slots/{id}, POST /slots/{id}/fork, GET/PUT /slots/{id}/state,
+POST /prefill, GET /info, GET /metrics, GET /health/live, GET /health/ready.
+/prefill and the state routes read the raw body themselves (JSON or safetensors, chosen
+by Content-Type; the response by Accept), so their OpenAPI bodies are declared by hand.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager, suppress
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from .config import Settings
+from .core import ServerCore
+from .errors import NotReady
+from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .problems import install_problem_handlers
+from .wire.body import BodyBuffer
+from .wire.media import ENCODINGS, JSON, PROBLEM, SAFETENSORS, negotiate, request_encoding
+from .wire.prefill import decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, encode_prefill_safetensors
+from .wire.schema import (
+    AllocRequest, Forked, Info, PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, Problem, SlotMetadata,
+    SlotsCreated, StateJSON,
+)
+from .wire.state import decode_state_json, decode_state_safetensors, encode_state_json
+from .worker import run_cpu
+
+log = logging.getLogger("kda_serve.app")
+_REF = "#/components/schemas/{model}"
+_BINARY = {"type": "string", "format": "binary"}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses for error ``codes`` (and 401, 422: any route may give them), all problem+json."""
+    return {code: {"description": "problem details (RFC 9457)", "content": {PROBLEM: {"schema": _ref(Problem)}}}
+            for code in sorted({401, 422, *codes})}
+
+
+def _both(model: type[BaseModel], binary: str) -> dict[str, Any]:
+    """OpenAPI content in the two encodings: JSON ``model`` and a safetensors body."""
+    return {JSON: {"schema": _ref(model)}, SAFETENSORS: {"schema": {**_BINARY, "description": binary}}}
+
+
+_PREFILL_BINARY = ("safetensors with tensors q [T,H,K], k [T,H,K], v [T,HV,V], g [T,HV,K], beta [T,HV] "
+                   "(optional A_log [HV], dt_bias [HV,K]) and __metadata__.request = PrefillOptions as JSON")
+_STATE_BINARY = "safetensors with tensor state [L,HV,V,K] in the pool dtype"
+
+
+async def read_body(request: Request) -> bytearray:
+    """The whole body in one writable buffer (tensors are viewed over it). The size limit
+    is enforced by `BodyLimitMiddleware` as the bytes arrive."""
+    length = request.headers.get("content-length")
+    buf = BodyBuffer(int(length) if length is not None else None)
+    async for chunk in request.stream():
+        buf.add(chunk)
+    return buf.finish()
+
+
+def _payload(data: bytes | bytearray) -> bytes | memoryview:
+    """A response body Starlette accepts, without copying a bytearray."""
+    return memoryview(data) if isinstance(data, bytearray) else data
+
+
+def create_app(settings: Settings, core: Optional[ServerCore] = None) -> FastAPI:
+    """The app serving ``core`` (built from ``settings`` when not given). Its lifespan
+    starts the core, warms the kernels in the background (/health/ready answers 200 after),
+    sweeps idle slots when a ttl is set, and closes the core (snapshot) at shutdown."""
+    core = core if core is not None else ServerCore(settings)
+    ready = asyncio.Event()
+
+    async def warm() -> None:
+        await core.warmup()
+        ready.set()
+        log.info("kernels warm (%s on %s); ready", core.backend, core.geometry.device)
+
+    async def sweep_forever(period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            await core.sweep()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await core.start()
+        tasks = [asyncio.create_task(warm(), name="kda-warmup")]
+        if settings.slot_ttl_s is not None:
+            period = min(max(settings.slot_ttl_s / 4, 0.05), 10.0)
+            tasks.append(asyncio.create_task(sweep_forever(period), name="kda-sweep"))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+            await core.close()
+
+    app = FastAPI(
+        title="kda-serve",
+        version="0.1.0",
+        summary="KDA (Kimi Delta Attention) chunked prefill over HTTP, on an in-place state pool",
+        lifespan=lifespan,
+    )
+    app.state.core = core
+    install_problem_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(AuthMiddleware, api_key=settings.api_key)
+    app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
+
+    @app.post("/slots", status_code=201, response_model=SlotsCreated, responses=_errors(400, 413, 422, 503),
+              summary="Allocate slots (zero state), all or none")
+    async def alloc(body: Optional[AllocRequest] = None) -> dict[str, list[str]]:
+        return {"slots": await core.alloc(body.count if body is not None else 1)}
+
+    @app.get("/slots/{slot_id}", response_model=SlotMetadata, responses=_errors(404), summary="Slot metadata")
+    async def slot_info(slot_id: str) -> dict[str, Any]:
+        info = core.slot_info(slot_id)
+        return {"slot": info.slot_id, "created": info.created, "last_used": info.last_used,
+                "tokens_per_layer": info.tokens_per_layer, "state_lost": info.state_lost}
+
+    @app.delete("/slots/{slot_id}", status_code=204, responses=_errors(404), summary="Free a slot")
+    async def free(slot_id: str) -> Response:
+        await core.free(slot_id)
+        return Response(status_code=204)
+
+    @app.post("/slots/{slot_id}/fork", status_code=201, response_model=Forked, responses=_errors(404, 503),
+              summary="Copy a slot's state into a new slot (prefix reuse)")
+    async def fork(slot_id: str) -> dict[str, str]:
+        return {"slot": await core.fork(slot_id)}
+
+    @app.get("/slots/{slot_id}/state", responses={
+        200: {"description": "the state, [L, HV, V, K] (safetensors unless Accept asks for JSON)",
+              "content": _both(StateJSON, _STATE_BINARY)}, **_errors(404, 406)},
+        summary="Export a slot's state")
+    async def get_state(slot_id: str, request: Request) -> Response:
+        reply = negotiate(request.headers.get("accept"), ENCODINGS, default=SAFETENSORS)
+        if reply == JSON:
+            state = await core.get_state(slot_id)
+            data = await run_cpu(encode_state_json, state, nbytes=state.numel() * state.element_size())
+        else:
+            data = await core.export_state(slot_id)
+        return Response(_payload(data), media_type=reply)
+
+    @app.put("/slots/{slot_id}/state", status_code=204, responses=_errors(400, 404, 413, 415, 422),
+             openapi_extra={"requestBody": {"required": True, "content": _both(StateJSON, _STATE_BINARY)}},
+             summary="Replace a slot's state (token counts are kept)")
+    async def put_state(slot_id: str, request: Request) -> Response:
+        encoding = request_encoding(request.headers.get("content-type"))
+        body = await read_body(request)
+        decode = decode_state_json if encoding == JSON else decode_state_safetensors
+        await core.put_state(slot_id, await run_cpu(decode, body, nbytes=len(body)))
+        return Response(status_code=204)
+
+    @app.post("/prefill", responses={
+        200: {"description": "outputs o [T, HV, V] and final states [N, HV, V, K]; encoding by Accept "
+                             "(default: the request's)", "content": _both(PrefillJSONResponse, "safetensors with "
+                             "o, final_state and __metadata__.response = {\"slots\": [...]}")},
+        **_errors(400, 404, 406, 413, 415, 422, 503)},
+        openapi_extra={"requestBody": {"required": True, "content": _both(PrefillJSONRequest, _PREFILL_BINARY)}},
+        summary="Chunked KDA prefill of a batch of sequences on one layer, in place on their slots")
+    async def prefill(request: Request) -> Response:
+        encoding = request_encoding(request.headers.get("content-type"))
+        reply = negotiate(request.headers.get("accept"), ENCODINGS, default=encoding)
+        body = await read_body(request)
+        decode = decode_prefill_json if encoding == JSON else decode_prefill_safetensors
+        result = await core.prefill(await run_cpu(decode, body, nbytes=len(body)))
+        if result.allocated and await request.is_disconnected():
+            for slot_id in result.allocated:
+                await core.free(slot_id)
+            log.info("client gone before the response; freed the %d slot(s) it allocated", len(result.allocated))
+        encode = encode_prefill_json if reply == JSON else encode_prefill_safetensors
+        size = result.o.numel() * result.o.element_size()
+        return Response(_payload(await run_cpu(encode, result, nbytes=size)), media_type=reply)
+
+    @app.get("/info", response_model=Info, summary="Pool geometry, device, backend and free slots")
+    async def info() -> dict[str, Any]:
+        return core.info()
+
+    @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def metrics() -> Response:
+        return Response(core.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/health/live", summary="The process is up")
+    async def live() -> dict[str, str]:
+        return {"status": "live"}
+
+    @app.get("/health/ready", responses={503: {"description": "warming up",
+                                               "content": {PROBLEM: {"schema": _ref(Problem)}}}},
+             summary="Ready once the pool is up and the kernels are warm")
+    async def ready_probe() -> dict[str, str]:
+        if not ready.is_set():
+            raise NotReady("warming the kernels")
+        return {"status": "ready"}
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the models only referenced from hand-declared bodies."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, StateJSON, Problem):
+                model_schema = model.model_json_schema(ref_template=_REF)
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

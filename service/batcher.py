@@ -1,0 +1,148 @@
+"""`Batcher`: merges concurrent prefills that can share a kernel launch.
+
+Submissions with the same key (layer and options: `ValidPrefill.batch_key`) that are
+pending together go into one varlen launch. The oldest pending submission waits at most
+``window_s`` after its arrival for company, less when ``max_tokens`` fill up first; work
+that arrives while a launch runs joins the next one. Launches run one at a time on the
+`DeviceWorker`; the event loop only collects and distributes.
+
+Callers hold their (slot, layer) keys in `state_store.SlotOrdering` before submitting, so a
+slot appears at most once among pending submissions, hence once per launch, and work on
+one (slot, layer) reaches the device in arrival order.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Hashable, Optional, Sequence, TypeVar, Union
+
+from .errors import NotReady
+from .metrics import Metrics
+from .worker import DeviceWorker
+
+J = TypeVar("J")
+R = TypeVar("R")
+log = logging.getLogger("kda_serve.batcher")
+
+RunBatch = Callable[[Sequence[J]], Sequence[Union[R, BaseException]]]
+
+
+@dataclass(eq=False)
+class _Entry(Generic[J, R]):
+    key: Hashable
+    tokens: int
+    job: J
+    future: "asyncio.Future[R]" = field(repr=False)
+    enqueued: float
+
+
+class Batcher(Generic[J, R]):
+    """``await submit(key, tokens, job)`` -> that job's outcome from ``run_batch(jobs)``.
+
+    ``run_batch`` runs on the device thread with every job of one launch and returns one
+    outcome per job, in order: a result, or an exception raised to that job's submitter
+    alone. An exception from ``run_batch`` itself fails every job of the launch.
+    """
+
+    def __init__(
+        self, run_batch: RunBatch, worker: DeviceWorker, metrics: Metrics, *, window_s: float, max_tokens: int
+    ) -> None:
+        self._run_batch = run_batch
+        self._worker = worker
+        self._metrics = metrics
+        self._window_s = window_s
+        self._max_tokens = max_tokens
+        self._pending: list[_Entry[J, R]] = []
+        self._arrived = asyncio.Event()
+        self._task: Optional[asyncio.Task[None]] = None
+        self._closed = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="kda-batcher")
+
+    async def submit(self, key: Hashable, tokens: int, job: J) -> R:
+        if self._task is None or self._closed:
+            raise NotReady("the batcher is not running (server starting or stopping)")
+        entry = _Entry(key, tokens, job, asyncio.get_running_loop().create_future(), time.monotonic())
+        self._pending.append(entry)
+        self._arrived.set()
+        try:
+            return await entry.future
+        finally:
+            if entry in self._pending:  # cancelled before its launch: it never runs
+                self._pending.remove(entry)
+
+    async def close(self) -> None:
+        """Finish the launch in progress, then stop; submissions still pending fail with NotReady."""
+        self._closed = True
+        self._arrived.set()
+        if self._task is not None:
+            await self._task
+        for entry in self._pending:
+            if not entry.future.done():
+                entry.future.set_exception(NotReady("the server is shutting down"))
+        self._pending.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            while not self._pending and not self._closed:
+                self._arrived.clear()
+                await self._arrived.wait()
+            if self._closed:
+                return
+            first = self._pending[0]
+            await self._gather(first)
+            if self._closed:
+                return
+            if first in self._pending:  # else its submitter gave up while it waited
+                await self._launch(self._take(first.key))
+
+    async def _gather(self, first: _Entry[J, R]) -> None:
+        """Wait until ``first``'s window ends or its key's pending tokens reach max_tokens."""
+        while not self._closed and self._key_tokens(first.key) < self._max_tokens:
+            remaining = first.enqueued + self._window_s - time.monotonic()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _key_tokens(self, key: Hashable) -> int:
+        return sum(e.tokens for e in self._pending if e.key == key)
+
+    def _take(self, key: Hashable) -> list[_Entry[J, R]]:
+        """The oldest pending entries of ``key`` in arrival order, within max_tokens (at least one)."""
+        batch, tokens = [], 0
+        for entry in self._pending:
+            if entry.key != key:
+                continue
+            if batch and tokens + entry.tokens > self._max_tokens:
+                break
+            batch.append(entry)
+            tokens += entry.tokens
+        for entry in batch:
+            self._pending.remove(entry)
+        return batch
+
+    async def _launch(self, batch: list[_Entry[J, R]]) -> None:
+        start = time.monotonic()
+        for entry in batch:
+            self._metrics.queue_seconds.observe(start - entry.enqueued)
+        self._metrics.batch_requests.observe(len(batch))
+        try:
+            outcomes: Sequence[Any] = await self._worker.run(self._run_batch, [e.job for e in batch])
+        except Exception as e:  # the launch failed as a whole
+            log.exception("kernel launch of %d request(s) failed", len(batch))
+            outcomes = [e] * len(batch)
+        self._metrics.kernel_seconds.observe(time.monotonic() - start)
+        for entry, outcome in zip(batch, outcomes):
+            if entry.future.done():  # the submitter was cancelled mid-launch
+                continue
+            if isinstance(outcome, BaseException):
+                entry.future.set_exception(outcome)
+            else:
+                entry.future.set_result(outcome)

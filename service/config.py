@@ -1,0 +1,149 @@
+"""Server settings: one frozen dataclass, filled from CLI flags or ``KDA_<FLAG>`` variables.
+
+Every field is a flag (``num_slots`` -> ``--num-slots``) and an environment variable
+(``KDA_NUM_SLOTS``); a flag beats the variable, the variable beats the default. With
+nothing set the server listens on 127.0.0.1:8000 with a small pool: 2 layers x 64 slots,
+4 heads, K = V = 64, fp32 (2 MiB of state), on the GPU when there is one, else the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+ENV_PREFIX = "KDA_"
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BACKEND_CHOICES = ("auto", "torch", "triton")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `kda-serve` can be told. Sizes of the pool are its geometry:
+    [num_layers, num_slots, num_heads, head_v_dim, head_dim] in ``state_dtype``."""
+
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "TCP port to listen on")
+    device: str = _opt("auto", "auto | cpu | cuda | cuda:N (auto: the GPU when present)")
+    backend: str = _opt("auto", "kernel backend: auto | torch | triton (auto: triton on CUDA)")
+    num_layers: int = _opt(2, "KDA layers held per slot")
+    num_slots: int = _opt(64, "slots in the pool (concurrent sequences)")
+    num_heads: int = _opt(4, "value heads HV of the state (q/k heads H must divide it)")
+    head_dim: int = _opt(64, "key head dim K (and V unless --head-v-dim)")
+    head_v_dim: Optional[int] = _opt(None, "value head dim V (default: --head-dim)")
+    state_dtype: str = _opt("float32", "pool dtype: float32 | bfloat16")
+    gate_params: Optional[str] = _opt(
+        None, "safetensors with layers.{i}.A_log, layers.{i}.dt_bias[, layers.{i}.lower_bound]"
+    )
+    max_body_mb: float = _opt(256.0, "largest request body accepted, in MiB (413 beyond)")
+    batch_window_ms: float = _opt(1.0, "how long a /prefill waits for others to share its launch")
+    max_batch_tokens: int = _opt(65536, "most tokens merged into one launch")
+    slot_ttl_s: Optional[float] = _opt(None, "free slots idle longer than this (default: never)")
+    api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer <key>' on all but /health", repr=False)
+    snapshot_path: Optional[str] = _opt(None, "restore the pool from this file at start, save it at shutdown")
+    log_level: str = _opt("info", "uvicorn log level")
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("num_layers", "num_slots", "num_heads", "head_dim", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_v_dim is not None and self.head_v_dim < 1:
+            problems.append(f"head_v_dim must be >= 1, got {self.head_v_dim}")
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port must be in 0..65535, got {self.port}")
+        if not _DEVICE_RE.match(self.device):
+            problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.backend not in BACKEND_CHOICES:
+            problems.append(f"backend must be one of {BACKEND_CHOICES}, got {self.backend!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            problems.append(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {self.state_dtype!r}")
+        if not self.max_body_mb > 0:
+            problems.append(f"max_body_mb must be > 0, got {self.max_body_mb}")
+        if not self.batch_window_ms >= 0:
+            problems.append(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.slot_ttl_s is not None and not self.slot_ttl_s > 0:
+            problems.append(f"slot_ttl_s must be > 0, got {self.slot_ttl_s}")
+        if self.api_key is not None and not self.api_key:
+            problems.append("api_key must not be empty")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def v_dim(self) -> int:
+        """V: ``head_v_dim``, else ``head_dim``."""
+        return self.head_dim if self.head_v_dim is None else self.head_v_dim
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
+
+    @property
+    def torch_state_dtype(self) -> torch.dtype:
+        return STATE_DTYPES[self.state_dtype]
+
+    def torch_device(self) -> torch.device:
+        """The serving device; ``auto`` is ``cuda`` when a GPU is visible, else ``cpu``."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def env_name(name: str) -> str:
+    """``num_slots`` -> ``KDA_NUM_SLOTS``."""
+    return ENV_PREFIX + name.upper()
+
+
+def _field_types() -> dict[str, type]:
+    """Each field's scalar type (int, float or str), Optional[...] unwrapped."""
+    types = {}
+    for name, hint in typing.get_type_hints(Settings).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        types[name] = args[0] if args else hint
+    return types
+
+
+def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
+    """One ``--flag`` per Settings field, its default taken from ``KDA_<FLAG>`` when set."""
+    parser = argparse.ArgumentParser(
+        prog="kda-serve",
+        description="KDA chunked prefill over HTTP: a state pool, a batcher and the kernels behind FastAPI. "
+        "Every flag can also be set as KDA_<FLAG> (e.g. KDA_NUM_SLOTS=256).",
+    )
+    types = _field_types()
+    for f in dataclasses.fields(Settings):
+        kind = types[f.name]
+        raw = environ.get(env_name(f.name))
+        default = f.default
+        if raw not in (None, ""):
+            try:
+                default = kind(raw)
+            except ValueError:
+                parser.error(f"{env_name(f.name)}={raw!r} is not a valid {kind.__name__}")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), type=kind, default=default,
+            help=f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]",
+        )
+    return parser
+
+
+def parse_settings(argv: Optional[Sequence[str]] = None, environ: Mapping[str, str] = os.environ) -> Settings:
+    """Settings from flags (``argv``, default sys.argv[1:]) over ``environ`` over defaults.
+    Exits with a usage message (argparse) when a value is malformed or out of range."""
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    try:
+        return Settings(**vars(args))
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,270 @@
+"""`ServerCore`: the pool, the per-slot ordering, the batcher and the kernels, with no HTTP.
+
+The FastAPI app is one front end; a KServe v2 endpoint, a shared-memory transport or a Ray
+Serve shard call the same methods. Every method is a coroutine for one asyncio loop;
+device work runs on the core's `DeviceWorker` thread.
+
+Order of a prefill: validate (400) -> named slots exist (404) -> allocate the null slots
+(503 when full) -> hold (slot, layer) of every slot in arrival order -> batcher -> one
+launch -> results. A request rejected at any step changes no slot; slots it allocated are
+freed again if a later step fails.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from prometheus_client import CollectorRegistry
+
+import kernels
+from state_store import SlotInfo, SlotOrdering, StatePool, UnknownSlot
+
+from .batcher import Batcher
+from .config import Settings
+from .errors import InvalidRequest
+from .gates import Gate, load_gate_params
+from .inputs import PrefillInputs, PrefillResult
+from .metrics import Metrics
+from .validation import ValidPrefill, validate_prefill, validate_state
+from .worker import DeviceWorker, run_cpu
+
+log = logging.getLogger("kda_serve.core")
+_WARMUP_LENGTHS = (1, 67)  # the one-token (recurrent) path and two chunks of the chunked path
+
+
+@dataclass
+class _Job:
+    """One validated prefill in the batcher: its slots (all ids now) and those it created."""
+
+    valid: ValidPrefill
+    slots: list[str]
+    allocated: list[str]
+
+
+class ServerCore:
+    """Serves prefills and slot operations on one device.
+
+    ``settings`` gives the pool geometry, device, backend, gate parameters, batching and
+    ttl; ``registry`` the Prometheus registry to register metrics on (a new one if None).
+    Call `start` in the serving loop before use and `close` at the end.
+    """
+
+    def __init__(self, settings: Settings, registry: Optional[CollectorRegistry] = None) -> None:
+        device = settings.torch_device()
+        self.pool = StatePool(
+            settings.num_layers, settings.num_slots, settings.num_heads, settings.head_dim, settings.v_dim,
+            dtype=settings.torch_state_dtype, device=device, ttl=settings.slot_ttl_s,
+        )
+        self.geometry = self.pool.geometry
+        self.backend = kernels.default_backend(self.geometry.device) if settings.backend == "auto" else settings.backend
+        self.gates: dict[int, Gate] = load_gate_params(settings.gate_params, self.geometry) if settings.gate_params else {}
+        self.snapshot_path = settings.snapshot_path
+        self.metrics = Metrics(free_slots=lambda: self.pool.stats().free, registry=registry)
+        self.ordering = SlotOrdering()
+        self.worker = DeviceWorker()
+        self.batcher: Batcher[_Job, PrefillResult] = Batcher(
+            self._run_batch, self.worker, self.metrics,
+            window_s=settings.batch_window_ms / 1000.0, max_tokens=settings.max_batch_tokens,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Restore the snapshot when one exists, and start batching."""
+        if self.snapshot_path and os.path.exists(self.snapshot_path):
+            await self.worker.run(self.pool.restore, self.snapshot_path)
+            log.info("restored %d slot(s) from %s", len(self.pool.slot_ids()), self.snapshot_path)
+        self.batcher.start()
+
+    async def warmup(self) -> None:
+        """Run the kernels once per gate configuration on a scratch pool (never the live
+        one), so compilation and autotuning happen before the first request."""
+        await self.worker.run(self._warm)
+
+    async def close(self) -> None:
+        """Finish the launch in progress, write the snapshot when configured, stop the thread."""
+        await self.batcher.close()
+        if self.snapshot_path:
+            await self.worker.run(self.pool.snapshot, self.snapshot_path)
+            log.info("wrote snapshot of %d slot(s) to %s", self.pool.stats().used, self.snapshot_path)
+        self.worker.close()
+
+    async def sweep(self) -> list[str]:
+        """Free slots idle past the ttl; returns their ids."""
+        expired = await self.worker.run(self.pool.sweep)
+        if expired:
+            self.metrics.expired.inc(len(expired))
+            log.info("expired %d idle slot(s)", len(expired))
+        return expired
+
+    def _warm(self) -> None:
+        """`warmup`'s body: each gate configuration (none, and each layer's server gate with
+        l2norm and beta sigmoid, the serving setup) on a scratch pool, in each input dtype."""
+        g = self.geometry
+        HV, K, V = g.num_heads, g.head_k_dim, g.head_v_dim
+        T, N = sum(_WARMUP_LENGTHS), len(_WARMUP_LENGTHS)
+        gen = torch.Generator().manual_seed(0)
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(_WARMUP_LENGTHS)], dtype=torch.int64, device=g.device)
+        indices = torch.arange(N, dtype=torch.int64, device=g.device)
+        dtypes = (torch.float32, torch.bfloat16) if g.device.type == "cuda" else (torch.float32,)
+        configs = [(Gate(), False)] + [(gate, True) for gate in self.gates.values()]
+        for dtype, (gate, flags) in itertools.product(dtypes, configs):
+            q, k, g_in = (torch.randn(1, T, HV, K, generator=gen) for _ in range(3))
+            v, beta = torch.randn(1, T, HV, V, generator=gen), torch.rand(1, T, HV, generator=gen)
+            if not gate.fused:
+                g_in = -g_in.abs()
+            q, k, v, g_in, beta = (t.to(device=g.device, dtype=dtype) for t in (q, k, v, g_in, beta))
+            kernels.chunk_kda(
+                q, k, v, g_in, beta, initial_state=torch.zeros(N, HV, V, K, dtype=g.dtype, device=g.device),
+                initial_state_indices=indices, use_qk_l2norm_in_kernel=flags, cu_seqlens=cu_seqlens,
+                A_log=gate.A_log, dt_bias=gate.dt_bias, lower_bound=gate.lower_bound,
+                use_beta_sigmoid_in_kernel=flags, backend=self.backend,
+            )
+        if g.device.type == "cuda":
+            torch.cuda.synchronize(g.device)
+
+    # -- slots -------------------------------------------------------------------------
+
+    def _all_layers(self, slot_id: str) -> list[tuple[str, int]]:
+        return [(slot_id, layer) for layer in range(self.geometry.num_layers)]
+
+    async def alloc(self, count: int = 1) -> list[str]:
+        """``count`` new slots with zero state (all or none; PoolFull when short)."""
+        if not 1 <= count <= self.geometry.num_slots:
+            raise InvalidRequest(f"count must be in 1..{self.geometry.num_slots} (the pool's slots), got {count}",
+                                 field="count")
+        return await self.worker.run(self.pool.alloc, count)
+
+    async def free(self, slot_id: str) -> None:
+        """Free a slot once the work queued on it before this call is done."""
+        async with self.ordering.hold(self._all_layers(slot_id)):
+            await self.worker.run(self.pool.free, slot_id)
+
+    async def fork(self, slot_id: str) -> str:
+        """A new slot holding a copy of ``slot_id``'s state as of this call's arrival."""
+        async with self.ordering.hold(self._all_layers(slot_id)):
+            return await self.worker.run(self.pool.fork, slot_id)
+
+    def slot_info(self, slot_id: str) -> SlotInfo:
+        return self.pool.slot_info(slot_id)
+
+    async def get_state(self, slot_id: str) -> torch.Tensor:
+        """The slot's state, [L, HV, V, K] in the pool dtype, on the host."""
+        async with self.ordering.hold(self._all_layers(slot_id)):
+            return await self.worker.run(lambda: self.pool.read_state(slot_id).cpu())
+
+    async def export_state(self, slot_id: str) -> bytes:
+        """The slot's state as safetensors (tensor ``state`` plus geometry metadata)."""
+        async with self.ordering.hold(self._all_layers(slot_id)):
+            return await self.worker.run(self.pool.export, slot_id)
+
+    async def put_state(self, slot_id: str, state: torch.Tensor) -> None:
+        """Replace the slot's state with ``state`` [L, HV, V, K] (pool dtype, finite)."""
+        await run_cpu(validate_state, state, self.geometry, nbytes=state.numel() * state.element_size())
+        async with self.ordering.hold(self._all_layers(slot_id)):
+            await self.worker.run(self.pool.write_state, slot_id, state)
+
+    def info(self) -> dict[str, Union[int, str, list[int]]]:
+        g = self.geometry
+        stats = self.pool.stats()
+        return {
+            "num_layers": g.num_layers, "num_slots": g.num_slots, "num_heads": g.num_heads,
+            "head_k_dim": g.head_k_dim, "head_v_dim": g.head_v_dim, "state_dtype": g.dtype_name,
+            "device": str(g.device), "backend": self.backend,
+            "free_slots": stats.free, "used_slots": stats.used, "gate_layers": sorted(self.gates),
+        }
+
+    # -- prefill -----------------------------------------------------------------------
+
+    async def prefill(self, inputs: PrefillInputs) -> PrefillResult:
+        """Run one prefill request; see the module docstring for the order of checks."""
+        size = sum(t.numel() * t.element_size() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
+        valid = await run_cpu(validate_prefill, inputs, self.geometry, self.gates, nbytes=size)
+        for slot_id in inputs.slots:
+            if slot_id is not None and not self.pool.contains(slot_id):
+                raise UnknownSlot(slot_id)
+        count = inputs.slots.count(None)
+        created = await self.worker.run(self.pool.alloc, count) if count else []
+        try:
+            fresh = iter(created)
+            slots = [s if s is not None else next(fresh) for s in inputs.slots]
+            async with self.ordering.hold([(s, inputs.layer) for s in slots]):
+                return await self.batcher.submit(valid.batch_key, valid.tokens, _Job(valid, slots, created))
+        except BaseException:
+            if created:
+                await self.worker.run(self._free_all, created)
+            raise
+
+    def _free_all(self, slot_ids: Sequence[str]) -> None:
+        for slot_id in slot_ids:
+            if self.pool.contains(slot_id):
+                self.pool.free(slot_id)
+
+    def _run_batch(self, jobs: Sequence[_Job]) -> list[Union[PrefillResult, BaseException]]:
+        """One launch for ``jobs`` (same batch key), on the device thread.
+
+        A job whose slot vanished since it was checked (expired) fails alone with
+        UnknownSlot; the others launch together. Slots of a failed launch are marked lost.
+        """
+        outcomes: list[Union[PrefillResult, BaseException, None]] = [None] * len(jobs)
+        live, rows = [], []
+        for i, job in enumerate(jobs):
+            try:
+                rows.extend(self.pool.rows(job.slots))
+                live.append(job)
+            except UnknownSlot as e:
+                outcomes[i] = e
+        if live:
+            results = iter(self._launch(live, rows))
+            outcomes = [next(results) if o is None else o for o in outcomes]
+        return outcomes
+
+    def _launch(self, jobs: list[_Job], rows: list[int]) -> list[PrefillResult]:
+        device = self.geometry.device
+        first = jobs[0].valid
+        x, gate, layer = first.inputs, first.gate, first.inputs.layer
+
+        def packed(name: str) -> torch.Tensor:
+            parts = [getattr(job.valid.inputs, name) for job in jobs]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)[None]
+
+        lengths = [n for job in jobs for n in job.valid.inputs.lengths]
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, device=device)
+        indices = torch.tensor(rows, dtype=torch.int64, device=device)
+        pool_layer = self.pool.layer_view(layer)
+        slots = [s for job in jobs for s in job.slots]
+        try:
+            o = kernels.chunk_kda(
+                packed("q"), packed("k"), packed("v"), packed("g"), packed("beta"),
+                scale=x.scale, initial_state=pool_layer, initial_state_indices=indices,
+                use_qk_l2norm_in_kernel=x.use_qk_l2norm, cu_seqlens=cu_seqlens,
+                A_log=None if gate.A_log is None else gate.A_log.to(device),
+                dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device),
+                lower_bound=gate.lower_bound, use_beta_sigmoid_in_kernel=x.use_beta_sigmoid,
+                allow_neg_eigval=x.allow_neg_eigval, backend=self.backend,
+            )[0].cpu()
+        except Exception:
+            self.pool.mark_lost(slots)
+            log.error("launch failed; marked %d slot(s) state_lost: %s", len(slots), slots)
+            raise
+        wants_final = any(job.valid.inputs.return_final_state for job in jobs)
+        finals = pool_layer.index_select(0, indices).cpu() if wants_final else None
+        for slot_id, n in zip(slots, lengths):
+            self.pool.record_tokens(slot_id, layer, n)
+        self.metrics.tokens.inc(sum(lengths))
+        self.metrics.sequences.inc(len(lengths))
+        self.metrics.batch_sequences.observe(len(lengths))
+        self.metrics.batch_tokens.observe(sum(lengths))
+
+        results, t0, n0 = [], 0, 0
+        for job in jobs:
+            job_lengths = job.valid.inputs.lengths
+            t1, n1 = t0 + sum(job_lengths), n0 + len(job_lengths)
+            final = finals[n0:n1] if finals is not None and job.valid.inputs.return_final_state else None
+            results.append(PrefillResult(job.slots, list(job_lengths), o[t0:t1], final, job.allocated))
+            t0, n0 = t1, n1
+        return results

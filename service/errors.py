@@ -1,0 +1,77 @@
+"""Errors the service raises for a request it refuses, each bound to one HTTP status.
+
+Plain Python, no FastAPI: the wire decoders, the validation and the server core raise these,
+and `service.problems` renders them as RFC 9457 problem details. The pool's own errors
+(`state_store.PoolFull`, `UnknownSlot`, ...) pass through unchanged and are mapped there too.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class ServiceError(Exception):
+    """A refused request. ``detail`` says what was wrong and names the shapes or values seen;
+    ``field`` is the request field at fault (``"q"``, ``"sequences[2].length"``), when one is."""
+
+    status = 400
+    slug = "bad-request"
+    title = "Bad request"
+
+    def __init__(self, detail: str, *, field: Optional[str] = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.field = field
+
+    def extra(self) -> dict[str, Any]:
+        """Members added to the problem document besides type, title, status and detail."""
+        return {} if self.field is None else {"field": self.field}
+
+
+class MalformedBody(ServiceError):
+    """The body cannot be decoded: bad JSON, bad base64, a bad safetensors container."""
+
+    slug = "malformed-body"
+    title = "Malformed request body"
+
+
+class InvalidRequest(ServiceError):
+    """The body decodes, but its content is wrong: shapes, dtypes, lengths, layer, a slot
+    named twice, non-finite values, inconsistent gate options."""
+
+    slug = "invalid-request"
+    title = "Invalid request"
+
+
+class SchemaError(ServiceError):
+    """The request document does not match its schema (missing or mistyped members)."""
+
+    status = 422
+    slug = "schema-error"
+    title = "Request does not match the schema"
+
+    def __init__(self, detail: str, errors: list[dict[str, Any]]) -> None:
+        super().__init__(detail)
+        self.errors = errors
+
+    def extra(self) -> dict[str, Any]:
+        return {"errors": self.errors}
+
+
+class UnsupportedMediaType(ServiceError):
+    status = 415
+    slug = "unsupported-media-type"
+    title = "Unsupported media type"
+
+
+class NotAcceptable(ServiceError):
+    status = 406
+    slug = "not-acceptable"
+    title = "No acceptable response media type"
+
+
+class NotReady(ServiceError):
+    """The server is still starting (warming the kernels) or is shutting down."""
+
+    status = 503
+    slug = "not-ready"
+    title = "Service not ready"

@@ -1,0 +1,48 @@
+"""Prometheus metrics of one server, on its own registry (no global state: several apps,
+e.g. in tests, never share or clash)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """The server's metrics: HTTP requests and errors by route and status, prefill tokens,
+    launch sizes, time queued before a launch and time in the kernel, free slots."""
+
+    def __init__(self, free_slots: Callable[[], float], registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kda_http_requests", "HTTP requests by route, method and status",
+                                ["route", "method", "status"], registry=r)
+        self.errors = Counter("kda_http_errors", "HTTP responses with status >= 400, by route and status",
+                              ["route", "method", "status"], registry=r)
+        self.latency = Histogram("kda_http_request_seconds", "HTTP request latency by route",
+                                 ["route", "method"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("kda_prefill_tokens", "Tokens prefilled", registry=r)
+        self.sequences = Counter("kda_prefill_sequences", "Sequences prefilled", registry=r)
+        self.batch_requests = Histogram("kda_batch_requests", "Requests merged into one kernel launch",
+                                        buckets=_COUNT_BUCKETS, registry=r)
+        self.batch_sequences = Histogram("kda_batch_sequences", "Sequences in one kernel launch",
+                                         buckets=_COUNT_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("kda_batch_tokens", "Tokens in one kernel launch",
+                                      buckets=_TOKEN_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("kda_queue_seconds", "Time a prefill waited in the batcher before its launch",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.kernel_seconds = Histogram("kda_kernel_seconds", "Time of one launch: inputs to the device, kernel, "
+                                        "outputs to the host", buckets=_LATENCY_BUCKETS, registry=r)
+        self.expired = Counter("kda_slots_expired", "Slots freed for idling past --slot-ttl-s", registry=r)
+        self.free_slots = Gauge("kda_free_slots", "Free slots in the pool", registry=r)
+        self.free_slots.set_function(free_slots)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

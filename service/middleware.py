@@ -1,0 +1,108 @@
+"""ASGI middleware around every route: metrics, API-key check, body-size limit.
+
+Pure ASGI (no BaseHTTPMiddleware): bodies stream through untouched and handlers are never
+cancelled by a wrapper.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Callable
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .metrics import Metrics
+from .problems import PAYLOAD_TOO_LARGE, problem
+
+OPEN_PREFIX = "/health/"  # the only routes served without the API key
+
+
+class MetricsMiddleware:
+    """Counts requests and errors by route template (e.g. ``/slots/{slot_id}``), method
+    and status, and times them. Unmatched paths share the route label ``unmatched``."""
+
+    def __init__(self, app: ASGIApp, metrics: Callable[[], Metrics]) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.monotonic()
+        status = 500  # if the app raises before responding
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            labels = (getattr(route, "path", "unmatched"), scope["method"])
+            m = self.metrics()
+            m.requests.labels(*labels, str(status)).inc()
+            if status >= 400:
+                m.errors.labels(*labels, str(status)).inc()
+            m.latency.labels(*labels).observe(time.monotonic() - start)
+
+
+class AuthMiddleware:
+    """``Authorization: Bearer <api_key>`` on every path but /health/*, compared in
+    constant time; 401 problem+json otherwise."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith(OPEN_PREFIX):
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8"), self.key)):
+                response = problem(401, "unauthorized", "this server requires 'Authorization: Bearer <api key>'",
+                                   headers={"WWW-Authenticate": 'Bearer realm="kda-serve"'})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over ``max_bytes``: from Content-Length before reading a byte (413,
+    and the connection is closed), and by counting while reading (HTTP 413 raised from
+    ``receive``, rendered by the app's handlers)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                response = problem(400, "bad-content-length", f"Content-Length {declared!r} is not a byte count",
+                                   headers={"Connection": "close"})
+                return await response(scope, receive, send)
+            if int(declared) > self.max_bytes:
+                slug, title = PAYLOAD_TOO_LARGE
+                response = problem(413, slug, self._detail(int(declared)), title=title,
+                                   headers={"Connection": "close"})
+                return await response(scope, receive, send)
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, self._detail(received), headers={"Connection": "close"})
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _detail(self, size: int) -> str:
+        return f"request body of {size} bytes or more exceeds the {self.max_bytes}-byte limit (--max-body-mb)"

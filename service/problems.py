@@ -1,0 +1,97 @@
+"""RFC 9457 problem details (``application/problem+json``) for every error the API returns,
+and the exception handlers that produce them."""
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from state_store import GeometryMismatch, PoolFull, UnknownSlot
+
+from .errors import ServiceError
+from .wire.media import PROBLEM
+
+TYPE_PREFIX = "urn:kda-serve:problem:"
+RETRY_AFTER_S = 1
+log = logging.getLogger("kda_serve.http")
+
+
+def problem(status: int, slug: str, detail: str, *, title: Optional[str] = None,
+            headers: Optional[dict[str, str]] = None, **extra: Any) -> JSONResponse:
+    """A problem+json response; ``extra`` members (``field``, ``errors``, ...) are added
+    when not None."""
+    body = {
+        "type": TYPE_PREFIX + slug,
+        "title": title or HTTPStatus(status).phrase,
+        "status": status,
+        "detail": detail,
+        **{k: v for k, v in extra.items() if v is not None},
+    }
+    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM)
+
+
+PAYLOAD_TOO_LARGE = ("payload-too-large", "Request body too large")
+_HTTP_NAMES = {413: PAYLOAD_TOO_LARGE}
+
+
+def _name(status: int) -> tuple[str, str]:
+    """(slug, title) of an HTTP-level error (404 route, 405 method, 413 ...)."""
+    phrase = HTTPStatus(status).phrase
+    return _HTTP_NAMES.get(status, (phrase.lower().replace(" ", "-").replace("'", ""), phrase))
+
+
+async def _service_error(_: Request, e: ServiceError) -> JSONResponse:
+    return problem(e.status, e.slug, e.detail, title=e.title, **e.extra())
+
+
+async def _schema_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    errors = [{"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]} for err in e.errors()]
+    first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+    detail = f"{'.'.join(map(str, first['loc']))}: {first['msg']} ({len(errors)} error(s))"
+    return problem(422, "schema-error", detail, title="Request does not match the schema", errors=errors)
+
+
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    slug, title = _name(e.status_code)
+    return problem(e.status_code, slug, str(e.detail), title=title, headers=e.headers)
+
+
+async def _pool_full(_: Request, e: PoolFull) -> JSONResponse:
+    return problem(503, "pool-full", str(e), title="State pool full",
+                   headers={"Retry-After": str(RETRY_AFTER_S)}, requested=e.requested, free=e.free)
+
+
+async def _unknown_slot(_: Request, e: UnknownSlot) -> JSONResponse:
+    return problem(404, "unknown-slot", str(e), title="Unknown slot", slot=str(e.slot_id))
+
+
+async def _geometry_mismatch(_: Request, e: GeometryMismatch) -> JSONResponse:
+    return problem(400, "geometry-mismatch", str(e), title="State does not fit the pool", field="state")
+
+
+async def _client_disconnect(request: Request, _: ClientDisconnect) -> JSONResponse:
+    log.info("client disconnected during %s %s; nothing was changed", request.method, request.url.path)
+    return problem(400, "client-disconnected", "the client disconnected before the body was complete")
+
+
+async def _internal(_: Request, e: Exception) -> JSONResponse:
+    # Starlette re-raises after this response, so the server logs the traceback once.
+    return problem(500, "internal-error", f"internal error ({type(e).__name__}); the server log has details")
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    """Route every error to a problem+json response (the catch-all should never fire)."""
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(RequestValidationError, _schema_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(PoolFull, _pool_full)
+    app.add_exception_handler(UnknownSlot, _unknown_slot)
+    app.add_exception_handler(GeometryMismatch, _geometry_mismatch)
+    app.add_exception_handler(ClientDisconnect, _client_disconnect)
+    app.add_exception_handler(Exception, _internal)

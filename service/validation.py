@@ -1,0 +1,143 @@
+"""Every check a prefill passes before anything changes: nothing is allocated, queued or
+launched for a request that fails here, and no kernel error can stand in for a 400.
+
+Errors name the field and show what was seen (`InvalidRequest`, HTTP 400).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Optional
+
+import torch
+
+from state_store import PoolGeometry
+
+from .errors import InvalidRequest
+from .gates import Gate, check_lower_bound, gate_key
+from .inputs import PrefillInputs
+from .wire.tensors import describe
+
+FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class ValidPrefill:
+    """A prefill that passed validation: its inputs, q/k heads H, the gate that applies
+    (dt_bias reshaped to [HV, K]) and the key of the launches it may share."""
+
+    inputs: PrefillInputs
+    heads: int
+    gate: Gate
+    batch_key: Hashable
+
+    @property
+    def tokens(self) -> int:
+        return self.inputs.q.shape[0]
+
+
+def _fail(field: str, detail: str) -> InvalidRequest:
+    return InvalidRequest(detail, field=field)
+
+
+def _check_sequences(x: PrefillInputs, geometry: PoolGeometry) -> None:
+    if not 0 <= x.layer < geometry.num_layers:
+        raise _fail("layer", f"layer {x.layer} out of range: the pool has {geometry.num_layers} layers "
+                             f"(0..{geometry.num_layers - 1})")
+    n = len(x.slots)
+    if n != len(x.lengths):
+        raise _fail("sequences", f"{n} slots but {len(x.lengths)} lengths")
+    if not 1 <= n <= geometry.num_slots:
+        raise _fail("sequences", f"a request holds 1..{geometry.num_slots} sequences (the pool's slots), got {n}")
+    for i, length in enumerate(x.lengths):
+        if length < 1:
+            raise _fail(f"sequences[{i}].length", f"sequence {i} has length {length}; lengths must be >= 1")
+    seen: dict[str, int] = {}
+    for i, slot in enumerate(x.slots):
+        if slot is None:
+            continue
+        if slot in seen:
+            raise _fail(f"sequences[{i}].slot", f"slot {slot!r} appears twice, in sequences[{seen[slot]}] and "
+                                                f"sequences[{i}]; a request may name a slot once")
+        seen[slot] = i
+
+
+def _check_tensors(x: PrefillInputs, geometry: PoolGeometry) -> int:
+    """Shapes and dtypes of q, k, v, g, beta against each other and the pool; returns H."""
+    HV, K, V = geometry.num_heads, geometry.head_k_dim, geometry.head_v_dim
+    for name in ("q", "k", "v", "g", "beta"):
+        t = getattr(x, name)
+        if t.dtype not in FLOAT_INPUTS:
+            raise _fail(name, f"{name} must be float32, bfloat16 or float16, got {describe(t)}")
+        if t.dim() != (2 if name == "beta" else 3):
+            raise _fail(name, f"{name} must have {2 if name == 'beta' else 3} dimensions, got {describe(t)}")
+    T, H, qk = x.q.shape
+    if qk != K or H < 1 or HV % H:
+        raise _fail("q", f"q must be [T, H, K] with K={K} and H dividing the pool's {HV} heads, got {describe(x.q)}")
+    want = {"k": (T, H, K), "v": (T, HV, V), "g": (T, HV, K), "beta": (T, HV)}
+    for name, shape in want.items():
+        t = getattr(x, name)
+        if tuple(t.shape) != shape:
+            raise _fail(name, f"{name} must be {list(shape)} (T={T}, H={H} from q; HV={HV}, K={K}, V={V} "
+                              f"from the pool), got {describe(t)}")
+    if sum(x.lengths) != T:
+        raise _fail("sequences", f"sequence lengths {x.lengths} sum to {sum(x.lengths)}, but q has T={T} tokens")
+    return H
+
+
+def _resolve_gate(x: PrefillInputs, geometry: PoolGeometry, server: Optional[Gate]) -> Gate:
+    """The gate that applies: the server's for the layer, else the request's (checked)."""
+    HV, K = geometry.num_heads, geometry.head_k_dim
+    given = [n for n in ("A_log", "dt_bias", "lower_bound") if getattr(x, n) is not None]
+    if server is not None:
+        if given:
+            raise _fail(given[0], f"layer {x.layer} uses the server's gate parameters (--gate-params); "
+                                  f"the request must not send {', '.join(given)}")
+        return server
+    if x.lower_bound is not None and (why := check_lower_bound(x.lower_bound)):
+        raise _fail("lower_bound", why)
+    if x.A_log is not None:
+        if x.A_log.dtype not in FLOAT_INPUTS or tuple(x.A_log.shape) != (HV,):
+            raise _fail("A_log", f"A_log must be a float tensor of shape [{HV}], got {describe(x.A_log)}")
+    dt_bias = x.dt_bias
+    if dt_bias is not None:
+        if x.A_log is None and x.lower_bound is None:
+            raise _fail("dt_bias", "dt_bias needs A_log or lower_bound (without either, g is taken as the log decay)")
+        if dt_bias.dtype not in FLOAT_INPUTS or tuple(dt_bias.shape) not in ((HV, K), (HV * K,)):
+            raise _fail("dt_bias", f"dt_bias must be a float tensor of shape [{HV}, {K}] or [{HV * K}], "
+                                   f"got {describe(dt_bias)}")
+        dt_bias = dt_bias.reshape(HV, K)
+    return Gate(x.A_log, dt_bias, x.lower_bound, key=gate_key(x.A_log, dt_bias, x.lower_bound))
+
+
+def _check_finite(x: PrefillInputs) -> None:
+    if x.scale is not None and not (math.isfinite(x.scale) and x.scale > 0):
+        raise _fail("scale", f"scale must be a finite number > 0, got {x.scale}")
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
+        t = getattr(x, name)
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise _fail(name, f"{name} {describe(t)} holds non-finite values (NaN or Inf)")
+
+
+def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mapping[int, Gate]) -> ValidPrefill:
+    """Check ``x`` against the pool's ``geometry`` and the server's gates, cheapest checks
+    first: layer, sequences and lengths, slots named once, shapes and dtypes, the gate,
+    then finiteness of every value. Raises InvalidRequest (400) on the first failure."""
+    _check_sequences(x, geometry)
+    heads = _check_tensors(x, geometry)
+    gate = _resolve_gate(x, geometry, server_gates.get(x.layer))
+    _check_finite(x)
+    key = (
+        x.layer, heads, tuple(getattr(x, n).dtype for n in ("q", "k", "v", "g", "beta")),
+        x.scale, x.use_qk_l2norm, x.use_beta_sigmoid, x.allow_neg_eigval, gate.key,
+    )
+    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=key)
+
+
+def validate_state(state: torch.Tensor, geometry: PoolGeometry, field: str = "state") -> None:
+    """A slot state to write: [L, HV, V, K] in the pool dtype, every value finite."""
+    if tuple(state.shape) != geometry.slot_shape or state.dtype != geometry.dtype:
+        raise _fail(field, f"state must be {geometry.dtype_name}{list(geometry.slot_shape)} "
+                           f"([L, HV, V, K] of the pool), got {describe(state)}")
+    if not bool(torch.isfinite(state).all()):
+        raise _fail(field, f"state {describe(state)} holds non-finite values (NaN or Inf)")

@@ -1,0 +1,99 @@
+"""Prefill requests and responses in both encodings, to and from `PrefillInputs` /
+`PrefillResult`.
+
+- ``application/json``: `PrefillJSONRequest` with base64 tensors; response
+  `PrefillJSONResponse`.
+- ``application/x-safetensors``: tensors q, k, v, g, beta (A_log, dt_bias) in one body and
+  `PrefillOptions` as the JSON string ``__metadata__["request"]``; response tensors ``o``
+  and ``final_state`` with ``__metadata__["response"] = {"slots": [...]}``. Request tensors
+  are zero-copy views over the body.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch
+
+from ..errors import MalformedBody, SchemaError
+from ..inputs import PrefillInputs, PrefillResult
+from .media import JSON
+from .safetensors_codec import encode_safetensors, parse_safetensors
+from .schema import PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, parse_model
+from .tensors import tensor_to_json
+
+REQUIRED_TENSORS = ("q", "k", "v", "g", "beta")
+OPTIONAL_TENSORS = ("A_log", "dt_bias")
+
+
+def _inputs(options: PrefillOptions, tensors: dict[str, torch.Tensor]) -> PrefillInputs:
+    return PrefillInputs(
+        layer=options.layer,
+        slots=[s.slot for s in options.sequences],
+        lengths=[s.length for s in options.sequences],
+        **{name: tensors[name] for name in REQUIRED_TENSORS},
+        A_log=tensors.get("A_log"),
+        dt_bias=tensors.get("dt_bias"),
+        lower_bound=options.lower_bound,
+        scale=options.scale,
+        use_qk_l2norm=options.use_qk_l2norm,
+        use_beta_sigmoid=options.use_beta_sigmoid,
+        allow_neg_eigval=options.allow_neg_eigval,
+        return_final_state=options.return_final_state,
+    )
+
+
+def decode_prefill_json(body: bytes | bytearray) -> PrefillInputs:
+    request = parse_model(PrefillJSONRequest, body)
+    tensors = {
+        name: getattr(request, name).to_tensor(name)
+        for name in REQUIRED_TENSORS + OPTIONAL_TENSORS
+        if getattr(request, name) is not None
+    }
+    return _inputs(request, tensors)
+
+
+def decode_prefill_safetensors(body: bytearray) -> PrefillInputs:
+    tensors, metadata = parse_safetensors(body)
+    missing = [n for n in REQUIRED_TENSORS if n not in tensors]
+    unknown = [n for n in tensors if n not in REQUIRED_TENSORS + OPTIONAL_TENSORS]
+    if missing or unknown:
+        errors = [{"loc": ["body", n], "msg": "Field required", "type": "missing"} for n in missing]
+        errors += [{"loc": ["body", n], "msg": "Extra inputs are not permitted", "type": "extra_forbidden"}
+                   for n in unknown]
+        what = f"missing tensor(s) {missing}" if missing else f"unknown tensor(s) {unknown}"
+        raise SchemaError(f"{what}; a prefill body holds {list(REQUIRED_TENSORS)} and optionally "
+                          f"{list(OPTIONAL_TENSORS)}", errors)
+    if "request" not in metadata:
+        raise MalformedBody('safetensors body lacks __metadata__["request"] (the request options as JSON)',
+                            field="__metadata__.request")
+    options = parse_model(PrefillOptions, metadata["request"], where="__metadata__.request")
+    return _inputs(options, tensors)
+
+
+def encode_prefill_json(result: PrefillResult) -> bytes:
+    doc: dict[str, Any] = {"slots": result.slots, "o": tensor_to_json(result.o)}
+    if result.final_state is not None:
+        doc["final_state"] = tensor_to_json(result.final_state)
+    return json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+
+def encode_prefill_safetensors(result: PrefillResult) -> bytearray:
+    tensors = {"o": result.o}
+    if result.final_state is not None:
+        tensors["final_state"] = result.final_state
+    return encode_safetensors(tensors, {"response": json.dumps({"slots": result.slots})})
+
+
+def decode_prefill_response(body: bytearray, media: str) -> tuple[list[str], torch.Tensor, Optional[torch.Tensor]]:
+    """(slots, o, final_state or None) from a /prefill response body of ``media`` type."""
+    if media == JSON:
+        doc = parse_model(PrefillJSONResponse, body)
+        final = None if doc.final_state is None else doc.final_state.to_tensor("final_state")
+        return doc.slots, doc.o.to_tensor("o"), final
+    tensors, metadata = parse_safetensors(body)
+    try:
+        slots = json.loads(metadata["response"])["slots"]
+        return slots, tensors["o"], tensors.get("final_state")
+    except (KeyError, TypeError, ValueError) as e:
+        raise MalformedBody(f"not a prefill response: {e!r}") from None

@@ -1,0 +1,137 @@
+"""The JSON documents of the API, as pydantic models (they also make the OpenAPI schema).
+
+Strict: unknown members are refused, numbers are not taken from strings, floats must be
+finite. A document that breaks them is a schema error (HTTP 422).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Type, TypeVar, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import MalformedBody, SchemaError
+from .tensors import tensor_from_json
+
+SLOT_ID_MAX = 256
+_STRICT = ConfigDict(extra="forbid", strict=True)
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def parse_model(model: Type[_M], raw: Union[bytes, bytearray, str], where: str = "body") -> _M:
+    """``model`` from JSON text: MalformedBody (400) when it is not JSON, SchemaError (422)
+    when it does not fit the schema. Errors carry location, message and type, never the input."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        errors = [{"loc": [where, *err["loc"]], "msg": err["msg"], "type": err["type"]} for err in e.errors()]
+        if any(err["type"] == "json_invalid" for err in errors):
+            raise MalformedBody(f"{where} is not valid JSON: {errors[0]['msg']}", field=where) from None
+        loc = ".".join(str(p) for p in errors[0]["loc"])
+        raise SchemaError(f"{loc}: {errors[0]['msg']} ({len(errors)} error(s))", errors) from None
+
+
+class JSONTensor(BaseModel):
+    """A tensor: ``data`` is the base64 of its little-endian, row-major bytes."""
+
+    model_config = _STRICT
+    dtype: Literal["float32", "bfloat16", "float16", "int64", "int32"]
+    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=8)]
+    data: str = Field(description="base64 (RFC 4648, with padding) of the tensor's bytes")
+
+    def to_tensor(self, field: str) -> torch.Tensor:
+        """The decoded CPU tensor; MalformedBody naming ``field`` on bad base64 or a byte
+        count that disagrees with dtype x shape."""
+        return tensor_from_json(self.dtype, self.shape, self.data, field=field)
+
+
+class SequenceSpec(BaseModel):
+    model_config = _STRICT
+    slot: Optional[Annotated[str, Field(min_length=1, max_length=SLOT_ID_MAX)]] = Field(
+        description="the sequence's slot id, or null to allocate a new slot for it"
+    )
+    length: int = Field(description="tokens of this sequence in the packed tensors (>= 1)")
+
+
+class PrefillOptions(BaseModel):
+    """Everything of a prefill request but its tensors. In the safetensors encoding this is
+    the JSON string ``__metadata__["request"]``."""
+
+    model_config = _STRICT
+    layer: int = Field(description="the KDA layer (0 <= layer < num_layers)")
+    sequences: list[SequenceSpec] = Field(min_length=1, description="the batch, in packing order")
+    lower_bound: Optional[float] = Field(None, allow_inf_nan=False, description="lower-bound gate, in [-5, 0)")
+    scale: Optional[float] = Field(None, allow_inf_nan=False, description="q scale (default K ** -0.5)")
+    use_qk_l2norm: bool = False
+    use_beta_sigmoid: bool = False
+    allow_neg_eigval: bool = Field(False, description="beta = 2 * sigmoid(beta) (with use_beta_sigmoid)")
+    return_final_state: bool = True
+
+
+class PrefillJSONRequest(PrefillOptions):
+    """``POST /prefill`` as ``application/json``: tensors packed along tokens T = sum(lengths)."""
+
+    q: JSONTensor = Field(description="[T, H, K]")
+    k: JSONTensor = Field(description="[T, H, K]")
+    v: JSONTensor = Field(description="[T, HV, V]")
+    g: JSONTensor = Field(description="[T, HV, K]: raw with a gate (A_log, lower_bound or server), else log decay")
+    beta: JSONTensor = Field(description="[T, HV]")
+    A_log: Optional[JSONTensor] = Field(None, description="[HV]")
+    dt_bias: Optional[JSONTensor] = Field(None, description="[HV, K] or [HV * K]")
+
+
+class PrefillJSONResponse(BaseModel):
+    slots: list[str] = Field(description="each sequence's slot id, in order")
+    o: JSONTensor = Field(description="[T, HV, V] in v's dtype")
+    final_state: Optional[JSONTensor] = Field(None, description="[N, HV, V, K]; absent when declined")
+
+
+class StateJSON(BaseModel):
+    model_config = _STRICT
+    state: JSONTensor = Field(description="[L, HV, V, K] in the pool dtype")
+
+
+class AllocRequest(BaseModel):
+    model_config = _STRICT
+    count: int = Field(1, ge=1, description="slots to allocate, all or none")
+
+
+class SlotsCreated(BaseModel):
+    slots: list[str]
+
+
+class Forked(BaseModel):
+    slot: str
+
+
+class SlotMetadata(BaseModel):
+    slot: str
+    created: float = Field(description="unix seconds")
+    last_used: float = Field(description="unix seconds")
+    tokens_per_layer: list[int]
+    state_lost: bool = Field(description="the state cannot be trusted: an update on it failed midway")
+
+
+class Info(BaseModel):
+    num_layers: int
+    num_slots: int
+    num_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    state_dtype: str
+    device: str
+    backend: str
+    free_slots: int
+    used_slots: int
+    gate_layers: list[int] = Field(description="layers with server gate parameters (--gate-params)")
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    field: Optional[str] = Field(None, description="the request field at fault")
+    errors: Optional[list[dict]] = Field(None, description="schema errors (422)")

@@ -1,0 +1,41 @@
+"""`DeviceWorker`: the one thread that touches pool memory and launches kernels.
+
+Kernel launches, allocation (zeroing rows), fork, state reads and writes, idle sweeps and
+snapshots all run here, one at a time in submission order. So launches are serialized, no
+pool row is read while a launch writes it, a sweep never lands between resolving a slot's
+row and the launch on it, and the event loop never blocks on the device.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+_T = TypeVar("_T")
+
+
+class DeviceWorker:
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-device")
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on the device thread, awaited from the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        """Finish queued work and stop the thread."""
+        self._executor.shutdown(wait=True)
+
+
+INLINE_BYTES = 1 << 20
+"""Work on more bytes than this (decoding, validating, encoding) leaves the event loop."""
+
+
+async def run_cpu(fn: Callable[..., _T], *args: Any, nbytes: int) -> _T:
+    """``fn(*args)``: inline for small inputs, on a thread of the default pool for large
+    ones (torch and base64 release the GIL), so a big request never stalls the loop."""
+    if nbytes <= INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
