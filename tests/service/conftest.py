@@ -1,0 +1,54 @@
+"""Fixtures for the service tests: one shared kda-serve process for the HTTP tests."""
+from __future__ import annotations
+
+import sys
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:  # the repository root, when the package is not installed
+    sys.path.insert(0, _ROOT)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from service_helpers import GEOMETRY_ARGS, Server, start_server  # noqa: E402
+
+from service.client import KDAClient  # noqa: E402
+
+MAX_BODY_MB = 1  # small, so the 413 tests send little
+
+# The float64 reference runs thousands of tiny ops: one thread is ~50x faster than a pool
+# spinning against the server process on a 2-core CI machine.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The shared server: test geometry, a 20 ms batch window (so concurrent requests merge),
+    a 1 MiB body limit. Stopped with SIGTERM at the end, which must exit 0 with no
+    traceback logged (no request may have reached the catch-all 500)."""
+    srv = start_server([*GEOMETRY_ARGS, "--batch-window-ms", "20", "--max-body-mb", str(MAX_BODY_MB)],
+                       tmp_path_factory.mktemp("server") / "kda-serve.log")
+    yield srv
+    status = srv.stop()
+    assert status == 0, f"kda-serve exited {status} on SIGTERM:\n{srv.log_text()}"
+    assert "Traceback" not in srv.log_text(), srv.log_text()
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[KDAClient]:
+    with KDAClient(server.url) as c:
+        yield c
+
+
+@pytest.fixture
+def json_client(server: Server) -> Iterator[KDAClient]:
+    with KDAClient(server.url, encoding="json") as c:
+        yield c
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """A generator seeded from the test's name: fresh inputs per test, reproducible runs."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,126 @@
+"""Helpers for the service tests: a real `kda-serve` process, random KDA inputs, the
+float64 reference, and an image of the pool to prove a rejected request changed nothing."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import httpx
+import torch
+import torch.nn.functional as F
+
+from kernels import naive_recurrent_kda
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The geometry every test server uses: K != V and H < HV catch transposes and GVA slips.
+LAYERS, SLOTS, HV, H, K, V = 2, 256, 4, 2, 16, 32
+GEOMETRY_ARGS = ["--num-layers", str(LAYERS), "--num-slots", str(SLOTS), "--num-heads", str(HV),
+                 "--head-dim", str(K), "--head-v-dim", str(V)]
+TOL = 1e-4  # relative L2 against float64, fp32 inputs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running ``python -m service.cli`` process and its log."""
+
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful: drain, snapshot) and the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(args: Sequence[str], log: Path, env: Optional[dict[str, str]] = None,
+                 timeout: float = 90.0) -> Server:
+    """Start kda-serve on a free loopback port and wait until /health/ready says 200."""
+    port = free_port()
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    out = open(log, "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+         *args],
+        cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+    )
+    out.close()
+    server = Server(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kda-serve exited with {process.returncode}:\n{server.log_text()}")
+        try:
+            if httpx.get(f"{server.url}/health/ready", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"kda-serve not ready after {timeout}s:\n{server.log_text()}")
+
+
+def make_sequence(T: int, gen: torch.Generator, *, heads: int = H, raw_gate: bool = False,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """Random (q, k, v, g, beta) for T tokens: never zero; g a log decay in (-inf, 0)
+    (softplus-shaped) unless ``raw_gate``; beta in (0, 1)."""
+    q = torch.randn(T, heads, K, generator=gen)
+    k = torch.randn(T, heads, K, generator=gen) / K ** 0.5
+    v = torch.randn(T, HV, V, generator=gen)
+    g_raw = torch.randn(T, HV, K, generator=gen)
+    g = g_raw if raw_gate else -F.softplus(g_raw - 2.0)
+    beta = torch.rand(T, HV, generator=gen) * 0.9 + 0.05
+    return tuple(t.to(dtype) for t in (q, k, v, g, beta))
+
+
+def random_state(gen: torch.Generator, n: int = 1) -> torch.Tensor:
+    """n random slot states [n, L, HV, V, K] of moderate size (fp32)."""
+    return torch.randn(n, LAYERS, HV, V, K, generator=gen) * 0.3
+
+
+def reference(seqs: Sequence[tuple[torch.Tensor, ...]], initial: Optional[torch.Tensor] = None,
+              **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 per-token reference over packed ``seqs``: (o [T, HV, V], final [N, HV, V, K])."""
+    packed = [torch.cat([s[i] for s in seqs]) for i in range(5)]
+    bounds = [0]
+    for s in seqs:
+        bounds.append(bounds[-1] + s[0].shape[0])
+    return naive_recurrent_kda(*packed, initial_state=initial, cu_seqlens=bounds, **options)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of ``a`` against the reference ``b``."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def pool_image(url: str, slots: Sequence[str], headers: Optional[dict[str, str]] = None) -> dict[str, object]:
+    """What a rejected request must not change: each slot's exported bytes (state and token
+    counts), and the free-slot count (no slot allocated or freed)."""
+    with httpx.Client(base_url=url, headers=headers or {}) as http:
+        image: dict[str, object] = {s: http.get(f"/slots/{s}/state").content for s in slots}
+        image["free_slots"] = http.get("/info").json()["free_slots"]
+    return image
