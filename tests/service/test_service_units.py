@@ -1,0 +1,200 @@
+"""In-process units: validation, the batcher, settings and the server core without HTTP."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from service_helpers import H, HV, K, LAYERS, ROOT, SLOTS, TOL, V, make_sequence, reference, rel
+
+from service.batcher import Batcher
+from service.config import Settings, parse_settings
+from service.core import ServerCore
+from service.errors import InvalidRequest, NotReady
+from service.gates import Gate
+from service.inputs import PrefillInputs
+from service.metrics import Metrics
+from service.validation import validate_prefill
+from service.worker import DeviceWorker
+from state_store import PoolGeometry, UnknownSlot
+
+GEOMETRY = PoolGeometry(LAYERS, SLOTS, HV, K, V, torch.float32, torch.device("cpu"))
+
+
+def inputs(gen: torch.Generator, lengths=(5, 4), **replace) -> PrefillInputs:
+    q, k, v, g, beta = make_sequence(sum(lengths), gen)
+    fields = dict(layer=0, slots=[None] * len(lengths), lengths=list(lengths), q=q, k=k, v=v, g=g, beta=beta)
+    fields.update(replace)
+    return PrefillInputs(**fields)
+
+
+def test_valid_prefill(gen):
+    valid = validate_prefill(inputs(gen, dt_bias=torch.zeros(HV * K), A_log=torch.zeros(HV)), GEOMETRY, {})
+    assert valid.heads == H and valid.tokens == 9 and valid.gate.dt_bias.shape == (HV, K)
+
+
+def test_batch_keys_separate_what_cannot_share_a_launch(gen):
+    def key(**replace):
+        return validate_prefill(inputs(gen, **replace), GEOMETRY, {}).batch_key
+
+    assert key() == key()  # different tensors, same options: one launch
+    assert key(A_log=torch.zeros(HV)) == key(A_log=torch.zeros(HV))
+    assert key(A_log=torch.zeros(HV)) != key(A_log=torch.ones(HV))
+    assert key() != key(layer=1)
+    assert key() != key(use_qk_l2norm=True)
+    assert key() != key(scale=0.5)
+    assert key() != key(lower_bound=-1.0)
+
+
+@pytest.mark.parametrize("replace,field", [
+    (dict(layer=LAYERS), "layer"),
+    (dict(slots=["a"], lengths=[9]), None),  # fine: named slots are checked by the pool, not here
+    (dict(slots=["a", "a"]), "sequences[1].slot"),
+    (dict(slots=[None] * 3), "sequences"),
+    (dict(lengths=[9, 0], slots=[None, None]), "sequences[1].length"),
+    (dict(lengths=[4, 4]), "sequences"),
+    (dict(q=lambda b: b.q.double()), "q"),
+    (dict(beta=lambda b: b.beta[:, :, None]), "beta"),
+    (dict(g=lambda b: b.g[:, :2]), "g"),
+    (dict(v=lambda b: b.v[:8]), "v"),
+    (dict(k=lambda b: b.k[:, :1]), "k"),
+    (dict(dt_bias=torch.zeros(HV, K)), "dt_bias"),
+    (dict(A_log=torch.zeros(HV, 1)), "A_log"),
+    (dict(lower_bound=float("nan")), "lower_bound"),
+    (dict(scale=float("inf")), "scale"),
+    (dict(scale=0.0), "scale"),
+    (dict(g=lambda b: b.g.clone().fill_(float("-inf"))), "g"),
+])
+def test_invalid_prefills_name_the_field(gen, replace, field):
+    """Each change to a valid request (lengths 5 + 4, T = 9) and the field it must blame."""
+    base = inputs(gen)
+    x = dataclasses.replace(base, **{n: (v(base) if callable(v) else v) for n, v in replace.items()})
+    if field is None:
+        validate_prefill(x, GEOMETRY, {})
+        return
+    with pytest.raises(InvalidRequest) as e:
+        validate_prefill(x, GEOMETRY, {})
+    assert e.value.field == field and e.value.status == 400
+
+
+def test_server_gates_take_over_the_layer(gen):
+    server = {0: Gate(A_log=torch.zeros(HV), key=("server", 0))}
+    assert validate_prefill(inputs(gen), GEOMETRY, server).gate is server[0]
+    with pytest.raises(InvalidRequest, match="server's gate parameters") as e:
+        validate_prefill(inputs(gen, lower_bound=-1.0), GEOMETRY, server)
+    assert e.value.field == "lower_bound"
+    assert validate_prefill(inputs(gen, layer=1, lower_bound=-1.0), GEOMETRY, server).gate.lower_bound == -1.0
+
+
+# -- batcher -------------------------------------------------------------------------------
+
+def run_batcher(window_s: float, max_tokens: int, jobs: list[tuple[str, int, object]], fail: set = frozenset()):
+    """Submit ``jobs`` (key, tokens, payload) at once; returns (launches, outcomes)."""
+    launches: list[list] = []
+
+    def run_batch(batch):
+        launches.append(list(batch))
+        return [ValueError(j) if j in fail else f"done {j}" for j in batch]
+
+    async def main():
+        worker = DeviceWorker()
+        batcher = Batcher(run_batch, worker, Metrics(lambda: 0), window_s=window_s, max_tokens=max_tokens)
+        batcher.start()
+        outcomes = await asyncio.gather(*(batcher.submit(key, n, j) for key, n, j in jobs), return_exceptions=True)
+        await batcher.close()
+        worker.close()
+        return outcomes
+
+    return launches, asyncio.run(main())
+
+
+def test_batcher_merges_same_key_within_the_window():
+    launches, outcomes = run_batcher(0.05, 1000, [("a", 1, 1), ("b", 1, 2), ("a", 1, 3), ("a", 1, 4)])
+    assert launches == [[1, 3, 4], [2]]  # oldest key first, arrival order kept
+    assert outcomes == ["done 1", "done 2", "done 3", "done 4"]
+
+
+def test_batcher_respects_max_tokens_and_isolates_failures():
+    launches, outcomes = run_batcher(0.05, 10, [("a", 6, 1), ("a", 4, 2), ("a", 3, 3), ("a", 20, 4)], fail={2})
+    assert launches == [[1, 2], [3], [4]]  # a job over the cap still runs, alone
+    assert isinstance(outcomes[1], ValueError) and outcomes[0] == "done 1" and outcomes[3] == "done 4"
+
+
+def test_batcher_without_window_launches_at_once():
+    start = time.monotonic()
+    launches, _ = run_batcher(0.0, 1000, [("a", 1, 1)])
+    assert launches == [[1]] and time.monotonic() - start < 0.5
+
+
+def test_batcher_refuses_after_close():
+    async def main():
+        worker = DeviceWorker()
+        batcher = Batcher(lambda b: b, worker, Metrics(lambda: 0), window_s=0, max_tokens=1)
+        batcher.start()
+        await batcher.close()
+        worker.close()
+        with pytest.raises(NotReady):
+            await batcher.submit("a", 1, 1)
+
+    asyncio.run(main())
+
+
+# -- settings ------------------------------------------------------------------------------
+
+def test_settings_defaults_env_and_flags():
+    assert parse_settings([], {}) == Settings()
+    env = {"KDA_NUM_SLOTS": "9", "KDA_HEAD_V_DIM": "32", "KDA_SLOT_TTL_S": "2.5", "KDA_API_KEY": "s3cr3t"}
+    s = parse_settings(["--num-slots", "7"], env)
+    assert (s.num_slots, s.v_dim, s.slot_ttl_s, s.api_key) == (7, 32, 2.5, "s3cr3t")  # a flag beats its variable
+    assert "s3cr3t" not in repr(s)  # the key stays out of logs
+    assert Settings(max_body_mb=1).max_body_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("argv,env", [
+    (["--num-slots", "0"], {}), (["--device", "tpu"], {}), (["--state-dtype", "float16"], {}),
+    (["--batch-window-ms", "-1"], {}), ([], {"KDA_PORT": "eighty"}), (["--bogus"], {}),
+])
+def test_bad_settings_exit_with_usage(argv, env, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_settings(argv, env)
+    assert e.value.code == 2 and "kda-serve" in capsys.readouterr().err
+
+
+def test_cli_help_runs_as_a_module():
+    r = subprocess.run([sys.executable, "-m", "service.cli", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0 and "--max-batch-tokens" in r.stdout and "KDA_NUM_SLOTS" in r.stdout
+
+
+# -- the core without HTTP -----------------------------------------------------------------
+
+def test_server_core_runs_without_fastapi(gen):
+    """ServerCore alone (as a KServe endpoint or a Ray Serve shard would use it)."""
+    settings = Settings(num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V, batch_window_ms=0)
+    seqs = [make_sequence(T, gen) for T in (3, 66)]
+
+    async def main():
+        core = ServerCore(settings)
+        await core.start()
+        await core.warmup()
+        try:
+            slot = (await core.alloc())[0]
+            x = inputs(gen, lengths=(3, 66), slots=[slot, None],
+                       **dict(zip(("q", "k", "v", "g", "beta"), (torch.cat(t) for t in zip(*seqs)))))
+            result = await core.prefill(x)
+            with pytest.raises(UnknownSlot):
+                await core.prefill(inputs(gen, slots=["gone", None]))
+            assert core.info()["free_slots"] == 2  # the refused request allocated nothing
+            return result, await core.get_state(result.slots[1])
+        finally:
+            await core.close()
+
+    result, state = asyncio.run(main())
+    o_ref, final_ref = reference(seqs)
+    assert result.slots[0] != result.slots[1] and len(result.allocated) == 1
+    assert rel(result.o, o_ref) < TOL and rel(result.final_state, final_ref) < TOL
+    assert torch.equal(state[0], result.final_state[1])
