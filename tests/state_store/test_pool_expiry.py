@@ -1,0 +1,98 @@
+"""Idle expiry on an injected clock: lazily on access and by sweep()."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from pool_helpers import make_pool, random_state
+
+from state_store import UnknownSlot
+
+
+def test_expired_slot_behaves_as_unknown_on_access(clock):
+    pool = make_pool(clock=clock, ttl=10.0)
+    a, b = pool.alloc(2)
+    row_a = pool.rows([a])[0]
+    clock.advance(5.0)
+    pool.rows([b])
+    clock.advance(5.0)  # a idle exactly ttl: still live
+    assert pool.contains(a)
+    clock.advance(0.5)
+    with pytest.raises(UnknownSlot):
+        pool.read_state(a)
+    assert not pool.contains(a) and pool.contains(b)
+    stats = pool.stats()
+    assert (stats.used, stats.free, stats.expiries, stats.frees) == (1, 5, 1, 0)
+    assert pool.alloc(1) and row_a in pool.rows(pool.slot_ids())  # its row went back
+
+
+def test_sweep_frees_every_idle_slot_and_returns_their_ids(clock):
+    pool = make_pool(clock=clock, ttl=30.0)
+    a, b, c, d = pool.alloc(4)
+    clock.advance(20.0)
+    pool.record_tokens(c, 0, 1)
+    clock.advance(15.0)
+    assert sorted(pool.sweep()) == sorted([a, b, d])
+    assert pool.slot_ids() == [c] and pool.sweep() == []
+    assert pool.stats().expiries == 3
+    clock.advance(31.0)
+    assert pool.sweep() == [c] and pool.stats().used == 0
+
+
+def test_no_ttl_means_no_expiry(clock):
+    pool = make_pool(clock=clock)
+    ids = pool.alloc(3)
+    clock.advance(1e9)
+    assert pool.sweep() == [] and pool.slot_ids() == ids
+    assert pool.stats().expiries == 0
+
+
+TOUCHES = {
+    "rows": lambda pool, s: pool.rows([s]),
+    "read_state": lambda pool, s: pool.read_state(s),
+    "write_state": lambda pool, s: pool.write_state(s, random_state(pool, 1)),
+    "fork": lambda pool, s: pool.fork(s),
+    "export": lambda pool, s: pool.export(s),
+    "import_": lambda pool, s: pool.import_(pool.export(s), s),
+    "record_tokens": lambda pool, s: pool.record_tokens(s, 1, 5),
+}
+
+
+@pytest.mark.parametrize("use", sorted(TOUCHES))
+def test_each_use_keeps_a_slot_alive(clock, use):
+    pool = make_pool(clock=clock, ttl=10.0)
+    used, idle = pool.alloc(2)
+    clock.advance(8.0)
+    TOUCHES[use](pool, used)
+    clock.advance(8.0)
+    assert pool.sweep() == [idle]
+    assert pool.contains(used)
+
+
+@pytest.mark.parametrize("look", ["contains", "slot_info"])
+def test_looking_is_not_using(clock, look):
+    pool = make_pool(clock=clock, ttl=10.0)
+    (a,) = pool.alloc(1)
+    clock.advance(8.0)
+    getattr(pool, look)(a)
+    clock.advance(8.0)
+    assert pool.sweep() == [a]
+
+
+def test_alloc_reclaims_expired_slots_when_full(clock):
+    pool = make_pool(clock=clock, ttl=10.0)
+    old = pool.alloc(6)
+    clock.advance(11.0)
+    new = pool.alloc(6)
+    assert not set(old) & set(new)
+    assert pool.stats().expiries == 6
+
+
+def test_times_are_reported_in_unix_seconds(clock):
+    pool = make_pool(clock=clock, ttl=100.0)
+    (a,) = pool.alloc(1)
+    info = pool.slot_info(a)
+    assert abs(info.created - time.time()) < 60 and info.last_used == info.created
+    clock.advance(42.0)
+    pool.rows([a])
+    assert pool.slot_info(a).last_used == pytest.approx(info.created + 42.0)
