@@ -92,9 +92,10 @@ def read_header(stream: BinaryIO, size: int, name: str) -> Header:
             f"not a safetensors container (header length {length} in {size} bytes), or truncated"
         )
     try:
-        header = json.loads(stream.read(length).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ContainerError(f"not a safetensors container: header is not JSON ({exc})") from None
+        text = stream.read(length).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ContainerError("not a safetensors container: header is not UTF-8") from None
+    header = parse_json(text, "the safetensors header")
     if not isinstance(header, dict):
         raise ContainerError("not a safetensors container: header is not a JSON object")
     metadata = header.pop("__metadata__", {})
@@ -112,6 +113,14 @@ def read_header(stream: BinaryIO, size: int, name: str) -> Header:
             f" but the container has {size} bytes (truncated, or trailing bytes)"
         )
     return Header(metadata=metadata, name=name, entry=entry, data_start=data_start)
+
+
+def parse_json(text: str, what: str) -> Any:
+    """``json.loads`` that raises ContainerError for any malformed (or absurdly nested) text."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ContainerError(f"{what} is not valid JSON ({type(exc).__name__}: {exc})") from None
 
 
 def _entry(name: str, raw: Any) -> TensorEntry:

@@ -49,8 +49,9 @@ class StatePool:
 
     ``tensor`` is [num_layers, num_slots, num_heads, head_v_dim, head_k_dim] (V-first, K
     contiguous), float32 or bfloat16, on ``device``, allocated once. A slot is one row
-    across all layers; its public id is an opaque random string (``id_prefix`` first).
-    A row is never mapped by two live ids, and an id is never handed out twice.
+    across all layers; its public id is an opaque string, ``id_prefix`` then 128 random
+    bits, never equal to a live id (reissuing a dead one has probability 2**-128). A row
+    is never mapped by two live ids.
 
     Slots idle (not used by rows, read_state, write_state, fork, export, import_,
     record_tokens) for more than ``ttl`` seconds of ``clock`` are freed: lazily, on access

@@ -134,10 +134,7 @@ def _verified_index(metadata: dict[str, str]) -> dict[str, Any]:
         raise container.ContainerError(f"metadata lacks {missing}")
     if hashlib.sha256(metadata["index"].encode()).hexdigest() != metadata["index_sha256"]:
         raise container.ContainerError("index checksum mismatch: the id map is corrupted")
-    try:
-        index = json.loads(metadata["index"])
-    except json.JSONDecodeError as exc:
-        raise container.ContainerError(f"index is not JSON ({exc})") from None
+    index = container.parse_json(metadata["index"], "the index")
     if not isinstance(index, dict):
         raise container.ContainerError("index is not a JSON object")
     return index

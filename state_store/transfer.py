@@ -75,10 +75,7 @@ def _declared_geometry(metadata: dict[str, str]) -> dict[str, Union[int, str]]:
 def _tokens(metadata: dict[str, str], num_layers: int) -> Optional[list[int]]:
     if "tokens_per_layer" not in metadata:
         return None
-    try:
-        tokens = json.loads(metadata["tokens_per_layer"])
-    except json.JSONDecodeError:
-        tokens = None
+    tokens = container.parse_json(metadata["tokens_per_layer"], "metadata tokens_per_layer")
     if not (
         isinstance(tokens, list)
         and len(tokens) == num_layers

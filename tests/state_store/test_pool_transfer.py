@@ -122,6 +122,9 @@ def _garbage() -> dict[str, bytes]:
         "bad tokens": safetensors.torch.save(
             {"state": state}, metadata={**meta, "tokens_per_layer": "[1, -2, 3]"}
         ),
+        "deeply nested tokens": safetensors.torch.save(
+            {"state": state}, metadata={**meta, "tokens_per_layer": "[" * 100_000}
+        ),
     }
 
 

@@ -1,0 +1,34 @@
+"""The same pool code on a CUDA device (skipped where there is none)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from pool_helpers import assert_bit_equal, fill_random, make_pool, random_state
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_pool_round_trips_through_host_formats(tmp_path, dtype):
+    pool = make_pool(device="cuda", dtype=dtype)
+    assert pool.tensor.is_cuda and pool.geometry.device == pool.tensor.device
+    fill_random(pool)
+    a, b = pool.alloc(2)
+    assert torch.count_nonzero(pool.read_state(a)) == 0
+    state = random_state(pool, 1)
+    pool.write_state(a, state)  # from the host
+    fork = pool.fork(a)
+    pool.write_state(b, random_state(pool, 2).cuda())
+    assert_bit_equal(pool.read_state(fork), state)
+
+    cpu_pool = make_pool(dtype=dtype)  # exports and snapshots are device-neutral
+    assert_bit_equal(cpu_pool.read_state(cpu_pool.import_(pool.export(a))), state)
+    pool.snapshot(tmp_path / "s")
+    cpu_pool.restore(tmp_path / "s")
+    assert_bit_equal(cpu_pool.tensor, pool.tensor)
+    cuda_again = make_pool(device="cuda", dtype=dtype)
+    cuda_again.restore(tmp_path / "s")
+    assert_bit_equal(cuda_again.read_state(b), random_state(pool, 2))
