@@ -1,9 +1,14 @@
 """The Triton backend: runs a `PrefillProblem` on CUDA (or the Triton interpreter).
 
-Sequences of two or more tokens take the chunked path (intra -> state pass -> output,
-three launches); single-token sequences take the recurrent decode kernel (one launch).
-Both read initial states from, and write final states to, the pool rows named by
-``p.indices`` inside the kernels themselves.
+Sequences of two or more tokens take the chunked path: the intra-chunk kernel, then the
+state pass (which also computes o when there are enough sequence-heads to fill the GPU,
+else a separate parallel output kernel does). Single-token sequences take the recurrent
+decode kernel. Both paths read initial states from, and write final states to, the pool
+rows named by ``p.indices`` inside the kernels themselves.
+
+Intermediates are fp32 whatever the input dtype: each bf16 rounding on the way to o costs
+about as much error as rounding o itself, which would break the 5e-3 accuracy target.
+Products run in tf32 for 16-bit inputs and in full fp32 ("ieee") for fp32 inputs.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from .triton_kernels import (
     recurrent_step_kernel,
     select_config,
 )
+from .triton_kernels.config import fuse_output
 from .triton_kernels.gate import GATE_GIVEN, GATE_LOWER_BOUND, GATE_SOFTPLUS, LOG_DECAY_FLOOR
 
 
@@ -75,18 +81,14 @@ def _gate_mode(p: PrefillProblem) -> int:
     return GATE_SOFTPLUS if p.A_log is not None else GATE_GIVEN
 
 
-def _work_dtype(p: PrefillProblem) -> torch.dtype:
-    """Dtype of the intermediates (w, u, kg, qg, A_qk, v_new, scratch h): fp32 when any of
-    q/k/v is fp32, else bf16 (fp16 inputs too: bf16 keeps fp32's range)."""
-    if torch.float32 in (p.q.dtype, p.k.dtype, p.v.dtype):
-        return torch.float32
-    return torch.bfloat16
-
-
 def _pool_strides(p: PrefillProblem) -> tuple[int, int, int, int]:
     """(slot, head, key, value) element strides of the pool."""
     s = p.pool.stride()
     return (s[0], s[1], s[3], s[2]) if p.state_v_first else (s[0], s[1], s[2], s[3])
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def run_triton(
@@ -102,56 +104,61 @@ def run_triton(
     cfg = config or select_config(K, V, os.environ.get("TRITON_INTERPRET") == "1")
     plan = launch_plan(p.bounds, device)
     NT = plan.num_chunks
+    f32 = torch.float32
 
     o = torch.empty_like(v)
     h = None
     if p.output_intermediate_states:
-        shape = (NT, HV, V, K) if p.state_v_first else (NT, HV, K, V)
-        h = torch.empty(shape, dtype=torch.float32, device=device)
-    s_hk, s_hv = ((1, K) if p.state_v_first else (V, 1))
+        h = torch.empty((NT, HV, V, K) if p.state_v_first else (NT, HV, K, V), dtype=f32, device=device)
+    s_hk, s_hv = (1, K) if p.state_v_first else (V, 1)
     pool_strides = _pool_strides(p)
     gate = _gate_mode(p)
     a_log = p.A_log.contiguous() if p.A_log is not None else q
     dt_bias = p.dt_bias.contiguous() if p.dt_bias is not None else q
     lower_bound = 0.0 if p.lower_bound is None else p.lower_bound
+    dot_prec = "ieee" if f32 in (q.dtype, k.dtype, v.dtype) else "tf32"
     flags = dict(
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         USE_L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, NEG_EIGVAL=p.allow_neg_eigval,
     )
 
-    if plan.chunks.shape[0] > 0:
-        work = _work_dtype(p)
-        w = torch.empty(T, HV, K, dtype=work, device=device)
-        kg = torch.empty_like(w)
-        qg = torch.empty_like(w)
-        u = torch.empty(T, HV, V, dtype=work, device=device)
-        v_new = torch.empty_like(u)
-        aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=work, device=device)
-        gexp = torch.empty(NT, HV, K, dtype=torch.float32, device=device)
-        if h is None:  # scratch states for the output stage, [NT, HV, K, V]
-            states, hk, hv = torch.empty(NT, HV, K, V, dtype=work, device=device), V, 1
-        else:
-            states, hk, hv = h, s_hk, s_hv
-        n_chunks, n_seqs = plan.chunks.shape[0], plan.seqs.shape[0]
+    n_chunks, n_seqs = plan.chunks.shape[0], plan.seqs.shape[0]
+    if n_chunks > 0:
+        w = torch.empty(T, HV, K, dtype=f32, device=device)
+        kg, qg = torch.empty_like(w), torch.empty_like(w)
+        u = torch.empty(T, HV, V, dtype=f32, device=device)
+        aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=f32, device=device)
+        gexp = torch.empty(NT, HV, K, dtype=f32, device=device)
         chunk_intra_kernel[(n_chunks, HV)](
             q, k, v, g, beta, a_log, dt_bias, w, u, kg, qg, aqk, gexp, plan.chunks,
             p.scale, lower_bound, H=H, HV=HV, K=K, V=V,
             BK=cfg.intra_bk, BKD=cfg.intra_bkd, BV=cfg.intra_bv, **flags,
-            SAFE=gate == GATE_LOWER_BOUND, DOT_PREC="ieee" if work == torch.float32 else "tf32",
-            FLOOR=LOG_DECAY_FLOOR, num_warps=cfg.intra_warps,
+            SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR,
+            num_warps=cfg.intra_warps,
         )
+        fused = fuse_output(cfg, n_seqs * HV)
+        if fused:
+            v_new, states, hk, hv = u, h if h is not None else o, s_hk, s_hv
+        else:
+            v_new = torch.empty_like(u)
+            if h is None:  # scratch states for the output stage, [NT, HV, K, V]
+                states, hk, hv = torch.empty(NT, HV, K, V, dtype=f32, device=device), V, 1
+            else:
+                states, hk, hv = h, s_hk, s_hv
         nv = -(-V // cfg.state_bv)
         chunk_state_kernel[(n_seqs * HV * nv,)](
-            w, u, kg, gexp, v_new, states, p.pool, p.indices, plan.seqs, *pool_strides, hk, hv,
-            HV=HV, K=K, V=V, BK=max(16, _next_pow2(K)), BV=cfg.state_bv,
+            w, u, kg, gexp, qg, aqk, o, v_new, states, p.pool, p.indices, plan.seqs,
+            *pool_strides, hk, hv, HV=HV, K=K, V=V, BK=max(16, _next_pow2(K)), BV=cfg.state_bv,
+            FUSE_OUT=fused, STORE_H=not fused or h is not None, DOT_PREC=dot_prec,
             num_warps=cfg.state_warps, num_stages=cfg.state_stages,
         )
-        nv = -(-V // cfg.out_bv)
-        chunk_output_kernel[(n_chunks * nv, HV)](
-            qg, states, v_new, aqk, o, plan.chunks, hk, hv,
-            HV=HV, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv,
-            num_warps=cfg.out_warps, num_stages=cfg.out_stages,
-        )
+        if not fused:
+            nv = -(-V // cfg.out_bv)
+            chunk_output_kernel[(n_chunks * nv, HV)](
+                qg, states, v_new, aqk, o, plan.chunks, hk, hv,
+                HV=HV, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec,
+                num_warps=cfg.out_warps, num_stages=cfg.out_stages,
+            )
 
     if plan.decs.shape[0] > 0:
         nv = -(-V // cfg.rec_bv)
@@ -162,7 +169,3 @@ def run_triton(
             STORE_H=h is not None, num_warps=cfg.rec_warps,
         )
     return o, h
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()

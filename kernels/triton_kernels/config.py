@@ -29,9 +29,22 @@ class LaunchConfig:
     out_stages: int
     rec_bv: int
     rec_warps: int
+    fuse_output: bool | None = None  # None: decided by shape (`fuse_output`)
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)
+
+
+# Compute o inside the state pass when the (sequence, head) programs alone fill the GPU;
+# with few of them (one long sequence) a separate, fully parallel output stage is faster.
+FUSE_MIN_SEQ_HEADS = 128
+
+
+def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
+    """Whether the state pass also computes o (no h / v_new round trip through memory)."""
+    if cfg.fuse_output is not None:
+        return cfg.fuse_output
+    return num_seq_heads >= FUSE_MIN_SEQ_HEADS
 
 
 def _pow2(n: int, lo: int = 16) -> int:

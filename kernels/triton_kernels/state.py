@@ -3,8 +3,9 @@
 One program per (sequence, value head, V block). The state [K, BV] lives in registers in
 fp32 across the sequence's chunks:
 
-    h[chunk]  = S                                    (state before the chunk)
+    h[chunk]  = S                                    (state before the chunk, STORE_H)
     v_new     = u - w S                              [64, BV]
+    o         = qg S + A_qk v_new                    (FUSE_OUT; else the output stage does it)
     S         = diag(exp(G_last)) S + kg^T v_new
 
 The initial state is read from ``pool[indices[seq]]`` and the final state written back to
@@ -21,16 +22,18 @@ import triton.language as tl
 
 @triton.jit
 def chunk_state_kernel(
-    w, u, kg, gexp, v_new, h, pool, indices, seqs,
+    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, seqs,
     s_slot, s_head, s_pk, s_pv, s_hk, s_hv,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
+    FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Grid (Nc * HV * cdiv(V, BV),). seqs: [Nc, 4] int64 (sequence id, first token, end
     token, h index of its first chunk).
 
-    w, kg: [T, HV, K]; u, v_new: [T, HV, V] (work dtype); gexp: [NT, HV, K] fp32;
-    h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state;
+    w, kg, qg: [T, HV, K]; u, v_new: [T, HV, V]; aqk: [T, HV, 64]; gexp: [NT, HV, K] (all
+    fp32); o: [T, HV, V] in v's dtype (FUSE_OUT) ; v_new written unless FUSE_OUT;
+    h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state (STORE_H);
     pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -57,22 +60,30 @@ def chunk_state_kernel(
     for i_t in range(tl.cdiv(eos - bos, 64)):
         rows = bos + i_t * 64 + o_t
         m_t = rows < eos
-        i_g = hoff + i_t
-        p_h = h + (i_g * HV + i_hv) * (K * V) + o_k[:, None] * s_hk + o_v[None, :] * s_hv
-        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
-
-        p_w = w + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-        b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        p_u = u + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(p_u, mask=m_tv, other=0.0).to(tl.float32)
-        b_v -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision="ieee")
-        p_vn = v_new + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-        tl.store(p_vn, b_v.to(v_new.dtype.element_ty), mask=m_tv)
+        i_g = hoff + i_t
+        if STORE_H:
+            p_h = h + (i_g * HV + i_hv) * (K * V) + o_k[:, None] * s_hk + o_v[None, :] * s_hv
+            tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
+
+        p_tk = rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        p_tv = rows[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
+        b_v = tl.load(u + p_tv, mask=m_tv, other=0.0)
+        b_v -= tl.dot(b_w, b_h, input_precision=DOT_PREC)
+        if FUSE_OUT:
+            b_q = tl.load(qg + p_tk, mask=m_tk, other=0.0)
+            b_a = tl.load(aqk + rows[:, None] * (HV * 64) + i_hv * 64 + o_t[None, :], mask=m_t[:, None], other=0.0)
+            b_o = tl.dot(b_q, b_h, input_precision=DOT_PREC)
+            b_o = tl.dot(b_a, b_v, b_o, input_precision=DOT_PREC)
+            tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+        else:
+            tl.store(v_new + p_tv, b_v, mask=m_tv)
 
         b_gl = tl.load(gexp + (i_g * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        p_kg = kg + rows[None, :] * (HV * K) + i_hv * K + o_k[:, None]
-        b_kt = tl.load(p_kg, mask=m_k[:, None] & m_t[None, :], other=0.0)  # [BK, 64]
-        b_h = b_h * b_gl[:, None] + tl.dot(b_kt, b_v.to(b_kt.dtype), input_precision="ieee")
+        p_kt = kg + rows[None, :] * (HV * K) + i_hv * K + o_k[:, None]
+        b_kt = tl.load(p_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)  # [BK, 64]
+        b_h = b_h * b_gl[:, None] + tl.dot(b_kt, b_v, input_precision=DOT_PREC)
 
     tl.store(p_pool, b_h.to(pool.dtype.element_ty), mask=m_live)

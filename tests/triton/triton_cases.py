@@ -1,0 +1,194 @@
+"""Shared harness for the Triton backend tests: random KDA problems on a poisoned pool,
+the per-token reference chained chunk by chunk, and the checks every test applies.
+
+A case draws fresh random inputs (never zeros), builds a pool whose rows not named by any
+sequence are NaN-filled, names one sequence -1 (zero state, no write-back) when there are
+several, runs `kernels.chunk_kda(..., backend="triton")`, and checks against
+`kernels.naive_recurrent_kda`: o (fully written, no NaN), final states of the named rows,
+unnamed rows bit-identical, and optionally the per-chunk intermediate states.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels import chunk_kda, naive_recurrent_kda
+from kernels.problem import CHUNK_SIZE
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test configuration. gate: "given" | "softplus" | "lower_bound" | "real_scale"
+    (softplus with exp(A_log) up to 200 and raw gates x3)."""
+
+    lengths: tuple[int, ...]
+    H: int = 2
+    HV: int = 2
+    K: int = 16
+    V: int = 16
+    gate: str = "softplus"
+    l2norm: bool = True
+    sigmoid: bool = True
+    neg_eigval: bool = False
+    dtype: torch.dtype = torch.float32
+    pool_dtype: torch.dtype = torch.float32
+    v_first: bool = True
+    intermediate: bool = False
+    zero_slot: bool = True  # name one sequence -1 when there are several
+    extra_slots: int = 2  # NaN-poisoned rows no sequence names
+
+
+@dataclass
+class Inputs:
+    """Packed inputs [1, T, ...] on the target device, plus the pool and its indices."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    cu_seqlens: torch.Tensor
+    pool: torch.Tensor
+    indices: torch.Tensor
+    gate_kwargs: dict = field(default_factory=dict)
+
+
+def make_inputs(case: Case, device: torch.device | str, seed: int) -> Inputs:
+    """Fresh random inputs for ``case`` (drawn on the CPU from ``seed``, then moved)."""
+    gen = torch.Generator().manual_seed(seed)
+    T, N = sum(case.lengths), len(case.lengths)
+    H, HV, K, V = case.H, case.HV, case.K, case.V
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = randn(1, T, H, K), randn(1, T, H, K), randn(1, T, HV, V)
+    if not case.l2norm:  # keep the recurrence stable: |k| <= 1 keeps I - beta k k^T contractive
+        q = q / q.norm(dim=-1, keepdim=True)
+        k = 0.9 * k / k.norm(dim=-1, keepdim=True)
+    beta = randn(1, T, HV) if case.sigmoid else torch.rand(1, T, HV, generator=gen)
+    g = randn(1, T, HV, K)
+    gate_kwargs: dict = {}
+    if case.gate == "given":
+        g = -F.softplus(2.0 * g - 1.0)
+    elif case.gate == "softplus":
+        # decays from ~-1e-3 (long memory) to ~-5 per token, as in trained models
+        gate_kwargs = dict(A_log=torch.rand(HV, generator=gen) * 2.0 - 1.0, dt_bias=2.0 * randn(HV, K) - 3.0)
+    elif case.gate == "lower_bound":
+        gate_kwargs = dict(A_log=torch.rand(HV, generator=gen), dt_bias=2.0 * randn(HV, K) - 3.0, lower_bound=-5.0)
+    elif case.gate == "real_scale":
+        a = torch.exp(torch.rand(HV, generator=gen) * math.log(200.0))
+        gate_kwargs = dict(A_log=torch.log(a), dt_bias=randn(HV, K))
+        g = 3.0 * g
+    else:
+        raise ValueError(case.gate)
+
+    S = N + case.extra_slots
+    shape = (S, HV, V, K) if case.v_first else (S, HV, K, V)
+    pool = torch.full(shape, float("nan"))
+    slots = torch.randperm(S, generator=gen)[:N]
+    pool[slots] = 0.5 * randn(N, *shape[1:])
+    indices = slots.clone()
+    if case.zero_slot and N > 1:
+        indices[N // 2] = -1
+    cu = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=torch.int64)
+
+    def dev(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return x.to(device=device, dtype=dtype or x.dtype)
+
+    return Inputs(
+        q=dev(q, case.dtype), k=dev(k, case.dtype), v=dev(v, case.dtype), g=dev(g, case.dtype),
+        beta=dev(beta, case.dtype), cu_seqlens=dev(cu), pool=dev(pool, case.pool_dtype),
+        indices=dev(indices), gate_kwargs={n: dev(x) if isinstance(x, torch.Tensor) else x
+                                           for n, x in gate_kwargs.items()},
+    )
+
+
+def initial_states(inp: Inputs, v_first: bool) -> torch.Tensor:
+    """[N, HV, V, K] (V-first, as the reference takes it) initial state of each sequence."""
+    rows = []
+    for i in inp.indices.tolist():
+        s = inp.pool[i].float() if i >= 0 else torch.zeros_like(inp.pool[0], dtype=torch.float32)
+        rows.append(s if v_first else s.transpose(-1, -2))
+    return torch.stack(rows)
+
+
+def reference(inp: Inputs, case: Case, dtype: torch.dtype = torch.float64):
+    """Per-token reference chained chunk by chunk: (o [T, HV, V], final [N, HV, V, K],
+    h [NT, HV, V, K]: the state before every chunk, in order), all in ``dtype``."""
+    init = initial_states(inp, case.v_first)
+    bounds = inp.cu_seqlens.tolist()
+    opts = dict(use_qk_l2norm=case.l2norm, use_beta_sigmoid=case.sigmoid,
+                allow_neg_eigval=case.neg_eigval, dtype=dtype, **inp.gate_kwargs)
+    outs, finals, hs = [], [], []
+    for n in range(len(bounds) - 1):
+        state = init[n].to(dtype)
+        for a in range(bounds[n], bounds[n + 1], CHUNK_SIZE):
+            b = min(a + CHUNK_SIZE, bounds[n + 1])
+            hs.append(state)
+            o, fin = naive_recurrent_kda(
+                inp.q[0, a:b], inp.k[0, a:b], inp.v[0, a:b], inp.g[0, a:b], inp.beta[0, a:b],
+                initial_state=state[None], **opts,
+            )
+            outs.append(o)
+            state = fin[0]
+        finals.append(state)
+    return torch.cat(outs), torch.stack(finals), torch.stack(hs)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm())
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads included)."""
+    view = torch.int32 if a.element_size() == 4 else torch.int16
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def run_triton(case: Case, inp: Inputs):
+    """chunk_kda on the Triton backend: returns (o [1, T, HV, V], h or None)."""
+    res = chunk_kda(
+        inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.pool, initial_state_indices=inp.indices,
+        use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=inp.cu_seqlens,
+        output_intermediate_states=case.intermediate, use_beta_sigmoid_in_kernel=case.sigmoid,
+        allow_neg_eigval=case.neg_eigval, state_v_first=case.v_first, backend="triton",
+        **inp.gate_kwargs,
+    )
+    return res if case.intermediate else (res, None)
+
+
+def check_case(case: Case, device: torch.device | str, seed: int, tol: float,
+               ref_dtype: torch.dtype = torch.float64) -> dict[str, float]:
+    """Run ``case`` and assert every check; returns the errors measured."""
+    inp = make_inputs(case, device, seed)
+    before = inp.pool.clone()
+    ref_o, ref_final, ref_h = reference(inp, case, ref_dtype)
+    o, h = run_triton(case, inp)
+
+    assert o.shape == inp.v.shape and o.dtype == inp.v.dtype
+    assert not torch.isnan(o).any(), "o not fully written"
+    errs = {"o": rel_err(o[0], ref_o)}
+    named = [i for i in inp.indices.tolist() if i >= 0]
+    untouched = [i for i in range(inp.pool.shape[0]) if i not in named]
+    for i in untouched:
+        assert same_bits(inp.pool[i], before[i]), f"pool row {i} (not named) was modified"
+    live = [(n, i) for n, i in enumerate(inp.indices.tolist()) if i >= 0]
+    got = torch.stack([inp.pool[i].float() for _, i in live])
+    if not case.v_first:
+        got = got.transpose(-1, -2)
+    errs["final"] = rel_err(got, torch.stack([ref_final[n] for n, _ in live]))
+    if case.intermediate:
+        assert h is not None and h.dtype == torch.float32
+        assert h.shape[:2] == (1, ref_h.shape[0])
+        hh = h[0] if case.v_first else h[0].transpose(-1, -2)
+        assert not torch.isnan(hh).any()
+        errs["h"] = rel_err(hh, ref_h)
+    for name, err in errs.items():
+        assert err <= tol, f"{name}: rel L2 error {err:.3e} > {tol:.0e} ({case})"
+    return errs
