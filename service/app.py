@@ -73,11 +73,12 @@ def _payload(data: bytes | bytearray) -> bytes | memoryview:
     return memoryview(data) if isinstance(data, bytearray) else data
 
 
-def create_app(settings: Settings, core: Optional[ServerCore] = None) -> FastAPI:
-    """The app serving ``core`` (built from ``settings`` when not given). Its lifespan
-    starts the core, warms the kernels in the background (/health/ready answers 200 after),
-    sweeps idle slots when a ttl is set, and closes the core (snapshot) at shutdown."""
-    core = core if core is not None else ServerCore(settings)
+def create_app(settings: Settings) -> FastAPI:
+    """The app serving a new `ServerCore` (``app.state.core``; the pool is allocated and
+    gate parameters loaded here, so bad settings fail before serving). Its lifespan starts
+    the core, warms the kernels in the background (/health/ready answers 200 after), sweeps
+    idle slots when a ttl is set, and closes the core (snapshot) at shutdown."""
+    core = ServerCore(settings)
     ready = asyncio.Event()
 
     async def warm() -> None:

@@ -1,8 +1,12 @@
 """`ServerCore`: the pool, the per-slot ordering, the batcher and the kernels, with no HTTP.
 
 The FastAPI app is one front end; a KServe v2 endpoint, a shared-memory transport or a Ray
-Serve shard call the same methods. Every method is a coroutine for one asyncio loop;
-device work runs on the core's `DeviceWorker` thread.
+Serve shard call the same methods. Every method is a coroutine for one asyncio loop.
+
+Threads: every pool call that touches pool memory (alloc, free, fork, state reads and
+writes, launches, sweeps, snapshots) runs on the core's one `DeviceWorker` thread, in
+order; only metadata reads (contains, slot_info, stats) run inline on the loop. Work on a
+slot first holds its (slot, layer) keys in a `SlotOrdering`, so it runs in arrival order.
 
 Order of a prefill: validate (400) -> named slots exist (404) -> allocate the null slots
 (503 when full) -> hold (slot, layer) of every slot in arrival order -> batcher -> one
@@ -15,10 +19,9 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
-from prometheus_client import CollectorRegistry
 
 import kernels
 from state_store import SlotInfo, SlotOrdering, StatePool, UnknownSlot
@@ -48,12 +51,12 @@ class _Job:
 class ServerCore:
     """Serves prefills and slot operations on one device.
 
-    ``settings`` gives the pool geometry, device, backend, gate parameters, batching and
-    ttl; ``registry`` the Prometheus registry to register metrics on (a new one if None).
+    ``settings`` gives the pool geometry, device, backend, gate parameters, batching, ttl
+    and snapshot path. Metrics go to the core's own registry (``metrics.registry``).
     Call `start` in the serving loop before use and `close` at the end.
     """
 
-    def __init__(self, settings: Settings, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, settings: Settings) -> None:
         device = settings.torch_device()
         self.pool = StatePool(
             settings.num_layers, settings.num_slots, settings.num_heads, settings.head_dim, settings.v_dim,
@@ -63,7 +66,7 @@ class ServerCore:
         self.backend = kernels.default_backend(self.geometry.device) if settings.backend == "auto" else settings.backend
         self.gates: dict[int, Gate] = load_gate_params(settings.gate_params, self.geometry) if settings.gate_params else {}
         self.snapshot_path = settings.snapshot_path
-        self.metrics = Metrics(free_slots=lambda: self.pool.stats().free, registry=registry)
+        self.metrics = Metrics(free_slots=lambda: self.pool.stats().free)
         self.ordering = SlotOrdering()
         self.worker = DeviceWorker()
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -18,9 +17,8 @@ class Metrics:
     """The server's metrics: HTTP requests and errors by route and status, prefill tokens,
     launch sizes, time queued before a launch and time in the kernel, free slots."""
 
-    def __init__(self, free_slots: Callable[[], float], registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+    def __init__(self, free_slots: Callable[[], float]) -> None:
+        self.registry = r = CollectorRegistry()
         self.requests = Counter("kda_http_requests", "HTTP requests by route, method and status",
                                 ["route", "method", "status"], registry=r)
         self.errors = Counter("kda_http_errors", "HTTP responses with status >= 400, by route and status",

@@ -11,6 +11,7 @@ import pytest
 import torch
 from service_helpers import H, HV, K, LAYERS, ROOT, SLOTS, TOL, V, make_sequence, reference, rel
 
+from service.app import create_app
 from service.batcher import Batcher
 from service.config import Settings, parse_settings
 from service.core import ServerCore
@@ -198,3 +199,12 @@ def test_server_core_runs_without_fastapi(gen):
     assert result.slots[0] != result.slots[1] and len(result.allocated) == 1
     assert rel(result.o, o_ref) < TOL and rel(result.final_state, final_ref) < TOL
     assert torch.equal(state[0], result.final_state[1])
+
+
+def test_apps_keep_their_own_metrics():
+    """Each app registers on its own registry: two in one process neither clash nor mix."""
+    settings = Settings(num_layers=1, num_slots=2, num_heads=2, head_dim=8)
+    a, b = create_app(settings), create_app(settings)
+    a.state.core.metrics.tokens.inc(5)
+    assert b"kda_prefill_tokens_total 5.0" in a.state.core.metrics.render()
+    assert b"kda_prefill_tokens_total 0.0" in b.state.core.metrics.render()
