@@ -82,14 +82,21 @@ def create_app(settings: Settings) -> FastAPI:
     ready = asyncio.Event()
 
     async def warm() -> None:
-        await core.warmup()
+        try:
+            await core.warmup()
+        except Exception:
+            log.exception("kernel warmup failed: /health/ready stays 503")
+            return
         ready.set()
         log.info("kernels warm (%s on %s); ready", core.backend, core.geometry.device)
 
     async def sweep_forever(period: float) -> None:
         while True:
             await asyncio.sleep(period)
-            await core.sweep()
+            try:
+                await core.sweep()
+            except Exception:
+                log.exception("idle sweep failed; retrying in %.2f s", period)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -178,9 +185,10 @@ def create_app(settings: Settings) -> FastAPI:
         decode = decode_prefill_json if encoding == JSON else decode_prefill_safetensors
         result = await core.prefill(await run_cpu(decode, body, nbytes=len(body)))
         if result.allocated and await request.is_disconnected():
-            for slot_id in result.allocated:
+            for slot_id in result.allocated:  # nobody will learn their ids
                 await core.free(slot_id)
             log.info("client gone before the response; freed the %d slot(s) it allocated", len(result.allocated))
+            return Response(status_code=499)  # nginx's "client closed request": seen only in metrics
         encode = encode_prefill_json if reply == JSON else encode_prefill_safetensors
         size = result.o.numel() * result.o.element_size()
         return Response(_payload(await run_cpu(encode, result, nbytes=size)), media_type=reply)

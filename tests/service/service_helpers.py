@@ -124,3 +124,17 @@ def pool_image(url: str, slots: Sequence[str], headers: Optional[dict[str, str]]
         image: dict[str, object] = {s: http.get(f"/slots/{s}/state").content for s in slots}
         image["free_slots"] = http.get("/info").json()["free_slots"]
     return image
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        sample_name, _, rest = sample.partition("{")
+        got = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
+        if sample_name == name and got == want:
+            return float(value)
+    return 0.0

@@ -6,8 +6,7 @@ import itertools
 
 import httpx
 import torch
-from service_helpers import TOL, make_sequence, reference, rel
-from test_service_slots import _metric
+from service_helpers import TOL, make_sequence, metric, reference, rel
 
 from service.client import AsyncKDAClient
 
@@ -51,10 +50,10 @@ def test_twenty_clients_ten_requests_each_end_at_their_reference(server):
 
     asyncio.run(main())
     after = scrape()
-    launches = _metric(after, "kda_batch_requests_count") - _metric(before, "kda_batch_requests_count")
-    single = (_metric(after, "kda_batch_requests_bucket", le="1.0")
-              - _metric(before, "kda_batch_requests_bucket", le="1.0"))
-    requests = _metric(after, "kda_batch_requests_sum") - _metric(before, "kda_batch_requests_sum")
+    launches = metric(after, "kda_batch_requests_count") - metric(before, "kda_batch_requests_count")
+    single = (metric(after, "kda_batch_requests_bucket", le="1.0")
+              - metric(before, "kda_batch_requests_bucket", le="1.0"))
+    requests = metric(after, "kda_batch_requests_sum") - metric(before, "kda_batch_requests_sum")
     assert requests == CLIENTS * REQUESTS
     assert launches - single > 0, "no launch merged two or more requests"
     assert launches < requests
@@ -74,16 +73,15 @@ def test_concurrent_requests_on_one_slot_apply_one_at_a_time(server, gen):
 
     outs, state = asyncio.run(fire())
     finals = [o.final_state[0] for o in outs]
-    matches = []
-    for order in itertools.permutations(range(len(seqs))):  # find the order they ran in
-        prefix_ok = True
+
+    def serial(order: tuple[int, ...]) -> bool:
+        """Whether response order[n] is the state after requests order[0..n], for every n."""
         for n in range(1, len(order) + 1):
             whole = tuple(torch.cat([seqs[j][t] for j in order[:n]]) for t in range(5))
             if rel(finals[order[n - 1]], reference([whole])[1][0]) >= TOL:
-                prefix_ok = False
-                break
-        if prefix_ok:
-            matches.append(order)
-            break
-    assert matches, "the responses are not one serial application of the requests"
-    assert torch.equal(state[0], finals[matches[0][-1]])
+                return False
+        return True
+
+    order = next((o for o in itertools.permutations(range(len(seqs))) if serial(o)), None)
+    assert order is not None, "the responses are not one serial application of the requests"
+    assert torch.equal(state[0], finals[order[-1]])

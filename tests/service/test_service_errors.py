@@ -6,6 +6,7 @@ import base64
 import json
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
@@ -14,7 +15,7 @@ import httpx
 import pytest
 import torch
 from conftest import MAX_BODY_MB
-from service_helpers import H, HV, K, LAYERS, SLOTS, V, make_sequence, pool_image, random_state
+from service_helpers import H, HV, K, LAYERS, SLOTS, V, make_sequence, metric, pool_image, random_state
 
 from service.client import KDAClient, PoolFullError
 from service.wire.safetensors_codec import encode_safetensors
@@ -330,3 +331,47 @@ def test_pool_full_is_503_with_retry_after(server, victims, gen):
         finally:
             for slot in filler:
                 c.free(slot)
+
+
+def _send_and_hang_up(server, head: str, body: bytes) -> None:
+    url = urlsplit(server.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(head.encode() + body)
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _prefill_count(server, status: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return metric(text, "kda_http_requests_total", route="/prefill", method="POST", status=status)
+
+
+def test_client_gone_mid_upload_changes_nothing(server, victims, gen):
+    before = pool_image(server.url, victims[:3])
+    seen = _prefill_count(server, "400")
+    body = Ctx(victims, gen).st_body(Ctx(victims, gen).request(slots=[victims[0], None]))
+    head = (f"POST /prefill HTTP/1.1\r\nHost: x\r\nContent-Type: {ST}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    _send_and_hang_up(server, head, body[: len(body) // 2])
+    assert _wait_for(lambda: _prefill_count(server, "400") == seen + 1)  # the server saw it go
+    assert pool_image(server.url, victims[:3]) == before
+
+
+def test_client_gone_before_the_response_frees_the_slots_it_allocated(server, victims, gen):
+    """The whole request arrives, then the client hangs up during the batch window: the
+    prefill runs, but the new slot nobody will hear of is freed again."""
+    free = pool_image(server.url, [])["free_slots"]
+    body = Ctx(victims, gen).st_body(Ctx(victims, gen).request(lengths=(9,), slots=[None]), lengths=(9,))
+    head = (f"POST /prefill HTTP/1.1\r\nHost: x\r\nContent-Type: {ST}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    seen = _prefill_count(server, "499")
+    _send_and_hang_up(server, head, body)
+    assert _wait_for(lambda: _prefill_count(server, "499") == seen + 1)
+    assert pool_image(server.url, [])["free_slots"] == free

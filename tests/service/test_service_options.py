@@ -8,8 +8,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
-from service_helpers import GEOMETRY_ARGS, HV, K, LAYERS, TOL, V, make_sequence, reference, rel, start_server
-from test_service_slots import _metric
+from service_helpers import GEOMETRY_ARGS, HV, K, LAYERS, TOL, V, make_sequence, metric, reference, rel, start_server
 
 from service.client import BadRequest, KDAClient, SlotNotFound, Unauthorized
 
@@ -115,7 +114,7 @@ def test_idle_slots_expire(tmp_path):
             slot = c.alloc()[0]
             time.sleep(1.5)  # the sweep runs every ttl / 4
             metrics = httpx.get(f"{srv.url}/metrics").text
-            assert _metric(metrics, "kda_slots_expired_total") >= 1
+            assert metric(metrics, "kda_slots_expired_total") >= 1
             with pytest.raises(SlotNotFound):
                 c.slot_info(slot)
     finally:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load as st_load
-from service_helpers import HV, K, LAYERS, SLOTS, TOL, V, make_sequence, random_state, reference, rel
+from service_helpers import HV, K, LAYERS, SLOTS, TOL, V, make_sequence, metric, random_state, reference, rel
 
 from service.client import KDAClient, SlotNotFound
 
@@ -89,20 +89,6 @@ def test_info_fields(client):
     }
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        sample, _, value = line.rpartition(" ")
-        sample_name, _, rest = sample.partition("{")
-        got = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
-        if sample_name == name and got == want:
-            return float(value)
-    return 0.0
-
-
 def test_metrics_move(client, server, gen):
     scrape = lambda: httpx.get(f"{server.url}/metrics").text  # noqa: E731
     before = scrape()
@@ -112,14 +98,14 @@ def test_metrics_move(client, server, gen):
     after = scrape()
     ok = dict(route="/prefill", method="POST", status="200")
     missing = dict(route="/slots/{slot_id}", method="GET", status="404")
-    assert _metric(after, "kda_http_requests_total", **ok) == _metric(before, "kda_http_requests_total", **ok) + 1
-    assert _metric(after, "kda_http_errors_total", **missing) == _metric(before, "kda_http_errors_total", **missing) + 1
-    assert _metric(after, "kda_prefill_tokens_total") == _metric(before, "kda_prefill_tokens_total") + 15
-    assert _metric(after, "kda_prefill_sequences_total") == _metric(before, "kda_prefill_sequences_total") + 2
-    assert _metric(after, "kda_batch_requests_count") > _metric(before, "kda_batch_requests_count")
-    assert _metric(after, "kda_kernel_seconds_count") > _metric(before, "kda_kernel_seconds_count")
-    assert _metric(after, "kda_queue_seconds_count") > _metric(before, "kda_queue_seconds_count")
-    assert _metric(after, "kda_free_slots") == client.info()["free_slots"]
+    assert metric(after, "kda_http_requests_total", **ok) == metric(before, "kda_http_requests_total", **ok) + 1
+    assert metric(after, "kda_http_errors_total", **missing) == metric(before, "kda_http_errors_total", **missing) + 1
+    assert metric(after, "kda_prefill_tokens_total") == metric(before, "kda_prefill_tokens_total") + 15
+    assert metric(after, "kda_prefill_sequences_total") == metric(before, "kda_prefill_sequences_total") + 2
+    assert metric(after, "kda_batch_requests_count") > metric(before, "kda_batch_requests_count")
+    assert metric(after, "kda_kernel_seconds_count") > metric(before, "kda_kernel_seconds_count")
+    assert metric(after, "kda_queue_seconds_count") > metric(before, "kda_queue_seconds_count")
+    assert metric(after, "kda_free_slots") == client.info()["free_slots"]
 
 
 def test_health_and_openapi(server):
