@@ -233,12 +233,21 @@ class _Calls:
         return _prefill_call(self.media, layer, sequences, **options)
 
 
+_SEND_CHUNK = 1 << 20
+"""Bodies go out in 1 MiB views: httpx would copy a bytearray into bytes, and httpcore
+re-slices what a socket send leaves over, which is quadratic on one large buffer
+(62 MB: ~200 MB/s in one piece, ~320 MB/s in 1 MiB pieces, on loopback)."""
+
+
 def _chunks(body: Union[bytes, bytearray]) -> Iterator[memoryview]:
-    yield memoryview(body)  # streamed as is: httpx would copy a bytearray into bytes
+    view = memoryview(body)
+    for start in range(0, len(view), _SEND_CHUNK):
+        yield view[start:start + _SEND_CHUNK]
 
 
 async def _achunks(body: Union[bytes, bytearray]) -> AsyncIterator[memoryview]:
-    yield memoryview(body)
+    for chunk in _chunks(body):
+        yield chunk
 
 
 def _client_headers(api_key: Optional[str]) -> dict[str, str]:
