@@ -119,6 +119,7 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         summary="KDA (Kimi Delta Attention) chunked prefill over HTTP, on an in-place state pool",
         lifespan=lifespan,
+        redirect_slashes=False,  # "/slots/" is a 404, not a redirect outside the documented statuses
     )
     app.state.core = core
     install_problem_handlers(app)
@@ -193,12 +194,13 @@ def create_app(settings: Settings) -> FastAPI:
         size = result.o.numel() * result.o.element_size()
         return Response(_payload(await run_cpu(encode, result, nbytes=size)), media_type=reply)
 
-    @app.get("/info", response_model=Info, summary="Pool geometry, device, backend and free slots")
+    @app.get("/info", response_model=Info, responses=_errors(),
+             summary="Pool geometry, device, backend and free slots")
     async def info() -> dict[str, Any]:
         return core.info()
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors()})
     async def metrics() -> Response:
         return Response(core.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
