@@ -18,9 +18,16 @@ from service.client import KDAClient  # noqa: E402
 
 MAX_BODY_MB = 1  # small, so the 413 tests send little
 
-# The float64 reference runs thousands of tiny ops: one thread is ~50x faster than a pool
-# spinning against the server process on a 2-core CI machine.
-torch.set_num_threads(1)
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The float64 reference runs thousands of tiny ops: one thread is ~50x faster than a
+    pool spinning against the server process on a 2-core CI machine. Restored afterwards,
+    so tests elsewhere keep their threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
