@@ -1,20 +1,14 @@
 """Fixtures for the service tests: one shared kda-serve process for the HTTP tests."""
 from __future__ import annotations
 
-import sys
 import zlib
-from pathlib import Path
 from typing import Iterator
 
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:  # the repository root, when the package is not installed
-    sys.path.insert(0, _ROOT)
+import pytest
+import torch
+from service_helpers import GEOMETRY_ARGS, Server, start_server
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from service_helpers import GEOMETRY_ARGS, Server, start_server  # noqa: E402
-
-from service.client import KDAClient  # noqa: E402
+from service.client import KDAClient
 
 MAX_BODY_MB = 1  # small, so the 413 tests send little
 
