@@ -68,7 +68,7 @@ class ServerCore:
         self.snapshot_path = settings.snapshot_path
         self.metrics = Metrics(free_slots=lambda: self.pool.stats().free)
         self.ordering = SlotOrdering()
-        self.worker = DeviceWorker()
+        self.worker = DeviceWorker(self.geometry.device)
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
             self._run_batch, self.worker, self.metrics,
             window_s=settings.batch_window_ms / 1000.0, max_tokens=settings.max_batch_tokens,

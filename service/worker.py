@@ -12,12 +12,18 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+import torch
+
 _T = TypeVar("_T")
 
 
 class DeviceWorker:
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-device")
+    """The thread for ``device``; on CUDA it makes that device current there, so kernels
+    that use the current device (Triton's launcher, streams) see the right one."""
+
+    def __init__(self, device: torch.device) -> None:
+        initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-device", initializer=initializer)
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` on the device thread, awaited from the event loop."""

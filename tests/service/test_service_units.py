@@ -102,7 +102,7 @@ def run_batcher(window_s: float, max_tokens: int, jobs: list[tuple[str, int, obj
         return [ValueError(j) if j in fail else f"done {j}" for j in batch]
 
     async def main():
-        worker = DeviceWorker()
+        worker = DeviceWorker(torch.device("cpu"))
         batcher = Batcher(run_batch, worker, Metrics(lambda: 0), window_s=window_s, max_tokens=max_tokens)
         batcher.start()
         outcomes = await asyncio.gather(*(batcher.submit(key, n, j) for key, n, j in jobs), return_exceptions=True)
@@ -133,7 +133,7 @@ def test_batcher_without_window_launches_at_once():
 
 def test_batcher_refuses_after_close():
     async def main():
-        worker = DeviceWorker()
+        worker = DeviceWorker(torch.device("cpu"))
         batcher = Batcher(lambda b: b, worker, Metrics(lambda: 0), window_s=0, max_tokens=1)
         batcher.start()
         await batcher.close()
