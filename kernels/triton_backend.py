@@ -116,7 +116,9 @@ def run_triton(
     a_log = p.A_log.contiguous() if p.A_log is not None else q
     dt_bias = p.dt_bias.contiguous() if p.dt_bias is not None else q
     lower_bound = 0.0 if p.lower_bound is None else p.lower_bound
-    dot_prec = "ieee" if f32 in (q.dtype, k.dtype, v.dtype) else "tf32"
+    fp32_inputs = f32 in (q.dtype, k.dtype, v.dtype)
+    dot_prec = "ieee" if fp32_inputs else "tf32"
+    mat = torch.float16 if cfg.fp16_operands and not fp32_inputs else f32
     flags = dict(
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         USE_L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, NEG_EIGVAL=p.allow_neg_eigval,
@@ -124,10 +126,10 @@ def run_triton(
 
     n_chunks, n_seqs = plan.chunks.shape[0], plan.seqs.shape[0]
     if n_chunks > 0:
-        w = torch.empty(T, HV, K, dtype=f32, device=device)
+        w = torch.empty(T, HV, K, dtype=mat, device=device)
         kg, qg = torch.empty_like(w), torch.empty_like(w)
         u = torch.empty(T, HV, V, dtype=f32, device=device)
-        aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=f32, device=device)
+        aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=mat, device=device)
         gexp = torch.empty(NT, HV, K, dtype=f32, device=device)
         chunk_intra_kernel[(n_chunks, HV)](
             q, k, v, g, beta, a_log, dt_bias, w, u, kg, qg, aqk, gexp, plan.chunks,

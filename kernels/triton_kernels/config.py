@@ -30,6 +30,9 @@ class LaunchConfig:
     rec_bv: int
     rec_warps: int
     fuse_output: bool | None = None  # None: decided by shape (`fuse_output`)
+    # 16-bit inputs: store w, kg, qg, A_qk in fp16 and multiply in fp16 (10-bit mantissa, as
+    # tf32) instead of fp32 + tf32; fp32 inputs always keep fp32 and full-precision products.
+    fp16_operands: bool = False
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)
@@ -59,11 +62,12 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
             intra_bk=bk, intra_bkd=bk, intra_bv=bv, intra_warps=4,
             state_bv=bv, state_warps=4, state_stages=1,
             out_bk=bk, out_bv=bv, out_warps=4, out_stages=1,
-            rec_bv=bv, rec_warps=4,
+            rec_bv=bv, rec_warps=4, fp16_operands=True,
         )
     return LaunchConfig(
-        intra_bk=min(bk, 32), intra_bkd=8, intra_bv=min(bv, 64), intra_warps=4,
-        state_bv=min(bv, 32 if bk > 128 else 64), state_warps=4, state_stages=2,
-        out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
+        intra_bk=min(bk, 32), intra_bkd=8, intra_bv=min(bv, 64), intra_warps=8,
+        state_bv=min(bv, 32), state_warps=8, state_stages=2,
+        out_bk=min(bk, 64), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
+        fp16_operands=True,
     )

@@ -20,8 +20,8 @@ def chunk_output_kernel(
 ):
     """Grid (NTc * cdiv(V, BV), HV). chunks: [NTc, 3] int64 (first token, end token, h index).
 
-    qg: [T, HV, K], v_new: [T, HV, V], aqk: [T, HV, 64], h: [NT, HV, .., ..] (strides
-    s_hk, s_hv), all fp32; o: [T, HV, V] in v's dtype.
+    qg: [T, HV, K], aqk: [T, HV, 64] in the operand dtype (fp32 or fp16); v_new: [T, HV, V]
+    and h: [NT, HV, .., ..] (strides s_hk, s_hv) fp32; o: [T, HV, V] in v's dtype.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -45,9 +45,9 @@ def chunk_output_kernel(
                       mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_h = tl.load(h_base + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
-        acc = tl.dot(b_q, b_h, acc, input_precision=DOT_PREC)
+        acc = tl.dot(b_q, b_h.to(b_q.dtype), acc, input_precision=DOT_PREC)
     b_a = tl.load(aqk + rows[:, None] * (HV * 64) + i_hv * 64 + o_t[None, :], mask=m_t[:, None], other=0.0)
     m_tv = m_t[:, None] & m_v[None, :]
     b_v = tl.load(v_new + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
-    acc = tl.dot(b_a, b_v, acc, input_precision=DOT_PREC)
+    acc = tl.dot(b_a, b_v.to(b_a.dtype), acc, input_precision=DOT_PREC)
     tl.store(o + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)

@@ -31,8 +31,8 @@ def chunk_state_kernel(
     """Grid (Nc * HV * cdiv(V, BV),). seqs: [Nc, 4] int64 (sequence id, first token, end
     token, h index of its first chunk).
 
-    w, kg, qg: [T, HV, K]; u, v_new: [T, HV, V]; aqk: [T, HV, 64]; gexp: [NT, HV, K] (all
-    fp32); o: [T, HV, V] in v's dtype (FUSE_OUT) ; v_new written unless FUSE_OUT;
+    w, kg, qg: [T, HV, K] and aqk: [T, HV, 64] in the operand dtype (fp32 or fp16: the
+    products cast S and v_new to it); u, v_new: [T, HV, V] and gexp: [NT, HV, K] fp32; o: [T, HV, V] in v's dtype (FUSE_OUT) ; v_new written unless FUSE_OUT;
     h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state (STORE_H);
     pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64.
     """
@@ -71,19 +71,18 @@ def chunk_state_kernel(
         p_tv = rows[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
         b_v = tl.load(u + p_tv, mask=m_tv, other=0.0)
-        b_v -= tl.dot(b_w, b_h, input_precision=DOT_PREC)
+        b_v -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
         if FUSE_OUT:
             b_q = tl.load(qg + p_tk, mask=m_tk, other=0.0)
             b_a = tl.load(aqk + rows[:, None] * (HV * 64) + i_hv * 64 + o_t[None, :], mask=m_t[:, None], other=0.0)
-            b_o = tl.dot(b_q, b_h, input_precision=DOT_PREC)
-            b_o = tl.dot(b_a, b_v, b_o, input_precision=DOT_PREC)
+            b_o = tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PREC)
+            b_o = tl.dot(b_a, b_v.to(b_a.dtype), b_o, input_precision=DOT_PREC)
             tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
         else:
             tl.store(v_new + p_tv, b_v, mask=m_tv)
 
         b_gl = tl.load(gexp + (i_g * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        p_kt = kg + rows[None, :] * (HV * K) + i_hv * K + o_k[:, None]
-        b_kt = tl.load(p_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)  # [BK, 64]
-        b_h = b_h * b_gl[:, None] + tl.dot(b_kt, b_v, input_precision=DOT_PREC)
+        b_k = tl.load(kg + p_tk, mask=m_tk, other=0.0)
+        b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PREC)
 
     tl.store(p_pool, b_h.to(pool.dtype.element_ty), mask=m_live)

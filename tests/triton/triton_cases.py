@@ -119,7 +119,8 @@ def initial_states(inp: Inputs, v_first: bool) -> torch.Tensor:
 
 def reference(inp: Inputs, case: Case, dtype: torch.dtype = torch.float64):
     """Per-token reference chained chunk by chunk: (o [T, HV, V], final [N, HV, V, K],
-    h [NT, HV, V, K]: the state before every chunk, in order), all in ``dtype``."""
+    h [NT, HV, V, K] or None: the state before every chunk, in order, when
+    ``case.intermediate``), all in ``dtype``."""
     init = initial_states(inp, case.v_first)
     bounds = inp.cu_seqlens.tolist()
     opts = dict(use_qk_l2norm=case.l2norm, use_beta_sigmoid=case.sigmoid,
@@ -129,7 +130,8 @@ def reference(inp: Inputs, case: Case, dtype: torch.dtype = torch.float64):
         state = init[n].to(dtype)
         for a in range(bounds[n], bounds[n + 1], CHUNK_SIZE):
             b = min(a + CHUNK_SIZE, bounds[n + 1])
-            hs.append(state)
+            if case.intermediate:
+                hs.append(state)
             o, fin = naive_recurrent_kda(
                 inp.q[0, a:b], inp.k[0, a:b], inp.v[0, a:b], inp.g[0, a:b], inp.beta[0, a:b],
                 initial_state=state[None], **opts,
@@ -137,7 +139,7 @@ def reference(inp: Inputs, case: Case, dtype: torch.dtype = torch.float64):
             outs.append(o)
             state = fin[0]
         finals.append(state)
-    return torch.cat(outs), torch.stack(finals), torch.stack(hs)
+    return torch.cat(outs), torch.stack(finals), torch.stack(hs) if hs else None
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
