@@ -6,11 +6,9 @@ from typing import Iterator
 
 import pytest
 import torch
-from service_helpers import GEOMETRY_ARGS, Server, start_server
+from service_helpers import GEOMETRY_ARGS, MAX_BODY_MB, Server, start_server
 
 from service.client import KDAClient
-
-MAX_BODY_MB = 1  # small, so the 413 tests send little
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -25,6 +25,7 @@ LAYERS, SLOTS, HV, H, K, V = 2, 256, 4, 2, 16, 32
 GEOMETRY_ARGS = ["--num-layers", str(LAYERS), "--num-slots", str(SLOTS), "--num-heads", str(HV),
                  "--head-dim", str(K), "--head-v-dim", str(V)]
 TOL = 1e-4  # relative L2 against float64, fp32 inputs
+MAX_BODY_MB = 1  # the shared server's body limit: small, so the 413 tests send little
 
 
 def free_port() -> int:

@@ -14,8 +14,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import torch
-from conftest import MAX_BODY_MB
-from service_helpers import H, HV, K, LAYERS, SLOTS, V, make_sequence, metric, pool_image, random_state
+from service_helpers import (
+    MAX_BODY_MB, H, HV, K, LAYERS, SLOTS, V, make_sequence, metric, pool_image, random_state,
+)
 
 from service.client import KDAClient, PoolFullError
 from service.wire.safetensors_codec import encode_safetensors
