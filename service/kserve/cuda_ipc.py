@@ -1,0 +1,78 @@
+"""CUDA IPC memory of another process (the CUDA shared memory extension), opened with
+cuda-python's runtime bindings (``cuda.bindings.runtime``, the package tritonclient's own
+``tritonclient.utils.cuda_shared_memory`` uses to make such handles).
+
+A client allocates device memory, takes a ``cudaIpcMemHandle_t`` of it and registers the
+handle's 64 raw bytes (base64); `IpcMemory` opens it here and views it as a torch uint8
+tensor on that device, without a copy. The client must have finished writing before it
+sends a request that reads the region (the protocol's rule, as in Triton).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from typing import Any, Optional
+
+import torch
+
+from ..errors import InvalidRequest
+
+NO_CUDA = "CUDA shared memory needs a CUDA device; this server has none (use system shared memory)"
+NO_CUDA_PYTHON = ("CUDA shared memory needs the cuda-python package on the server "
+                  "(pip install cuda-python); use system shared memory meanwhile")
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why CUDA IPC cannot work in this process, or None when it can."""
+    if not torch.cuda.is_available():
+        return NO_CUDA
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return NO_CUDA_PYTHON
+    return None
+
+
+class _CudaArray:
+    """The smallest object torch.as_tensor takes as device memory (``__cuda_array_interface__``)."""
+
+    def __init__(self, pointer: int, byte_size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (byte_size,), "typestr": "|u1", "data": (pointer, False), "strides": None, "version": 3,
+        }
+
+
+class IpcMemory:
+    """An opened IPC handle: ``tensor`` is uint8 [byte_size] on ``cuda:device_id`` over the
+    client's allocation. `close` unmaps it (the client's memory stays the client's)."""
+
+    def __init__(self, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        from cuda.bindings import runtime as cudart  # present: see unavailable_reason
+
+        self._cudart = cudart
+        if len(raw_handle) != cudart.CUDA_IPC_HANDLE_SIZE:
+            raise InvalidRequest(f"raw_handle must hold a {cudart.CUDA_IPC_HANDLE_SIZE}-byte cudaIpcMemHandle_t, "
+                                 f"got {len(raw_handle)} bytes", field="raw_handle")
+        if device_id >= torch.cuda.device_count():
+            raise InvalidRequest(f"device_id {device_id} out of range: this server sees "
+                                 f"{torch.cuda.device_count()} CUDA device(s)", field="device_id")
+        handle = cudart.cudaIpcMemHandle_t()
+        ctypes.memmove(handle.getPtr(), raw_handle, len(raw_handle))
+        self.device = torch.device("cuda", device_id)
+        with torch.cuda.device(self.device):
+            torch.cuda.init()  # the primary context the IPC mapping lives in
+            err, pointer = cudart.cudaIpcOpenMemHandle(handle, cudart.cudaIpcMemLazyEnablePeerAccess)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise InvalidRequest(f"cudaIpcOpenMemHandle failed: {self._error_name(err)} (the handle must come from "
+                                 f"cudaIpcGetMemHandle in another process, on device {device_id})", field="raw_handle")
+        self._pointer = int(pointer)
+        self.tensor = torch.as_tensor(_CudaArray(self._pointer, byte_size), device=self.device)
+
+    def _error_name(self, err: Any) -> str:
+        return self._cudart.cudaGetErrorName(err)[1].decode()
+
+    def close(self) -> None:
+        """Drop the view and unmap the client's memory; RuntimeError if CUDA refuses."""
+        del self.tensor
+        with torch.cuda.device(self.device):
+            (err,) = self._cudart.cudaIpcCloseMemHandle(self._pointer)
+        if err != self._cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaIpcCloseMemHandle failed: {self._error_name(err)}")

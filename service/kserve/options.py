@@ -1,0 +1,118 @@
+"""Request parameters of ``/v2/models/kda/infer``, read strictly into `InferOptions`.
+
+Sequence (Triton's sequence batcher): ``sequence_id`` (uint64 or string; 0 and "" mean no
+sequence), ``sequence_start``, ``sequence_end``. Slots managed through the REST API
+instead: ``slot``. Prefill options as on ``/prefill``: ``layer`` (default 0),
+``lower_bound``, ``scale``, ``use_qk_l2norm``, ``use_beta_sigmoid``, ``allow_neg_eigval``.
+Binary tensor data: ``binary_data_output``. Any other name is refused, so a typo never
+runs with a default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from ..errors import InvalidRequest
+from .protocol import Parameters, ParameterValue
+
+SequenceId = Union[int, str]
+"""A sequence id as sent: ``42`` and ``"42"`` are different sequences."""
+
+UINT64_MAX = (1 << 64) - 1
+SEQUENCE_ID_MAX_CHARS = 256
+KNOWN = ("sequence_id", "sequence_start", "sequence_end", "slot", "layer", "lower_bound", "scale",
+         "use_qk_l2norm", "use_beta_sigmoid", "allow_neg_eigval", "binary_data_output")
+
+
+@dataclass(frozen=True)
+class InferOptions:
+    """What a request's parameters ask for. ``sequence`` is None outside a sequence."""
+
+    sequence: Optional[SequenceId] = None
+    start: bool = False
+    end: bool = False
+    slot: Optional[str] = None
+    layer: int = 0
+    lower_bound: Optional[float] = None
+    scale: Optional[float] = None
+    use_qk_l2norm: bool = False
+    use_beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+    binary_data_output: bool = False
+
+
+def _fail(name: str, detail: str) -> InvalidRequest:
+    return InvalidRequest(detail, field=f"parameters.{name}")
+
+
+def _type_name(value: ParameterValue) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}[type(value)]
+
+
+def _sequence_id(value: ParameterValue) -> Optional[SequenceId]:
+    if type(value) is int:
+        if not 0 <= value <= UINT64_MAX:
+            raise _fail("sequence_id", f"sequence_id must be a uint64 (0..{UINT64_MAX}) or a string, got {value}")
+        return value or None
+    if type(value) is str:
+        if len(value) > SEQUENCE_ID_MAX_CHARS:
+            raise _fail("sequence_id", f"a string sequence_id has at most {SEQUENCE_ID_MAX_CHARS} characters, "
+                                       f"got {len(value)}")
+        return value or None
+    raise _fail("sequence_id", f"sequence_id must be a uint64 or a string, got a {_type_name(value)}")
+
+
+def _bool(params: Parameters, name: str) -> bool:
+    value = params.get(name, False)
+    if type(value) is not bool:
+        raise _fail(name, f"{name} must be a boolean, got a {_type_name(value)}")
+    return value
+
+
+def _number(params: Parameters, name: str) -> Optional[float]:
+    value = params.get(name)
+    if value is not None and type(value) not in (int, float):
+        raise _fail(name, f"{name} must be a number, got a {_type_name(value)}")
+    return None if value is None else float(value)
+
+
+def _layer(params: Parameters) -> int:
+    value = params.get("layer", 0)
+    if type(value) is not int:
+        raise _fail("layer", f"layer must be an integer, got a {_type_name(value)}")
+    return value
+
+
+def _slot(params: Parameters) -> Optional[str]:
+    value = params.get("slot")
+    if value is not None and (type(value) is not str or not value):
+        raise _fail("slot", "slot must be a non-empty string (a slot id from POST /slots)")
+    return value
+
+
+def parse_options(params: Parameters) -> InferOptions:
+    """`InferOptions` from a request's ``parameters``; InvalidRequest (400) naming the
+    parameter for an unknown name, a wrong type, START/END without a sequence id, or both
+    a sequence id and a slot."""
+    unknown = sorted(set(params) - set(KNOWN))
+    if unknown:
+        raise _fail(unknown[0], f"unknown request parameter(s) {unknown}; this model takes {list(KNOWN)}")
+    options = InferOptions(
+        sequence=_sequence_id(params["sequence_id"]) if "sequence_id" in params else None,
+        start=_bool(params, "sequence_start"),
+        end=_bool(params, "sequence_end"),
+        slot=_slot(params),
+        layer=_layer(params),
+        lower_bound=_number(params, "lower_bound"),
+        scale=_number(params, "scale"),
+        use_qk_l2norm=_bool(params, "use_qk_l2norm"),
+        use_beta_sigmoid=_bool(params, "use_beta_sigmoid"),
+        allow_neg_eigval=_bool(params, "allow_neg_eigval"),
+        binary_data_output=_bool(params, "binary_data_output"),
+    )
+    if options.sequence is None and (options.start or options.end):
+        flag = "sequence_start" if options.start else "sequence_end"
+        raise _fail(flag, f"{flag} needs a non-zero (or non-empty) sequence_id")
+    if options.sequence is not None and options.slot is not None:
+        raise _fail("slot", "give sequence_id or slot, not both: a sequence's slot is chosen by the server")
+    return options

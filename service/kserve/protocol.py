@@ -1,0 +1,78 @@
+"""The JSON documents of the Open Inference Protocol (KServe v2) this server reads, as
+strict pydantic models: unknown members are refused, numbers are not taken from strings.
+
+Parameters (request, input, output) are ``name -> string | number | boolean`` as the
+protocol says; which names are allowed, and their types, is `service.kserve.options`' and
+`service.kserve.codec`'s business.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from ..wire.tensors import MAX_RANK
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+ParameterValue = Union[StrictBool, StrictInt, StrictFloat, StrictStr]
+Parameters = dict[str, ParameterValue]
+NAME_MAX = 256
+
+
+class RequestInput(BaseModel):
+    """``$request_input``: one tensor; its bytes are in ``data`` (JSON numbers), in the
+    binary part of the body (``parameters.binary_data_size``) or in a registered shared
+    memory region (``parameters.shared_memory_region``)."""
+
+    model_config = _STRICT
+    name: Annotated[str, Field(max_length=NAME_MAX)]
+    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_RANK)]
+    datatype: Annotated[str, Field(max_length=16)]
+    parameters: Parameters = Field(default_factory=dict)
+    data: Optional[list[Any]] = Field(None, description="row-major numbers, nested or flat")
+
+
+class RequestOutput(BaseModel):
+    """``$request_output``: an output to return, as JSON, binary data or into shared memory."""
+
+    model_config = _STRICT
+    name: Annotated[str, Field(max_length=NAME_MAX)]
+    parameters: Parameters = Field(default_factory=dict)
+
+
+class InferenceRequest(BaseModel):
+    """``$inference_request``. ``model_name`` / ``model_version`` are tolerated in the body
+    (some clients echo them); the URL decides the model."""
+
+    model_config = _STRICT
+    id: Optional[Annotated[str, Field(max_length=NAME_MAX)]] = None
+    model_name: Optional[str] = None
+    model_version: Optional[str] = None
+    parameters: Parameters = Field(default_factory=dict)
+    inputs: Annotated[list[RequestInput], Field(min_length=1, max_length=16)]
+    outputs: Optional[Annotated[list[RequestOutput], Field(max_length=16)]] = None
+
+
+class SystemShmRegister(BaseModel):
+    """``$system_shared_memory_register_request``: bytes [offset, offset + byte_size) of the
+    POSIX shared memory object ``key``."""
+
+    model_config = _STRICT
+    key: Annotated[str, Field(min_length=1, max_length=NAME_MAX)]
+    offset: Annotated[int, Field(ge=0)] = 0
+    byte_size: Annotated[int, Field(ge=1)]
+
+
+class RawHandle(BaseModel):
+    model_config = _STRICT
+    b64: Annotated[str, Field(max_length=1024)]
+
+
+class CudaShmRegister(BaseModel):
+    """``$cuda_shared_memory_register_request``: a cudaIpcMemHandle_t (base64) of
+    ``byte_size`` bytes on GPU ``device_id``."""
+
+    model_config = _STRICT
+    raw_handle: RawHandle
+    device_id: Annotated[int, Field(ge=0)]
+    byte_size: Annotated[int, Field(ge=1)]

@@ -1,0 +1,244 @@
+"""Registered shared memory regions of one app: the system (POSIX) and CUDA shared memory
+extensions, which share one namespace of region names.
+
+A request names a region, an offset and a byte size for each tensor it passes this way;
+every such reference is bounds-checked against the region here. Inputs are copied out of
+a region once (into host memory, or device memory for CUDA), so nothing the kernels see
+can change or vanish under them; outputs are copied in after the launch.
+
+A request holds a `lease` on the regions it names from decoding to its response, so an
+unregister arriving meanwhile takes the name away at once but unmaps the memory only
+when the last such request is done. `close` (at shutdown) unmaps everything. The
+memory itself belongs to the client: it is never unlinked or freed here.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+import mmap
+import os
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional, Union
+
+import torch
+
+from ..errors import InvalidRequest
+from ..wire.tensors import tensor_bytes, view_tensor
+from .cuda_ipc import IpcMemory, unavailable_reason
+
+log = logging.getLogger("kda_serve.kserve.shm")
+SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX shared memory objects
+SYSTEM, CUDA = "system", "cuda"
+
+
+class UnknownRegion(InvalidRequest):
+    """A request or status call names a region that is not registered (HTTP 400, as Triton)."""
+
+    slug = "unknown-shared-memory-region"
+    title = "Unknown shared memory region"
+
+
+class _Region(ABC):
+    """A registered region of ``byte_size`` bytes; ``users`` counts the requests leasing it."""
+
+    kind: str
+
+    def __init__(self, name: str, byte_size: int) -> None:
+        self.name = name
+        self.byte_size = byte_size
+        self.users = 0
+        self.closing = False
+
+    def check(self, offset: int, nbytes: int, field: str) -> None:
+        """That [offset, offset + nbytes) lies inside the region."""
+        if offset < 0 or offset + nbytes > self.byte_size:
+            raise InvalidRequest(f"{field}: bytes [{offset}, {offset + nbytes}) fall outside shared memory region "
+                                 f"{self.name!r} of {self.byte_size} bytes", field=field)
+
+    @abstractmethod
+    def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """A private copy of the tensor stored at ``offset`` (bounds checked by the caller)."""
+
+    @abstractmethod
+    def write(self, offset: int, t: torch.Tensor) -> None:
+        """Store ``t``'s bytes at ``offset`` (bounds checked by the caller)."""
+
+    @abstractmethod
+    def status(self) -> dict[str, Union[str, int]]:
+        """The region as the extension's status call lists it."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unmap the region."""
+
+
+class SystemRegion(_Region):
+    """Bytes [offset, offset + byte_size) of the POSIX shared memory object ``key``, mapped
+    read-write."""
+
+    kind = SYSTEM
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        super().__init__(name, byte_size)
+        self.key = key
+        self.offset = offset
+        path = os.path.join(SHM_DIR, _object_name(key))
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise InvalidRequest(f"unable to open shared memory key {key!r}: {e.strerror}", field="key") from None
+        try:
+            size = os.fstat(fd).st_size
+            if offset + byte_size > size:
+                raise InvalidRequest(f"shared memory key {key!r} holds {size} bytes, fewer than offset {offset} + "
+                                     f"byte_size {byte_size}", field="byte_size")
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            self._base = offset - start
+            self._map = mmap.mmap(fd, self._base + byte_size, offset=start)
+        finally:
+            os.close(fd)
+
+    def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        begin = self._base + offset
+        with memoryview(self._map) as whole, whole[begin:begin + nbytes] as part:
+            copy = bytearray(part)
+        return view_tensor(copy, 0, dtype, shape)
+
+    def write(self, offset: int, t: torch.Tensor) -> None:
+        data = tensor_bytes(t)
+        begin = self._base + offset
+        with memoryview(self._map) as whole:
+            whole[begin:begin + data.size] = data
+
+    def status(self) -> dict[str, Union[str, int]]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class CudaRegion(_Region):
+    """``byte_size`` bytes of another process's device memory on GPU ``device_id``."""
+
+    kind = CUDA
+
+    def __init__(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        super().__init__(name, byte_size)
+        self.device_id = device_id
+        self._memory = IpcMemory(raw_handle, device_id, byte_size)
+
+    def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self._memory.tensor[offset:offset + nbytes].clone().view(dtype).view(shape)
+
+    def write(self, offset: int, t: torch.Tensor) -> None:
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._memory.tensor[offset:offset + data.numel()].copy_(data)
+        torch.cuda.synchronize(self._memory.device)  # in place before the response says so
+
+    def status(self) -> dict[str, Union[str, int]]:
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+    def close(self) -> None:
+        self._memory.close()
+
+
+Region = Union[SystemRegion, CudaRegion]
+
+
+def _object_name(key: str) -> str:
+    """The shared memory object of ``key`` as shm_open finds it: leading slashes dropped,
+    then one plain file name."""
+    name = key.lstrip("/")
+    if not name or "/" in name or name in (".", "..") or "\0" in name:
+        raise InvalidRequest(f"shared memory key {key!r} must be a name like '/my_region' (no other '/')",
+                             field="key")
+    return name
+
+
+class ShmRegistry:
+    """The regions registered with one app, by name (system and CUDA share the names).
+
+    Used from the event loop only. ``cuda_reason`` says why CUDA regions cannot be
+    registered in this process (None where they can).
+    """
+
+    def __init__(self) -> None:
+        self._regions: dict[str, Region] = {}
+        self.cuda_reason = unavailable_reason()
+
+    def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._free_name(name)
+        self._regions[name] = SystemRegion(name, key, offset, byte_size)
+        log.info("registered system shared memory region %r (key %r, offset %d, %d bytes)", name, key, offset,
+                 byte_size)
+
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self.require_cuda()
+        self._free_name(name)
+        self._regions[name] = CudaRegion(name, raw_handle, device_id, byte_size)
+        log.info("registered CUDA shared memory region %r (device %d, %d bytes)", name, device_id, byte_size)
+
+    def require_cuda(self) -> None:
+        """InvalidRequest (400) saying why, where CUDA shared memory cannot work."""
+        if self.cuda_reason is not None:
+            raise InvalidRequest(self.cuda_reason)
+
+    def _free_name(self, name: str) -> None:
+        if name in self._regions:
+            raise InvalidRequest(f"shared memory region {name!r} is already registered ({self._regions[name].kind}); "
+                                 "unregister it first", field="name")
+
+    def status(self, kind: str, name: Optional[str] = None) -> list[dict[str, Union[str, int]]]:
+        """Status of region ``name`` of ``kind``, or of every region of ``kind``."""
+        if name is None:
+            return [r.status() for r in self._regions.values() if r.kind == kind]
+        return [self._get(name, kind).status()]
+
+    def unregister(self, kind: str, name: Optional[str] = None) -> None:
+        """Forget region ``name`` of ``kind`` (every region of ``kind`` when None); an
+        unknown name is a no-op, as in Triton. Memory a request still uses is unmapped
+        when that request is done."""
+        names = [n for n, r in self._regions.items() if r.kind == kind and (name is None or n == name)]
+        for n in names:
+            region = self._regions.pop(n)
+            region.closing = True
+            if region.users == 0:
+                self._close(region)
+            log.info("unregistered %s shared memory region %r", kind, n)
+
+    def _get(self, name: str, kind: Optional[str] = None) -> Region:
+        region = self._regions.get(name)
+        if region is None or (kind is not None and region.kind != kind):
+            what = f"{kind} shared memory region" if kind else "shared memory region"
+            raise UnknownRegion(f"unknown {what} {name!r}: register it first", field="shared_memory_region")
+        return region
+
+    @contextmanager
+    def lease(self, names: Iterable[str]) -> Iterator[dict[str, Region]]:
+        """The named regions, kept mapped until the block ends; UnknownRegion for a name
+        that is not registered (nothing leased then)."""
+        regions = {name: self._get(name) for name in set(names)}
+        for region in regions.values():
+            region.users += 1
+        try:
+            yield regions
+        finally:
+            for region in regions.values():
+                region.users -= 1
+                if region.closing and region.users == 0:
+                    self._close(region)
+
+    def close(self) -> None:
+        """Unmap every region (shutdown): the clients' memory is left as it is."""
+        for kind in (SYSTEM, CUDA):
+            self.unregister(kind)
+
+    @staticmethod
+    def _close(region: Region) -> None:
+        try:
+            region.close()
+        except (OSError, RuntimeError, BufferError) as e:
+            log.warning("unmapping shared memory region %r failed: %s", region.name, e)
