@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from .config import Settings
 from .core import ServerCore
 from .errors import NotReady
+from .kserve import ProtocolErrors, kserve_router
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .problems import install_problem_handlers
@@ -127,6 +128,8 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
+    app.add_middleware(ProtocolErrors)  # outermost: {"error": ...} bodies under /v2, from every layer
+    app.include_router(kserve_router(core, ready.is_set))  # Open Inference Protocol (KServe v2), /v2/...
 
     @app.post("/slots", status_code=201, response_model=SlotsCreated, responses=_errors(400, 413, 422, 503),
               summary="Allocate slots (zero state), all or none")
