@@ -1,0 +1,48 @@
+"""Fixtures of the KServe tests: one live kda-serve per test module, driven with the real
+tritonclient over HTTP."""
+from __future__ import annotations
+
+import zlib
+from typing import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+import tritonclient.http as tc
+from kserve_helpers import GEOMETRY_ARGS, MAX_BODY_MB, Server, start_server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The float64 reference runs thousands of tiny ops: one thread, not a pool spinning
+    against the server process on a 2-core machine. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The module's server: the service tests' geometry, a 20 ms batch window (concurrent
+    requests merge), a 1 MiB body limit. SIGTERM at the end must exit 0, and no request
+    may have reached the catch-all 500 (no traceback in the log)."""
+    srv = start_server([*GEOMETRY_ARGS, "--batch-window-ms", "20", "--max-body-mb", str(MAX_BODY_MB)],
+                       tmp_path_factory.mktemp("kserve") / "kda-serve.log")
+    yield srv
+    status = srv.stop()
+    assert status == 0, f"kda-serve exited {status} on SIGTERM:\n{srv.log_text()}"
+    assert "Traceback" not in srv.log_text(), srv.log_text()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[tc.InferenceServerClient]:
+    c = tc.InferenceServerClient(urlsplit(server.url).netloc, concurrency=8, network_timeout=120.0)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """Seeded from the test's name: fresh inputs per test, reproducible runs."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,90 @@
+"""Helpers of the KServe tests: the service tests' harness (a real kda-serve process, random
+inputs, the float64 reference, pool images), and tritonclient plumbing.
+
+The harness is ``tests/service/service_helpers.py``, loaded once under its own module name
+so both folders share one module object whichever is collected first.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+import torch
+import tritonclient.http as tc
+from tritonclient.utils import np_to_triton_dtype
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _service_helpers() -> ModuleType:
+    if "service_helpers" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("service_helpers", ROOT / "tests" / "service" / "service_helpers.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["service_helpers"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["service_helpers"]
+
+
+_sh = _service_helpers()
+GEOMETRY_ARGS: list[str] = _sh.GEOMETRY_ARGS
+LAYERS, SLOTS, HV, H, K, V, TOL = _sh.LAYERS, _sh.SLOTS, _sh.HV, _sh.H, _sh.K, _sh.V, _sh.TOL
+Server = _sh.Server
+start_server = _sh.start_server
+make_sequence = _sh.make_sequence
+random_state = _sh.random_state
+reference = _sh.reference
+rel = _sh.rel
+pool_image = _sh.pool_image
+metric = _sh.metric
+
+MAX_BODY_MB = 1  # the test servers' body limit: small, so the 413 test sends little
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as the numpy array tritonclient wants (ml_dtypes.bfloat16 for BF16)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray) -> torch.Tensor:
+    """The inverse of `to_numpy`."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def triton_inputs(tensors: dict[str, torch.Tensor], binary: bool = True) -> list[tc.InferInput]:
+    """One InferInput per tensor, as binary data or JSON numbers."""
+    inputs = []
+    for name, t in tensors.items():
+        array = to_numpy(t)
+        x = tc.InferInput(name, list(t.shape), np_to_triton_dtype(array.dtype))
+        x.set_data_from_numpy(array, binary_data=binary)
+        inputs.append(x)
+    return inputs
+
+
+def seq_inputs(seq: Sequence[torch.Tensor], **extra: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{q, k, v, g, beta} of a `make_sequence` tuple, plus ``extra`` (A_log, dt_bias)."""
+    return {**dict(zip(NAMES, seq)), **extra}
+
+
+def infer(client: tc.InferenceServerClient, tensors: dict[str, torch.Tensor], *, binary: bool = True,
+          outputs: Optional[list[tc.InferRequestedOutput]] = None, sequence_id: Any = 0, start: bool = False,
+          end: bool = False, params: Optional[dict[str, Any]] = None) -> tc.InferResult:
+    """One infer call of model kda; ``params`` are the request parameters (layer, slot, ...)."""
+    return client.infer("kda", triton_inputs(tensors, binary), outputs=outputs, sequence_id=sequence_id,
+                        sequence_start=start, sequence_end=end, parameters=params)
+
+
+def result_tensor(result: tc.InferResult, name: str) -> torch.Tensor:
+    return from_numpy(result.as_numpy(name))
