@@ -2,11 +2,13 @@
 slot ids, with fork, export/import, snapshot/restore and idle expiry. Knows nothing of HTTP.
 
 `StatePool` owns the tensor [L, S, HV, V, K]; `SlotOrdering` orders asyncio work per
-(slot, layer). Every error is a `PoolError`.
+(slot, layer); `Persistence` adds periodic snapshots and a journal of the slots changed
+since the latest one, for restarts after a crash. Every error is a `PoolError`.
 """
 from .errors import GeometryMismatch, PoolError, PoolFull, SnapshotError, UnknownSlot
 from .geometry import PoolGeometry
 from .ordering import SlotOrdering
+from .persistence import Persistence, RestoreReport
 from .pool import StatePool
 from .records import PoolStats, SlotInfo
 
@@ -16,6 +18,8 @@ __all__ = [
     "SlotInfo",
     "PoolStats",
     "SlotOrdering",
+    "Persistence",
+    "RestoreReport",
     "PoolError",
     "PoolFull",
     "UnknownSlot",

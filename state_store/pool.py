@@ -241,22 +241,25 @@ class StatePool:
         return self._expire_idle()
 
     @_locked
-    def snapshot(self, path: snapshot.PathLike) -> None:
-        """Write the whole pool and its id map to ``path`` atomically (see `state_store.snapshot`)."""
+    def snapshot(self, path: snapshot.PathLike, generation: int = 0) -> None:
+        """Write the whole pool and its id map to ``path`` atomically, numbered
+        ``generation`` (see `state_store.snapshot`)."""
         self._expire_idle()
         infos = [self._info(slot_id, slot) for slot_id, slot in self._slots.items()]
-        snapshot.write(path, self._geometry, self._tensor, infos, self._wall(self._clock()))
+        snapshot.write(path, self._geometry, self._tensor, infos, self._wall(self._clock()), generation)
 
     @_locked
-    def restore(self, path: snapshot.PathLike) -> None:
+    def restore(self, path: snapshot.PathLike) -> snapshot.Stamp:
         """Replace the pool's contents and id map with a snapshot's, verified in full first:
-        on any error (SnapshotError, GeometryMismatch) the pool is left as it was.
+        on any error (SnapshotError, GeometryMismatch) the pool is left as it was. Returns
+        the snapshot's stamp (when it was taken, its generation).
 
         Each slot keeps the idle time it had when the snapshot was taken; time between
         snapshot and restore does not count towards its ttl.
         """
-        pool, infos, saved_at = snapshot.read(path, self._geometry)
-        self._tensor.copy_(pool)
+        read = snapshot.read(path, self._geometry)
+        infos, saved_at = read.slots, read.stamp.saved_at
+        self._tensor.copy_(read.pool)
         now = self._clock()
         self._slots = {
             info.slot_id: _Slot(
@@ -270,6 +273,7 @@ class StatePool:
         }
         used = {info.row for info in infos}
         self._free_rows = [row for row in range(self._geometry.num_slots) if row not in used]
+        return read.stamp
 
     @_locked
     def stats(self) -> PoolStats:

@@ -4,8 +4,9 @@ A snapshot is a safetensors file with one tensor ``"pool"`` [L, S, HV, V, K] (th
 dtype) and this metadata:
 - ``format`` = "kda-serve/pool-snapshot", ``version`` = "1";
 - ``index``: JSON ``{"geometry": {num_slots, num_layers, num_heads, head_k_dim, head_v_dim,
-  dtype}, "saved_at": unix seconds, "slots": [{slot_id, row, created, last_used,
-  tokens_per_layer, state_lost}, ...]}``;
+  dtype}, "saved_at": unix seconds, "generation": n, "slots": [{slot_id, row, created,
+  last_used, tokens_per_layer, state_lost}, ...]}``; ``generation`` numbers the snapshots
+  of one pool file (`state_store.persistence` keys its journal by it; 0 when absent);
 - ``index_sha256`` and ``pool_sha256``: hex sha256 of the index string (UTF-8) and of the
   tensor's bytes.
 """
@@ -34,8 +35,30 @@ PathLike = Union[str, os.PathLike]
 _SLOT_KEYS = {field.name for field in dataclasses.fields(SlotInfo)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Stamp:
+    """Which snapshot: the unix time it was taken and its generation."""
+
+    saved_at: float
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A verified snapshot: the pool as a CPU tensor [L, S, HV, V, K], its slots, its stamp."""
+
+    pool: torch.Tensor
+    slots: list[SlotInfo]
+    stamp: Stamp
+
+
 def write(
-    path: PathLike, geometry: PoolGeometry, pool: torch.Tensor, slots: list[SlotInfo], saved_at: float
+    path: PathLike,
+    geometry: PoolGeometry,
+    pool: torch.Tensor,
+    slots: list[SlotInfo],
+    saved_at: float,
+    generation: int = 0,
 ) -> None:
     """Write ``pool`` [L, S, HV, V, K] (any device) and its id map to ``path`` atomically.
 
@@ -48,6 +71,7 @@ def write(
         {
             "geometry": geometry.pool_fields(),
             "saved_at": saved_at,
+            "generation": generation,
             "slots": [dataclasses.asdict(slot) for slot in slots],
         }
     )
@@ -74,7 +98,7 @@ def write(
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             raise
-        _fsync_directory(directory)
+        fsync_directory(directory)
     except OSError as exc:
         raise SnapshotError(path, f"cannot write: {exc}") from exc
 
@@ -84,7 +108,8 @@ def _layers(pool: torch.Tensor) -> Iterator[torch.Tensor]:
     return (pool[layer] for layer in range(pool.shape[0]))
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
+    """Make a rename or a new file in ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -92,11 +117,10 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def read(path: PathLike, geometry: PoolGeometry) -> tuple[torch.Tensor, list[SlotInfo], float]:
+def read(path: PathLike, geometry: PoolGeometry) -> Snapshot:
     """Read and verify a snapshot taken of a pool of ``geometry``.
 
-    Returns the pool as a CPU tensor [L, S, HV, V, K], the slots, and the unix time the
-    snapshot was taken. Raises GeometryMismatch when it is of another geometry or dtype,
+    Raises GeometryMismatch when it is of another geometry or dtype,
     SnapshotError when it is unreadable, truncated, corrupted or not a pool snapshot.
     """
     try:
@@ -113,6 +137,9 @@ def read(path: PathLike, geometry: PoolGeometry) -> tuple[torch.Tensor, list[Slo
                 )
             slots = _slots(index.get("slots"), geometry)
             saved_at = _finite(index.get("saved_at"), "saved_at")
+            generation = index.get("generation", 0)
+            if not _count(generation):
+                raise container.ContainerError(f"index generation is not a count: {generation!r}")
             pool_hash = hashlib.sha256()
             pool = container.read_tensor(stream, header, geometry.dtype, pool_hash)
     except OSError as exc:
@@ -121,7 +148,7 @@ def read(path: PathLike, geometry: PoolGeometry) -> tuple[torch.Tensor, list[Slo
         raise SnapshotError(path, str(exc)) from None
     if pool_hash.hexdigest() != header.metadata["pool_sha256"]:
         raise SnapshotError(path, "pool tensor checksum mismatch: the data is corrupted")
-    return pool, slots, saved_at
+    return Snapshot(pool, slots, Stamp(saved_at, generation))
 
 
 def _verified_index(metadata: dict[str, str]) -> dict[str, Any]:

@@ -1,0 +1,296 @@
+"""Crash safety for a pool: numbered snapshots, and a journal of the slots that changed after
+the latest one, so that a restart after a crash (``kill -9``, power loss) restores the last
+snapshot and knows exactly which of its slot states are stale.
+
+Two files: the snapshot at ``path`` (`state_store.snapshot`; its index carries the
+generation n) and the journal at ``path + ".journal"``, one JSON line per record
+``{"gen": n, "op": "advance" | "free", "slots": [ids]}``, appended and fsynced *before*
+the change it announces:
+
+- ``advance``: the states of these slots are about to change in place (a prefill launch, a
+  state upload). Written once per slot per generation, so a busy slot costs one fsync per
+  snapshot interval, not one per launch.
+- ``free``: the slot is about to be freed.
+
+Taking snapshot n+1 empties the journal, in the same locked step as the snapshot's atomic
+rename, so no change falls between the two. At restore, the records of the snapshot's
+generation say what happened after it:
+
+- an advanced slot the snapshot holds comes back with its snapshot state, flagged
+  ``state_lost`` (and listed in the report, for the log);
+- an advanced slot the snapshot lacks was created after it: it is gone (its id is
+  unknown) and listed;
+- a freed slot is freed again (it would otherwise come back as a zombie).
+
+Records of an older generation are stale (a crash between a snapshot's rename and the
+journal's truncation) and ignored. A journal with an unreadable line, or naming a newer
+generation than the snapshot (the snapshot file was replaced by an older one), flags every
+restored slot lost: a restart may lose state, never return a stale state as current.
+
+A record is written whole, or, after a crash mid-write, is a torn last line: the change it
+announced had not started (the fsync precedes it), so a torn tail is dropped. A slot whose
+record was written but whose change never ran is flagged lost all the same (the safe side).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from .errors import SnapshotError
+from .pool import StatePool
+from .snapshot import PathLike, Stamp, fsync_directory
+
+JOURNAL_SUFFIX = ".journal"
+ADVANCE = "advance"
+FREE = "free"
+_OPS = (ADVANCE, FREE)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One journal line: ``op`` (advance or free) on ``slots``, after snapshot ``generation``."""
+
+    generation: int
+    op: str
+    slots: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class JournalContents:
+    """What a journal file holds: its complete records in order, whether every complete
+    line was a valid record (``intact``), and whether it had any bytes at all."""
+
+    records: list[Record] = field(default_factory=list)
+    intact: bool = True
+    empty: bool = True
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What a restart found. ``stamp``: the snapshot restored (None: there was none, the pool
+    starts empty); ``restored``: live slots after the restore; ``lost``: slots of the
+    snapshot that advanced after it, now flagged ``state_lost``; ``gone``: slots that
+    advanced after the snapshot but are not in it (created later), now unknown;
+    ``refreed``: slots freed after the snapshot, freed again; ``journal_intact``: False when
+    the journal could not be trusted and every restored slot was flagged lost."""
+
+    stamp: Optional[Stamp]
+    restored: int
+    lost: list[str]
+    gone: list[str]
+    refreed: list[str]
+    journal_intact: bool
+
+    def describe(self) -> str:
+        """One log line."""
+        if self.stamp is None:
+            head = "no snapshot to restore"
+        else:
+            head = (f"restored snapshot generation {self.stamp.generation} (taken at unix "
+                    f"{self.stamp.saved_at:.3f}): {self.restored} slot(s)")
+        parts = [head]
+        if not self.journal_intact:
+            parts.append("the journal could not be trusted, so every restored slot is flagged state_lost")
+        if self.lost:
+            parts.append(f"{len(self.lost)} slot(s) advanced after the snapshot; their newer state is lost "
+                         f"and they are flagged state_lost: {self.lost}")
+        if self.gone:
+            parts.append(f"{len(self.gone)} slot(s) created after the snapshot are lost (now unknown): {self.gone}")
+        if self.refreed:
+            parts.append(f"{len(self.refreed)} slot(s) freed after the snapshot were freed again")
+        return "; ".join(parts)
+
+
+def read_journal(path: PathLike) -> JournalContents:
+    """The records of the journal at ``path`` (none when it does not exist)."""
+    try:
+        with open(path, "rb") as stream:
+            data = stream.read()
+    except FileNotFoundError:
+        return JournalContents()
+    except OSError as exc:
+        raise SnapshotError(path, f"cannot read the journal: {exc}") from exc
+    lines = data.split(b"\n")
+    lines.pop()  # the torn tail after the last newline, or b"" when the file ends cleanly
+    records, intact = [], True
+    for line in lines:
+        record = _parse(line)
+        if record is None:
+            intact = False
+        else:
+            records.append(record)
+    return JournalContents(records, intact, empty=not data)
+
+
+def _parse(line: bytes) -> Optional[Record]:
+    try:
+        raw: Any = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not (isinstance(raw, dict) and set(raw) == {"gen", "op", "slots"}):
+        return None
+    gen, op, slots = raw["gen"], raw["op"], raw["slots"]
+    if (type(gen) is not int or gen < 0 or op not in _OPS or not isinstance(slots, list)
+            or not all(isinstance(s, str) for s in slots)):
+        return None
+    return Record(gen, op, tuple(slots))
+
+
+class Persistence:
+    """Snapshots of ``pool`` at ``path`` and the journal beside it.
+
+    Call `restore` once, before anything else: it loads the snapshot (when there is one),
+    applies the journal and opens it for appending. Then announce every change with
+    `advancing` (before an in-place state change) or `freeing` (before a free), note other
+    changes (allocations, forks, expiries) with `note_change`, and call `snapshot` to write
+    the next generation. Every method holds the pool's lock; call them from the thread that
+    changes the pool (the service's device thread), so an announcement and its change are
+    never separated by a snapshot.
+    """
+
+    def __init__(self, pool: StatePool, path: PathLike) -> None:
+        self._pool = pool
+        self._path = os.fspath(path)
+        self._journal_path = self._path + JOURNAL_SUFFIX
+        self._fd: Optional[int] = None
+        self._generation = 0
+        self._advanced: set[str] = set()
+        self._changed = False
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def journal_path(self) -> str:
+        return self._journal_path
+
+    @property
+    def generation(self) -> int:
+        """The generation of the latest snapshot written or restored (0: none yet)."""
+        return self._generation
+
+    @property
+    def changed(self) -> bool:
+        """Whether anything changed since the latest snapshot (or the restore)."""
+        return self._changed
+
+    def restore(self) -> RestoreReport:
+        """Load the snapshot when one exists, apply the journal (see the module docstring),
+        open the journal for appending, and, when the journal held anything, write the next
+        snapshot at once so that the flags just set survive another crash.
+
+        Raises SnapshotError or GeometryMismatch when the snapshot cannot be used (the pool
+        is then left as it was, and nothing is written).
+        """
+        with self._pool.lock:
+            stamp = self._pool.restore(self._path) if os.path.exists(self._path) else None
+            self._generation = 0 if stamp is None else stamp.generation
+            journal = read_journal(self._journal_path)
+            report = self._apply(stamp, journal)
+            self._open_journal()
+            if not journal.empty:
+                self.snapshot()
+            return report
+
+    def _apply(self, stamp: Optional[Stamp], journal: JournalContents) -> RestoreReport:
+        live = set(self._pool.slot_ids())
+        current = [r for r in journal.records if r.generation == self._generation]
+        trusted = journal.intact and all(r.generation <= self._generation for r in journal.records)
+        advanced: dict[str, None] = {}
+        freed: dict[str, None] = {}
+        if trusted:
+            for record in current:
+                for slot_id in record.slots:
+                    if record.op == ADVANCE:
+                        advanced[slot_id] = None
+                    else:
+                        advanced.pop(slot_id, None)
+                        freed[slot_id] = None
+            lost = [s for s in advanced if s in live]
+            gone = [s for s in advanced if s not in live]
+            refreed = [s for s in freed if s in live]
+        else:
+            lost, gone, refreed = sorted(live), [], []
+        for slot_id in refreed:
+            self._pool.free(slot_id)
+        self._pool.mark_lost(lost)
+        return RestoreReport(stamp, len(self._pool.slot_ids()), lost, gone, refreed, trusted)
+
+    def snapshot(self) -> int:
+        """Write snapshot generation n+1 atomically, then empty the journal; returns n+1.
+
+        Raises SnapshotError when the snapshot cannot be written (the previous snapshot and
+        the journal then still describe the pool) or the journal cannot be emptied (its
+        records are then stale, of an older generation, and ignored at restore).
+        """
+        with self._pool.lock:
+            generation = self._generation + 1
+            self._pool.snapshot(self._path, generation)
+            self._generation = generation
+            self._advanced.clear()
+            self._changed = False
+            try:
+                os.ftruncate(self._journal_fd(), 0)
+                os.fsync(self._journal_fd())
+            except OSError as exc:
+                raise SnapshotError(self._journal_path, f"cannot empty the journal: {exc}") from exc
+            return generation
+
+    def advancing(self, slot_ids: Iterable[str]) -> None:
+        """Announce that the states of ``slot_ids`` are about to change in place: journals
+        (and fsyncs) those not yet announced since the latest snapshot. Raises
+        SnapshotError when the journal cannot be written: then the change must not run."""
+        with self._pool.lock:
+            self._changed = True
+            new = [s for s in dict.fromkeys(slot_ids) if s not in self._advanced]
+            if new:
+                self._append(ADVANCE, new)
+                self._advanced.update(new)
+
+    def freeing(self, slot_id: str) -> None:
+        """Announce that ``slot_id`` is about to be freed (SnapshotError as for `advancing`)."""
+        with self._pool.lock:
+            self._changed = True
+            self._append(FREE, [slot_id])
+            self._advanced.discard(slot_id)
+
+    def note_change(self) -> None:
+        """Record a change the journal need not name (an allocation, a fork, an expiry):
+        the slots it creates are simply absent from the last snapshot."""
+        with self._pool.lock:
+            self._changed = True
+
+    def close(self) -> None:
+        """Close the journal (the files stay)."""
+        with self._pool.lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def _open_journal(self) -> None:
+        if self._fd is not None:
+            return
+        try:
+            self._fd = os.open(self._journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            fsync_directory(os.path.dirname(os.path.abspath(self._journal_path)))
+        except OSError as exc:
+            raise SnapshotError(self._journal_path, f"cannot open the journal: {exc}") from exc
+
+    def _journal_fd(self) -> int:
+        if self._fd is None:
+            raise RuntimeError("Persistence.restore() must run before the journal is used")
+        return self._fd
+
+    def _append(self, op: str, slot_ids: list[str]) -> None:
+        line = json.dumps({"gen": self._generation, "op": op, "slots": slot_ids}, separators=(",", ":"))
+        data = memoryview((line + "\n").encode("utf-8"))
+        fd = self._journal_fd()
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except OSError as exc:
+            raise SnapshotError(self._journal_path, f"cannot write the journal: {exc}") from exc
