@@ -50,7 +50,14 @@ class Settings:
     max_batch_tokens: int = _opt(65536, "most tokens merged into one launch")
     slot_ttl_s: Optional[float] = _opt(None, "free slots idle longer than this (default: never)")
     api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer <key>' on all but /health", repr=False)
-    snapshot_path: Optional[str] = _opt(None, "restore the pool from this file at start, save it at shutdown")
+    snapshot_path: Optional[str] = _opt(
+        None, "restore the pool from this file at start (slots changed after it, per its journal "
+              "PATH.journal, come back flagged state_lost); save it every --snapshot-interval-s and at shutdown"
+    )
+    snapshot_interval_s: float = _opt(
+        60.0, "with --snapshot-path: snapshot this often when anything changed (0: only at shutdown)"
+    )
+    body_timeout_s: float = _opt(30.0, "longest wait for the next bytes of a request body (408 after)")
     log_level: str = _opt("info", "uvicorn log level")
 
     def __post_init__(self) -> None:
@@ -72,6 +79,10 @@ class Settings:
             problems.append(f"max_body_mb must be > 0, got {self.max_body_mb}")
         if not self.batch_window_ms >= 0:
             problems.append(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if not self.snapshot_interval_s >= 0:
+            problems.append(f"snapshot_interval_s must be >= 0, got {self.snapshot_interval_s}")
+        if not self.body_timeout_s > 0:
+            problems.append(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.slot_ttl_s is not None and not self.slot_ttl_s > 0:
             problems.append(f"slot_ttl_s must be > 0, got {self.slot_ttl_s}")
         if self.api_key is not None and not self.api_key:

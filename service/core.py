@@ -8,27 +8,35 @@ writes, launches, sweeps, snapshots) runs on the core's one `DeviceWorker` threa
 order; only metadata reads (contains, slot_info, stats) run inline on the loop. Work on a
 slot first holds its (slot, layer) keys in a `SlotOrdering`, so it runs in arrival order.
 
-Order of a prefill: validate (400) -> named slots exist (404) -> allocate the null slots
-(503 when full) -> hold (slot, layer) of every slot in arrival order -> batcher -> one
-launch -> results. A request rejected at any step changes no slot; slots it allocated are
-freed again if a later step fails.
+Order of a prefill: validate (400) -> named slots exist (404) and are not flagged
+state_lost (409) -> allocate the null slots (503 when full) -> hold (slot, layer) of every
+slot in arrival order -> batcher -> journal (with a snapshot path) -> one launch -> results.
+A request rejected at any step changes no slot; slots it allocated are freed again if a
+later step fails.
+
+Durability (with ``snapshot_path``; `state_store.Persistence`): the start restores the
+snapshot and applies its journal; every in-place state change (launch, state upload) and
+every free is journaled and fsynced on the device thread before it runs; a snapshot is
+written every ``snapshot_interval_s`` when anything changed (on the device thread, so
+between launches) and at close.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-import os
+from contextlib import suppress
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 import kernels
-from state_store import SlotInfo, SlotOrdering, StatePool, UnknownSlot
+from state_store import Persistence, SlotInfo, SlotOrdering, SnapshotError, StatePool, UnknownSlot
 
 from .batcher import Batcher
 from .config import Settings
-from .errors import InvalidRequest
+from .errors import InvalidRequest, StateLost
 from .gates import Gate, load_gate_params
 from .inputs import PrefillInputs, PrefillResult
 from .metrics import Metrics
@@ -51,8 +59,8 @@ class _Job:
 class ServerCore:
     """Serves prefills and slot operations on one device.
 
-    ``settings`` gives the pool geometry, device, backend, gate parameters, batching, ttl
-    and snapshot path. Metrics go to the core's own registry (``metrics.registry``).
+    ``settings`` gives the pool geometry, device, backend, gate parameters, batching, ttl,
+    snapshot path and interval. Metrics go to the core's own registry (``metrics.registry``).
     Call `start` in the serving loop before use and `close` at the end.
     """
 
@@ -66,7 +74,10 @@ class ServerCore:
         self.backend = kernels.default_backend(self.geometry.device) if settings.backend == "auto" else settings.backend
         self.gates: dict[int, Gate] = load_gate_params(settings.gate_params, self.geometry) if settings.gate_params else {}
         self.snapshot_path = settings.snapshot_path
+        self.snapshot_interval_s = settings.snapshot_interval_s
+        self.persistence = Persistence(self.pool, settings.snapshot_path) if settings.snapshot_path else None
         self.metrics = Metrics(free_slots=lambda: self.pool.stats().free)
+        self._snapshot_task: Optional[asyncio.Task[None]] = None
         self.ordering = SlotOrdering()
         self.worker = DeviceWorker(self.geometry.device)
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
@@ -77,10 +88,18 @@ class ServerCore:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Restore the snapshot when one exists, and start batching."""
-        if self.snapshot_path and os.path.exists(self.snapshot_path):
-            await self.worker.run(self.pool.restore, self.snapshot_path)
-            log.info("restored %d slot(s) from %s", len(self.pool.slot_ids()), self.snapshot_path)
+        """Restore the snapshot and apply its journal (with a snapshot path), start
+        batching and the periodic snapshots."""
+        if self.persistence is not None:
+            report = await self.worker.run(self.persistence.restore)
+            self.metrics.snapshot_generation.set(self.persistence.generation)
+            if report.lost or report.gone or not report.journal_intact:
+                log.warning("%s: %s", self.persistence.path, report.describe())
+            else:
+                log.info("%s: %s", self.persistence.path, report.describe())
+            if self.snapshot_interval_s > 0:
+                self._snapshot_task = asyncio.get_running_loop().create_task(
+                    self._snapshot_every(self.snapshot_interval_s), name="kda-snapshots")
         self.batcher.start()
 
     async def warmup(self) -> None:
@@ -90,15 +109,47 @@ class ServerCore:
 
     async def close(self) -> None:
         """Finish the launch in progress, write the snapshot when configured, stop the thread."""
+        if self._snapshot_task is not None:
+            self._snapshot_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._snapshot_task
         await self.batcher.close()
-        if self.snapshot_path:
-            await self.worker.run(self.pool.snapshot, self.snapshot_path)
-            log.info("wrote snapshot of %d slot(s) to %s", self.pool.stats().used, self.snapshot_path)
+        if self.persistence is not None:
+            await self.checkpoint(force=True)
+            self.persistence.close()
         self.worker.close()
+
+    async def checkpoint(self, force: bool = False) -> Optional[int]:
+        """Write the next snapshot (on the device thread, between launches) when anything
+        changed since the last one, or always with ``force``; returns its generation, or
+        None when there was nothing to write. Raises SnapshotError when it cannot be written
+        (the previous snapshot and the journal still describe the pool)."""
+        persistence = self.persistence
+        if persistence is None or not (force or persistence.changed):
+            return None
+        try:
+            generation = await self.worker.run(persistence.snapshot)
+        except SnapshotError:
+            self.metrics.snapshot_failures.inc()
+            raise
+        self.metrics.snapshots.inc()
+        self.metrics.snapshot_generation.set(generation)
+        log.info("wrote snapshot generation %d of %d slot(s) to %s", generation, self.pool.stats().used,
+                 persistence.path)
+        return generation
+
+    async def _snapshot_every(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.checkpoint()
+            except SnapshotError:
+                log.exception("periodic snapshot failed; the journal still marks what changed, retrying in %.1f s",
+                              period)
 
     async def sweep(self) -> list[str]:
         """Free slots idle past the ttl; returns their ids."""
-        expired = await self.worker.run(self.pool.sweep)
+        expired = await self.worker.run(self._sweep)
         if expired:
             self.metrics.expired.inc(len(expired))
             log.info("expired %d idle slot(s)", len(expired))
@@ -130,6 +181,38 @@ class ServerCore:
         if g.device.type == "cuda":
             torch.cuda.synchronize(g.device)
 
+    # -- device-thread bodies: each change announced to the journal before it runs ------
+
+    def _sweep(self) -> list[str]:
+        expired = self.pool.sweep()
+        if expired and self.persistence is not None:
+            self.persistence.note_change()
+        return expired
+
+    def _alloc(self, count: int) -> list[str]:
+        slots = self.pool.alloc(count)
+        if self.persistence is not None:
+            self.persistence.note_change()
+        return slots
+
+    def _free(self, slot_id: str) -> None:
+        if self.persistence is not None:
+            self.pool.slot_info(slot_id)  # UnknownSlot before a useless journal record
+            self.persistence.freeing(slot_id)
+        self.pool.free(slot_id)
+
+    def _fork(self, slot_id: str) -> str:
+        child = self.pool.fork(slot_id)
+        if self.persistence is not None:
+            self.persistence.note_change()
+        return child
+
+    def _write_state(self, slot_id: str, state: torch.Tensor) -> None:
+        if self.persistence is not None:
+            self.pool.slot_info(slot_id)
+            self.persistence.advancing([slot_id])
+        self.pool.write_state(slot_id, state)
+
     # -- slots -------------------------------------------------------------------------
 
     def _all_layers(self, slot_id: str) -> list[tuple[str, int]]:
@@ -140,17 +223,17 @@ class ServerCore:
         if not 1 <= count <= self.geometry.num_slots:
             raise InvalidRequest(f"count must be in 1..{self.geometry.num_slots} (the pool's slots), got {count}",
                                  field="count")
-        return await self.worker.run(self.pool.alloc, count)
+        return await self.worker.run(self._alloc, count)
 
     async def free(self, slot_id: str) -> None:
         """Free a slot once the work queued on it before this call is done."""
         async with self.ordering.hold(self._all_layers(slot_id)):
-            await self.worker.run(self.pool.free, slot_id)
+            await self.worker.run(self._free, slot_id)
 
     async def fork(self, slot_id: str) -> str:
         """A new slot holding a copy of ``slot_id``'s state as of this call's arrival."""
         async with self.ordering.hold(self._all_layers(slot_id)):
-            return await self.worker.run(self.pool.fork, slot_id)
+            return await self.worker.run(self._fork, slot_id)
 
     def slot_info(self, slot_id: str) -> SlotInfo:
         return self.pool.slot_info(slot_id)
@@ -169,7 +252,7 @@ class ServerCore:
         """Replace the slot's state with ``state`` [L, HV, V, K] (pool dtype, finite)."""
         await run_cpu(validate_state, state, self.geometry, nbytes=state.numel() * state.element_size())
         async with self.ordering.hold(self._all_layers(slot_id)):
-            await self.worker.run(self.pool.write_state, slot_id, state)
+            await self.worker.run(self._write_state, slot_id, state)
 
     def info(self) -> dict[str, Union[int, str, list[int]]]:
         g = self.geometry
@@ -187,11 +270,15 @@ class ServerCore:
         """Run one prefill request; see the module docstring for the order of checks."""
         size = sum(t.numel() * t.element_size() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
         valid = await run_cpu(validate_prefill, inputs, self.geometry, self.gates, nbytes=size)
-        for slot_id in inputs.slots:
-            if slot_id is not None and not self.pool.contains(slot_id):
+        named = [slot_id for slot_id in inputs.slots if slot_id is not None]
+        for slot_id in named:
+            if not self.pool.contains(slot_id):
                 raise UnknownSlot(slot_id)
+        for slot_id in named:
+            if self.pool.slot_info(slot_id).state_lost:
+                raise StateLost(slot_id)
         count = inputs.slots.count(None)
-        created = await self.worker.run(self.pool.alloc, count) if count else []
+        created = await self.worker.run(self._alloc, count) if count else []
         try:
             fresh = iter(created)
             slots = [s if s is not None else next(fresh) for s in inputs.slots]
@@ -205,22 +292,37 @@ class ServerCore:
     def _free_all(self, slot_ids: Sequence[str]) -> None:
         for slot_id in slot_ids:
             if self.pool.contains(slot_id):
-                self.pool.free(slot_id)
+                self._free(slot_id)
 
     def _run_batch(self, jobs: Sequence[_Job]) -> list[Union[PrefillResult, BaseException]]:
         """One launch for ``jobs`` (same batch key), on the device thread.
 
         A job whose slot vanished since it was checked (expired) fails alone with
-        UnknownSlot; the others launch together. Slots of a failed launch are marked lost.
+        UnknownSlot, one whose slot was flagged lost since (a failed launch before it) with
+        StateLost; the others are journaled and launch together. A journal that cannot be
+        written fails them all (SnapshotError) before anything changes. Slots of a failed
+        launch are marked lost.
         """
         outcomes: list[Union[PrefillResult, BaseException, None]] = [None] * len(jobs)
         live, rows = [], []
         for i, job in enumerate(jobs):
             try:
-                rows.extend(self.pool.rows(job.slots))
-                live.append(job)
+                job_rows = self.pool.rows(job.slots)
             except UnknownSlot as e:
                 outcomes[i] = e
+                continue
+            lost = next((s for s in job.slots if self.pool.slot_info(s).state_lost), None)
+            if lost is not None:
+                outcomes[i] = StateLost(lost)
+                continue
+            rows.extend(job_rows)
+            live.append(job)
+        if live and self.persistence is not None:
+            try:
+                self.persistence.advancing([s for job in live for s in job.slots])
+            except SnapshotError as e:
+                log.error("journal write failed; %d prefill(s) refused before launch: %s", len(live), e)
+                return [e if o is None else o for o in outcomes]
         if live:
             results = iter(self._launch(live, rows))
             outcomes = [next(results) if o is None else o for o in outcomes]

@@ -69,6 +69,25 @@ class NotAcceptable(ServiceError):
     title = "No acceptable response media type"
 
 
+class StateLost(ServiceError):
+    """A prefill names a slot whose state cannot be trusted (``state_lost``: an update on it
+    failed midway, or it advanced after the snapshot a restart restored). Continuing from it
+    would be silently wrong; replace its state (PUT) or free it."""
+
+    status = 409
+    slug = "state-lost"
+    title = "Slot state lost"
+
+    def __init__(self, slot_id: str) -> None:
+        super().__init__(f"slot {slot_id!r} is flagged state_lost: its state cannot be trusted (an update on it "
+                         "failed, or it advanced after the snapshot the server restarted from); PUT a state into "
+                         "it or free it")
+        self.slot = slot_id
+
+    def extra(self) -> dict[str, Any]:
+        return {"slot": self.slot}
+
+
 class NotReady(ServiceError):
     """The server is still starting (warming the kernels) or is shutting down."""
 

@@ -15,7 +15,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 class Metrics:
     """The server's metrics: HTTP requests and errors by route and status, prefill tokens,
-    launch sizes, time queued before a launch and time in the kernel, free slots."""
+    launch sizes, time queued before a launch and time in the kernel, free slots, expired
+    slots, abandoned responses and snapshots."""
 
     def __init__(self, free_slots: Callable[[], float]) -> None:
         self.registry = r = CollectorRegistry()
@@ -38,6 +39,13 @@ class Metrics:
         self.kernel_seconds = Histogram("kda_kernel_seconds", "Time of one launch: inputs to the device, kernel, "
                                         "outputs to the host", buckets=_LATENCY_BUCKETS, registry=r)
         self.expired = Counter("kda_slots_expired", "Slots freed for idling past --slot-ttl-s", registry=r)
+        self.abandoned = Counter("kda_responses_abandoned", "Responses whose client left before receiving them; "
+                                 "the slots they created were freed", registry=r)
+        self.snapshots = Counter("kda_snapshots", "Pool snapshots written (periodic and at shutdown)", registry=r)
+        self.snapshot_failures = Counter("kda_snapshot_failures", "Pool snapshots that could not be written",
+                                         registry=r)
+        self.snapshot_generation = Gauge("kda_snapshot_generation", "Generation of the latest snapshot written "
+                                         "or restored (0: none)", registry=r)
         self.free_slots = Gauge("kda_free_slots", "Free slots in the pool", registry=r)
         self.free_slots.set_function(free_slots)
 

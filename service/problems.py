@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from state_store import GeometryMismatch, PoolFull, UnknownSlot
+from state_store import GeometryMismatch, PoolFull, SnapshotError, UnknownSlot
 
 from .errors import ServiceError
 from .wire.media import PROBLEM
@@ -75,6 +75,13 @@ async def _geometry_mismatch(_: Request, e: GeometryMismatch) -> JSONResponse:
     return problem(400, "geometry-mismatch", str(e), title="State does not fit the pool", field="state")
 
 
+async def _persistence(_: Request, e: SnapshotError) -> JSONResponse:
+    log.error("refused a request: %s", e)
+    return problem(503, "persistence-unavailable", "the server cannot journal this change to disk, so it did not "
+                   "make it; the pool is unchanged", title="Persistence unavailable",
+                   headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 async def _client_disconnect(request: Request, _: ClientDisconnect) -> JSONResponse:
     log.info("client disconnected during %s %s; nothing was changed", request.method, request.url.path)
     return problem(400, "client-disconnected", "the client disconnected before the body was complete")
@@ -93,5 +100,6 @@ def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(PoolFull, _pool_full)
     app.add_exception_handler(UnknownSlot, _unknown_slot)
     app.add_exception_handler(GeometryMismatch, _geometry_mismatch)
+    app.add_exception_handler(SnapshotError, _persistence)
     app.add_exception_handler(ClientDisconnect, _client_disconnect)
     app.add_exception_handler(Exception, _internal)
