@@ -5,17 +5,25 @@ POST /slots, GET/DELETE /slots/{id}, POST /slots/{id}/fork, GET/PUT /slots/{id}/
 POST /prefill, GET /info, GET /metrics, GET /health/live, GET /health/ready.
 /prefill and the state routes read the raw body themselves (JSON or safetensors, chosen
 by Content-Type; the response by Accept), so their OpenAPI bodies are declared by hand.
+
+A client that leaves before its response (``POST /slots``, fork, a /prefill that created
+slots) leaves no slot behind: the slots created for it are freed (status 499 in the
+metrics), also when it leaves while a large response is still being sent.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from contextlib import asynccontextmanager, suppress
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
+import anyio
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from state_store import UnknownSlot
 
 from .config import Settings
 from .core import ServerCore
@@ -74,6 +82,39 @@ def _payload(data: bytes | bytearray) -> bytes | memoryview:
     return memoryview(data) if isinstance(data, bytearray) else data
 
 
+async def _client_gone(receive: Receive) -> bool:
+    """Whether the client has disconnected (after its body was read), without waiting."""
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        return (await receive())["type"] == "http.disconnect"
+    return False
+
+
+class DeliveryGuard(Response):
+    """A response that hands its body to the server in pieces of ``PIECE`` bytes and, when
+    the client is gone before the last piece is handed over, awaits ``on_abandoned`` (which
+    frees the slots whose ids only this body carries) and stops. Once the last piece is
+    handed over the server cannot tell delivery from loss; idle expiry (--slot-ttl-s)
+    reclaims a slot whose id never arrived."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, content: bytes | memoryview, media_type: str,
+                 on_abandoned: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type=media_type)
+        self._on_abandoned = on_abandoned
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = memoryview(self.body)
+        for start in range(0, max(len(body), 1), self.PIECE):
+            if await _client_gone(receive):
+                await self._on_abandoned()
+                return
+            end = start + self.PIECE
+            await send({"type": "http.response.body", "body": body[start:end], "more_body": end < len(body)})
+
+
 def create_app(settings: Settings) -> FastAPI:
     """The app serving a new `ServerCore` (``app.state.core``; the pool is allocated and
     gate parameters loaded here, so bad settings fail before serving). Its lifespan starts
@@ -124,17 +165,34 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.core = core
     install_problem_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     if settings.api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
     app.add_middleware(ProtocolErrors)  # outermost: {"error": ...} bodies under /v2, from every layer
     app.include_router(kserve_router(core, ready.is_set))  # Open Inference Protocol (KServe v2), /v2/...
 
-    @app.post("/slots", status_code=201, response_model=SlotsCreated, responses=_errors(400, 413, 422, 503),
+    async def release(created: Sequence[str]) -> None:
+        """Free the slots made for a client that left before learning their ids."""
+        for slot_id in created:
+            with suppress(UnknownSlot):
+                await core.free(slot_id)
+        core.metrics.abandoned.inc()
+        log.info("client gone before its response; freed the %d slot(s) made for it", len(created))
+
+    async def abandoned(request: Request, created: Sequence[str]) -> Optional[Response]:
+        """A 499 (nginx's "client closed request", seen only in metrics) when the client has
+        left, after freeing ``created``; None when it is still there."""
+        if not await request.is_disconnected():
+            return None
+        await release(created)
+        return Response(status_code=499)
+
+    @app.post("/slots", status_code=201, response_model=SlotsCreated, responses=_errors(400, 408, 413, 422, 503),
               summary="Allocate slots (zero state), all or none")
-    async def alloc(body: Optional[AllocRequest] = None) -> dict[str, list[str]]:
-        return {"slots": await core.alloc(body.count if body is not None else 1)}
+    async def alloc(request: Request, body: Optional[AllocRequest] = None) -> Any:
+        slots = await core.alloc(body.count if body is not None else 1)
+        return await abandoned(request, slots) or {"slots": slots}
 
     @app.get("/slots/{slot_id}", response_model=SlotMetadata, responses=_errors(404), summary="Slot metadata")
     async def slot_info(slot_id: str) -> dict[str, Any]:
@@ -142,15 +200,16 @@ def create_app(settings: Settings) -> FastAPI:
         return {"slot": info.slot_id, "created": info.created, "last_used": info.last_used,
                 "tokens_per_layer": info.tokens_per_layer, "state_lost": info.state_lost}
 
-    @app.delete("/slots/{slot_id}", status_code=204, responses=_errors(404), summary="Free a slot")
+    @app.delete("/slots/{slot_id}", status_code=204, responses=_errors(404, 503), summary="Free a slot")
     async def free(slot_id: str) -> Response:
         await core.free(slot_id)
         return Response(status_code=204)
 
     @app.post("/slots/{slot_id}/fork", status_code=201, response_model=Forked, responses=_errors(404, 503),
               summary="Copy a slot's state into a new slot (prefix reuse)")
-    async def fork(slot_id: str) -> dict[str, str]:
-        return {"slot": await core.fork(slot_id)}
+    async def fork(slot_id: str, request: Request) -> Any:
+        child = await core.fork(slot_id)
+        return await abandoned(request, [child]) or {"slot": child}
 
     @app.get("/slots/{slot_id}/state", responses={
         200: {"description": "the state, [L, HV, V, K] (safetensors unless Accept asks for JSON)",
@@ -165,7 +224,7 @@ def create_app(settings: Settings) -> FastAPI:
             data = await core.export_state(slot_id)
         return Response(_payload(data), media_type=reply)
 
-    @app.put("/slots/{slot_id}/state", status_code=204, responses=_errors(400, 404, 413, 415, 422),
+    @app.put("/slots/{slot_id}/state", status_code=204, responses=_errors(400, 404, 408, 413, 415, 422, 503),
              openapi_extra={"requestBody": {"required": True, "content": _both(StateJSON, _STATE_BINARY)}},
              summary="Replace a slot's state (token counts are kept)")
     async def put_state(slot_id: str, request: Request) -> Response:
@@ -179,7 +238,7 @@ def create_app(settings: Settings) -> FastAPI:
         200: {"description": "outputs o [T, HV, V] and final states [N, HV, V, K]; encoding by Accept "
                              "(default: the request's)", "content": _both(PrefillJSONResponse, "safetensors with "
                              "o, final_state and __metadata__.response = {\"slots\": [...]}")},
-        **_errors(400, 404, 406, 413, 415, 422, 503)},
+        **_errors(400, 404, 406, 408, 409, 413, 415, 422, 503)},
         openapi_extra={"requestBody": {"required": True, "content": _both(PrefillJSONRequest, _PREFILL_BINARY)}},
         summary="Chunked KDA prefill of a batch of sequences on one layer, in place on their slots")
     async def prefill(request: Request) -> Response:
@@ -188,14 +247,14 @@ def create_app(settings: Settings) -> FastAPI:
         body = await read_body(request)
         decode = decode_prefill_json if encoding == JSON else decode_prefill_safetensors
         result = await core.prefill(await run_cpu(decode, body, nbytes=len(body)))
-        if result.allocated and await request.is_disconnected():
-            for slot_id in result.allocated:  # nobody will learn their ids
-                await core.free(slot_id)
-            log.info("client gone before the response; freed the %d slot(s) it allocated", len(result.allocated))
-            return Response(status_code=499)  # nginx's "client closed request": seen only in metrics
+        if result.allocated and (gone := await abandoned(request, result.allocated)):
+            return gone
         encode = encode_prefill_json if reply == JSON else encode_prefill_safetensors
         size = result.o.numel() * result.o.element_size()
-        return Response(_payload(await run_cpu(encode, result, nbytes=size)), media_type=reply)
+        payload = _payload(await run_cpu(encode, result, nbytes=size))
+        if result.allocated:
+            return DeliveryGuard(payload, reply, lambda: release(result.allocated))
+        return Response(payload, media_type=reply)
 
     @app.get("/info", response_model=Info, responses=_errors(),
              summary="Pool geometry, device, backend and free slots")

@@ -1,10 +1,11 @@
-"""ASGI middleware around every route: metrics, API-key check, body-size limit.
+"""ASGI middleware around every route: metrics, API-key check, body-size limit and timeout.
 
 Pure ASGI (no BaseHTTPMiddleware): bodies stream through untouched and handlers are never
 cancelled by a wrapper.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from typing import Callable
@@ -72,11 +73,14 @@ class AuthMiddleware:
 class BodyLimitMiddleware:
     """Refuses bodies over ``max_bytes``: from Content-Length before reading a byte (413,
     and the connection is closed), and by counting while reading (HTTP 413 raised from
-    ``receive``, rendered by the app's handlers)."""
+    ``receive``, rendered by the app's handlers). A body whose next bytes take longer than
+    ``timeout_s`` to arrive (a client that announced more than it sends, or stalls) is
+    refused the same way with 408, so a stalled upload holds no handler for long."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -93,10 +97,19 @@ class BodyLimitMiddleware:
                                    headers={"Connection": "close"})
                 return await response(scope, receive, send)
         received = 0
+        complete = False
 
         async def counted() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:  # after the body: a wait for the client to disconnect, with no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"no request body bytes arrived for {self.timeout_s:g} s after the "
+                                         f"{received} received (--body-timeout-s)",
+                                    headers={"Connection": "close"}) from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_bytes:
                 raise HTTPException(413, self._detail(received), headers={"Connection": "close"})
