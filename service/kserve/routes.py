@@ -34,8 +34,9 @@ from ..wire.media import JSON
 from ..wire.schema import parse_model
 from ..worker import run_cpu
 from . import infer
-from .codec import HEADER_LENGTH, OPTIONAL_INPUTS, encode_response, header_end, parse_request, plan_outputs, \
-    prefill_inputs, read_inputs
+from .codec import (
+    HEADER_LENGTH, OPTIONAL_INPUTS, encode_response, header_end, parse_request, plan_outputs, prefill_inputs, read_inputs,
+)
 from .datatypes import ACCEPTED, datatype_name
 from .errors import UnknownModel
 from .protocol import CudaShmRegister, SystemShmRegister

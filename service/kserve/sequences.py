@@ -44,7 +44,7 @@ class SequenceTable:
     @asynccontextmanager
     async def hold(self, sequence: SequenceId) -> AsyncIterator[None]:
         """Run the block as the only request of ``sequence``, after those that arrived before."""
-        async with self._ordering.hold([("sequence", type(sequence).__name__, sequence)]):
+        async with self._ordering.hold([sequence]):
             yield
 
     def slot(self, sequence: SequenceId) -> Optional[str]:

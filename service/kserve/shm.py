@@ -3,8 +3,8 @@ extensions, which share one namespace of region names.
 
 A request names a region, an offset and a byte size for each tensor it passes this way;
 every such reference is bounds-checked against the region here. Inputs are copied out of
-a region once (into host memory, or device memory for CUDA), so nothing the kernels see
-can change or vanish under them; outputs are copied in after the launch.
+a region once, into host memory (as every transport's inputs are), so nothing the kernels
+see can change or vanish under them; outputs are copied in after the launch.
 
 A request holds a `lease` on the regions it names from decoding to its response, so an
 unregister arriving meanwhile takes the name away at once but unmaps the memory only
@@ -130,8 +130,11 @@ class CudaRegion(_Region):
         self._memory = IpcMemory(raw_handle, device_id, byte_size)
 
     def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """Copied to the host like every other transport's inputs: the batcher packs one
+        launch's inputs with torch.cat before moving them to the device, so a device tensor
+        here could not share a launch with a host one."""
         nbytes = math.prod(shape) * dtype.itemsize
-        return self._memory.tensor[offset:offset + nbytes].clone().view(dtype).view(shape)
+        return self._memory.tensor[offset:offset + nbytes].cpu().view(dtype).view(shape)
 
     def write(self, offset: int, t: torch.Tensor) -> None:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8)
