@@ -1,5 +1,4 @@
-"""Fixtures of the KServe tests: one live kda-serve per test module, driven with the real
-tritonclient over HTTP."""
+"""Fixtures of the KServe tests: one live kda-serve, driven with the real tritonclient over HTTP."""
 from __future__ import annotations
 
 import zlib
@@ -22,11 +21,12 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The module's server: the service tests' geometry, a 20 ms batch window (concurrent
-    requests merge), a 1 MiB body limit. SIGTERM at the end must exit 0, and no request
-    may have reached the catch-all 500 (no traceback in the log)."""
+    """The one server of this folder (a start costs seconds of a 2-core machine; every test
+    leaves it as it found it): the service tests' geometry, a 20 ms batch window
+    (concurrent requests merge), a 1 MiB body limit. SIGTERM at the end must exit 0, and
+    no request may have reached the catch-all 500 (no traceback in the log)."""
     srv = start_server([*GEOMETRY_ARGS, "--batch-window-ms", "20", "--max-body-mb", str(MAX_BODY_MB)],
                        tmp_path_factory.mktemp("kserve") / "kda-serve.log")
     yield srv
@@ -35,7 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     assert "Traceback" not in srv.log_text(), srv.log_text()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client(server: Server) -> Iterator[tc.InferenceServerClient]:
     c = tc.InferenceServerClient(urlsplit(server.url).netloc, concurrency=8, network_timeout=120.0)
     yield c

@@ -156,11 +156,13 @@ def test_gate_and_flag_parameters_match_rest_prefill(server, client, gen):
     assert rel(result_tensor(r, "o"), o_ref) < TOL
 
 
-def test_only_the_outputs_asked_for(server, client, gen):
+def test_only_the_outputs_asked_for_and_the_request_id(server, client, gen):
     free = free_slots(server)
-    r = infer(client, seq_inputs(make_sequence(4, gen)), outputs=[tc.InferRequestedOutput("o", binary_data=False)])
+    r = client.infer("kda", triton_inputs(seq_inputs(make_sequence(4, gen))), request_id="req-7",
+                     outputs=[tc.InferRequestedOutput("o", binary_data=False)])
     response = r.get_response()
     assert [o["name"] for o in response["outputs"]] == ["o"] and r.as_numpy("final_state") is None
+    assert response["id"] == "req-7" and response["model_name"] == "kda" and response["model_version"] == "1"
     assert "parameters" not in response and free_slots(server) == free  # no sequence: the scratch slot is freed
 
 

@@ -1,0 +1,156 @@
+"""The KServe pieces in process (no server process): the error form on every layer, the
+sequence table across a restart with a snapshot, the shared memory registry's leases and
+cleanup, and the request parameters."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import mmap
+import os
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import httpx
+import pytest
+import torch
+from kserve_helpers import HV, K, LAYERS, TOL, V, make_sequence, reference, rel, seq_inputs
+
+from service.app import create_app
+from service.config import Settings
+from service.errors import InvalidRequest
+from service.kserve.options import UINT64_MAX, parse_options
+from service.kserve.sequences import SUFFIX, SequenceTable
+from service.kserve.shm import ShmRegistry
+
+SETTINGS = dict(num_layers=LAYERS, num_slots=8, num_heads=HV, head_dim=K, head_v_dim=V)
+
+
+def json_request(seq: tuple[torch.Tensor, ...], **parameters: Any) -> bytes:
+    inputs = [{"name": n, "shape": list(t.shape), "datatype": "FP32", "data": t.reshape(-1).tolist()}
+              for n, t in seq_inputs(seq).items()]
+    return json.dumps({"inputs": inputs, "parameters": parameters}).encode()
+
+
+def final_state(response: httpx.Response) -> torch.Tensor:
+    out = {o["name"]: o for o in response.json()["outputs"]}["final_state"]
+    return torch.tensor(out["data"], dtype=torch.float32).reshape(out["shape"])
+
+
+@asynccontextmanager
+async def serve(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """An in-process app with its lifespan (start, restore; shutdown, snapshot) around the block."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kda") as http:
+            yield http
+
+
+def test_errors_under_v2_take_the_protocol_form_on_every_layer():
+    """Routing (404, 405) and middleware (401 without the API key) errors under /v2 are
+    {"error": ...} with their status and headers; elsewhere they stay problem+json."""
+
+    async def main() -> None:
+        async with serve(Settings(**SETTINGS, api_key="k")) as http:
+            r = await http.get("/v2/health/live")
+            assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+            assert r.headers["content-type"] == "application/json" and "Bearer" in r.json()["error"]
+            assert (await http.get("/info")).headers["content-type"] == "application/problem+json"
+            auth = {"authorization": "Bearer k"}
+            r = await http.get("/v2/nowhere", headers=auth)
+            assert r.status_code == 404 and r.json() == {"error": "Not Found"}
+            r = await http.post("/v2/health/live", headers=auth)
+            assert r.status_code == 405 and set(r.json()) == {"error"}
+            r = await http.get("/v2/models/kda/versions/2", headers=auth)
+            assert r.status_code == 404 and "unknown version '2'" in r.json()["error"]
+
+    asyncio.run(main())
+
+
+def test_sequences_survive_a_restart_with_a_snapshot(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """START on one server; shut down (pool snapshot and sequence table saved); a new server
+    continues the sequence from the restored slot, equal to the reference of all tokens.
+    Without the table file the id is unknown; a corrupt file is logged and ignored."""
+    snapshot = tmp_path / "pool.snapshot"
+    settings = Settings(**SETTINGS, snapshot_path=str(snapshot))
+    gen = torch.Generator().manual_seed(1)
+    first, second = make_sequence(5, gen), make_sequence(4, gen)
+
+    async def run(body: bytes) -> httpx.Response:
+        async with serve(settings) as http:
+            return await http.post("/v2/models/kda/infer", content=body)
+
+    assert asyncio.run(run(json_request(first, sequence_id=9, sequence_start=True))).status_code == 200
+    assert Path(str(snapshot) + SUFFIX).exists()
+    r = asyncio.run(run(json_request(second, sequence_id=9)))
+    assert r.status_code == 200, r.text
+    whole = tuple(torch.cat([a, b]) for a, b in zip(first, second))
+    assert rel(final_state(r), reference([whole])[1][0]) < TOL
+    Path(str(snapshot) + SUFFIX).write_text("{not json")
+    with caplog.at_level(logging.ERROR, logger="kda_serve.kserve.sequences"):
+        r = asyncio.run(run(json_request(second, sequence_id=9, sequence_end=True)))
+    assert r.status_code == 400 and "must specify the START flag" in r.json()["error"]
+    assert "ignoring the sequence table" in caplog.text
+
+
+def test_sequence_table_keeps_only_entries_whose_slot_exists(tmp_path: Path):
+    table = SequenceTable(str(tmp_path / "t.json"))
+    for sequence, slot in ((1, "a"), ("1", "b"), ((1 << 64) - 1, "c")):
+        table.bind(sequence, slot)
+    table.save()
+    restored = SequenceTable(str(tmp_path / "t.json"))
+    restored.load(lambda slot: slot != "b")
+    assert restored.live() == {1: "a", (1 << 64) - 1: "c"}
+
+
+@pytest.fixture
+def shm_object() -> Iterator[str]:
+    """A 4 KiB POSIX shared memory object of this test, removed afterwards; yields its key."""
+    key = f"/kda_unit_{os.getpid()}"
+    path = f"/dev/shm{key}"
+    with open(path, "wb") as f:
+        f.truncate(mmap.PAGESIZE)
+    yield key
+    os.unlink(path)
+
+
+def test_registry_leases_defer_unmapping_and_close_unmaps_everything(shm_object: str):
+    registry = ShmRegistry()
+    registry.register_system("a", shm_object, 16, 64)
+    registry.register_system("b", shm_object, 0, 32)
+    with registry.lease(["a"]) as regions:
+        region = regions["a"]
+        region.write(8, torch.arange(4, dtype=torch.float32))
+        registry.unregister("system", "a")
+        assert registry.status("system") == [{"name": "b", "key": shm_object, "offset": 0, "byte_size": 32}]
+        assert torch.equal(region.read(8, torch.float32, [4]), torch.arange(4, dtype=torch.float32))  # still mapped
+    with pytest.raises(ValueError):
+        region.read(8, torch.float32, [4])  # unmapped once the last lease ended
+    with open(f"/dev/shm{shm_object}", "rb") as f:
+        assert f.read()[24:40] == torch.arange(4, dtype=torch.float32).numpy().tobytes()  # offset 16 + 8
+    with registry.lease(["b"]) as regions, pytest.raises(InvalidRequest, match="outside shared memory region 'b' of 32"):
+        regions["b"].check(30, 4, "input 'q'")
+    registry.close()
+    assert registry.status("system") == []
+
+
+def test_request_parameters_are_strict():
+    assert parse_options({"sequence_id": UINT64_MAX, "sequence_start": True}).sequence == UINT64_MAX
+    assert parse_options({"sequence_id": 0}).sequence is None and parse_options({"sequence_id": ""}).sequence is None
+    assert parse_options({"scale": 1}).scale == 1.0
+    for params, words in [
+        ({"sequence_id": UINT64_MAX + 1}, "uint64"),
+        ({"sequence_id": True}, "got a boolean"),
+        ({"sequence_id": 1.5}, "got a number"),
+        ({"sequence_start": True}, "needs a non-zero"),
+        ({"sequence_id": 0, "sequence_end": True}, "needs a non-zero"),
+        ({"layer": True}, "layer must be an integer"),
+        ({"use_qk_l2norm": 1}, "must be a boolean"),
+        ({"lower_bound": "-4"}, "must be a number"),
+        ({"slot": ""}, "non-empty string"),
+        ({"priority": 1}, "unknown request parameter(s) ['priority']"),
+    ]:
+        with pytest.raises(InvalidRequest) as e:
+            parse_options(params)
+        assert words in e.value.detail, (params, e.value.detail)
