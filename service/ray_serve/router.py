@@ -1,0 +1,572 @@
+"""`ShardedCore`: the ingress's brain. Routes each request to the shards that hold its
+slots, splits a prefill by shard and reassembles it, places new slots, moves and drains.
+
+Its coroutines mirror `ServerCore`'s (alloc, free, fork, slot_info, get_state,
+export_state, put_state, prefill, info), so the HTTP layer on top of it is the single
+server's in all but wiring. What a client sees is the single server's contract:
+
+- ids are opaque; a moved slot keeps the id its client holds (`SlotDirectory` maps its
+  token to where it lives now; this class caches that map and refreshes an entry when a
+  shard says the slot is not there);
+- a prefill is validated whole (400s and their field names are the single server's),
+  then every named slot is checked on its shard (404 in request order) and new slots
+  placed (503 when full) before any shard runs; shards then run concurrently and the
+  outputs come back in request order;
+- a slot on a shard whose process died answers 410 (`SlotGone`), never a zeroed state.
+
+One gap a single process does not have: if a shard dies while the parts of a split
+prefill run, the parts on other shards have run (their slots advanced); the request
+fails with 410 for the dead shard's slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from service.config import Settings
+from service.errors import InvalidRequest, NotReady
+from service.gates import Gate, load_gate_params
+from service.inputs import PrefillInputs, PrefillResult
+from service.validation import validate_prefill
+from service.worker import run_cpu
+from state_store import GeometryMismatch, PoolFull, PoolGeometry, SlotInfo, UnknownSlot
+
+from .errors import SlotGone, SlotMoving, UnknownShard
+from .ids import parse_slot_id
+from .links import DirectoryLink, ShardLink, ShardUnavailable
+from .payload import Array, ShardPrefill, ShardResult, ShardStatus, TakeFailed
+
+log = logging.getLogger("kda_serve.ray.router")
+STATUS_TIMEOUT_S = 5.0
+"""How long /info, /shards, /health/ready and placement wait for a shard's figures."""
+_SlotError = Union[UnknownSlot, SlotMoving, SlotGone]
+
+
+@dataclass
+class _Part:
+    """One shard's share of a prefill: request sequence indices (ascending) and their
+    slots as that shard knows them (None: allocate there)."""
+
+    shard: str
+    indices: list[int]
+    slots: list[Optional[str]]
+
+
+class _Reroute(Exception):
+    """A slot moved under a request that had changed nothing yet: route it again."""
+
+
+def plan_placement(free: Mapping[str, int], count: int) -> dict[str, int]:
+    """Where ``count`` new slots go: all on the shard with the most free slots when it has
+    room, else spread over the emptiest shards in turn. PoolFull when all together lack room."""
+    total = sum(free.values())
+    if count > total:
+        raise PoolFull(count, total)
+    plan: dict[str, int] = {}
+    for shard, n in sorted(free.items(), key=lambda item: (-item[1], item[0])):
+        if count == 0:
+            break
+        take = min(n, count)
+        if take:
+            plan[shard] = take
+            count -= take
+    return plan
+
+
+def _rows(t: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Rows [a, b) of ``t`` for each bound, concatenated (a view when there is one range)."""
+    merged: list[tuple[int, int]] = []
+    for a, b in bounds:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    if len(merged) == 1:
+        return t[merged[0][0]:merged[0][1]]
+    return torch.cat([t[a:b] for a, b in merged])
+
+
+class ShardedCore:
+    """Serves the API over ``shards`` (name -> link), with ``directory`` for moved slots.
+    ``settings`` give the geometry and gates every shard shares (validation happens here
+    too, so a split request is refused whole). ``move_wait_s``: how long a request waits
+    for a slot that is mid-move before answering 503."""
+
+    def __init__(self, settings: Settings, shards: Mapping[str, ShardLink], directory: DirectoryLink,
+                 move_wait_s: float = 10.0, status_max_age_s: float = 0.5) -> None:
+        if not shards:
+            raise ValueError("a sharded deployment needs at least one shard")
+        self.geometry = PoolGeometry(settings.num_layers, settings.num_slots, settings.num_heads, settings.head_dim,
+                                     settings.v_dim, settings.torch_state_dtype, torch.device("cpu"))
+        self.gates: dict[int, Gate] = load_gate_params(settings.gate_params, self.geometry) if settings.gate_params else {}
+        self.shards = dict(shards)
+        self.directory = directory
+        self._move_wait_s = move_wait_s
+        self._status_max_age_s = status_max_age_s
+        self._moved: dict[str, str] = {}  # public token -> current id: a cache of the directory
+        self._free: dict[str, int] = {}  # placement figures, refreshed every status_max_age_s
+        self._free_at = -float("inf")
+
+    # -- routing -----------------------------------------------------------------------
+
+    def _current(self, public: str) -> str:
+        """Where ``public`` lives now, as far as this replica knows."""
+        parsed = parse_slot_id(public)
+        if parsed is None or parsed.shard not in self.shards:
+            raise UnknownSlot(public)
+        return self._moved.get(parsed.token, public)
+
+    @staticmethod
+    def _shard_of(slot_id: str) -> str:
+        parsed = parse_slot_id(slot_id)
+        assert parsed is not None, slot_id  # every id routed was parsed by _current
+        return parsed.shard
+
+    @staticmethod
+    def _token(slot_id: str) -> str:
+        parsed = parse_slot_id(slot_id)
+        assert parsed is not None, slot_id
+        return parsed.token
+
+    async def _refresh(self, publics: Sequence[str]) -> bool:
+        """Reread ``publics`` from the directory; whether any now lives elsewhere."""
+        tokens = [self._token(p) for p in publics]
+        found = await self.directory.lookup(tokens)
+        changed = False
+        for token in tokens:
+            before, after = self._moved.get(token), found.get(token)
+            if after is None:
+                self._moved.pop(token, None)
+            else:
+                self._moved[token] = after
+            changed |= before != after
+        return changed
+
+    @staticmethod
+    def _public(error: Exception, names: Mapping[str, str]) -> Exception:
+        """``error`` about a current id, told about the id its client holds."""
+        slot_id = getattr(error, "slot_id", None)
+        public = names.get(slot_id) if isinstance(slot_id, str) else None
+        if public is None or public == slot_id:
+            return error
+        if isinstance(error, UnknownSlot):
+            return UnknownSlot(public)
+        if isinstance(error, SlotMoving):
+            return SlotMoving(public)
+        if isinstance(error, SlotGone):
+            return SlotGone(public, f"slot {public!r} had moved to {slot_id!r}: {error.detail}")
+        return error
+
+    @staticmethod
+    def _gone(public: str, down: ShardUnavailable) -> SlotGone:
+        return SlotGone(public, f"slot {public!r} lived on shard {down.shard!r}, whose process failed: "
+                                f"its state is lost ({down.detail})")
+
+    async def _retry(self, publics: Sequence[str], error: _SlotError, deadline: float) -> bool:
+        """After ``error`` on a request that changed nothing: whether to route it again
+        (a slot moved, or a move is landing and there is time to wait for it)."""
+        if await self._refresh(publics):
+            return True
+        if isinstance(error, SlotMoving) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            return True
+        return False
+
+    async def _on_slot(self, public: str, method: str, *args: Any) -> Any:
+        """``method(current id, *args)`` on the shard holding ``public``, following moves."""
+        deadline = time.monotonic() + self._move_wait_s
+        while True:
+            current = self._current(public)
+            shard = self._shard_of(current)
+            try:
+                return await self.shards[shard].call(method, current, *args)
+            except ShardUnavailable as down:
+                raise self._gone(public, down) from None
+            except (UnknownSlot, SlotMoving, SlotGone) as e:
+                if await self._retry([public], e, deadline):
+                    continue
+                raise self._public(e, {current: public}) from None
+
+    # -- figures and placement ---------------------------------------------------------
+
+    async def statuses(self) -> dict[str, Union[ShardStatus, ShardUnavailable]]:
+        """Every shard's figures, or why it did not answer within STATUS_TIMEOUT_S."""
+        names = list(self.shards)
+        replies = await asyncio.gather(*(self.shards[n].call("status", timeout_s=STATUS_TIMEOUT_S) for n in names),
+                                       return_exceptions=True)
+        out: dict[str, Union[ShardStatus, ShardUnavailable]] = {}
+        for name, reply in zip(names, replies):
+            if isinstance(reply, ShardStatus):
+                out[name] = reply
+            elif isinstance(reply, ShardUnavailable):
+                out[name] = reply
+            else:
+                raise reply
+        return out
+
+    async def _free_slots(self) -> dict[str, int]:
+        """Free slots of the shards that take new slots (up, not draining); at most
+        status_max_age_s old."""
+        if time.monotonic() - self._free_at > self._status_max_age_s:
+            statuses, draining = await asyncio.gather(self.statuses(), self.directory.draining())
+            self._free = {name: s.free for name, s in statuses.items()
+                          if isinstance(s, ShardStatus) and name not in draining}
+            self._free_at = time.monotonic()
+        return dict(self._free)
+
+    def free_slots_seen(self) -> float:
+        """Free slots over the shards taking new slots, as of the last placement figures."""
+        return float(sum(self._free.values()))
+
+    def _placed(self, shard: str, count: int) -> None:
+        """Count ``count`` slots placed on ``shard`` until the next refresh."""
+        if shard in self._free:
+            self._free[shard] = max(0, self._free[shard] - count)
+
+    async def _plan(self, count: int, exclude: Sequence[str] = ()) -> dict[str, int]:
+        free = {name: n for name, n in (await self._free_slots()).items() if name not in exclude}
+        plan = plan_placement(free, count)
+        for shard, n in plan.items():
+            self._placed(shard, n)
+        return plan
+
+    async def _free_quietly(self, slot_ids: Sequence[str]) -> None:
+        """Free slots this request allocated and will not hand out (failures only logged)."""
+        async def one(slot_id: str) -> None:
+            try:
+                await self.shards[self._shard_of(slot_id)].call("free", slot_id)
+            except Exception as e:
+                log.warning("could not free %s after a failed request: %s", slot_id, e)
+        await asyncio.gather(*(one(s) for s in slot_ids))
+
+    # -- slots -------------------------------------------------------------------------
+
+    async def alloc(self, count: int = 1) -> list[str]:
+        """``count`` new slots, all or none, on the emptiest shards."""
+        statuses = await self.statuses()
+        capacity = sum(s.capacity for s in statuses.values() if isinstance(s, ShardStatus))
+        if not 1 <= count <= capacity:
+            raise InvalidRequest(f"count must be in 1..{capacity} (the pool's slots), got {count}", field="count")
+        plan = await self._plan(count)
+        replies = await asyncio.gather(*(self.shards[s].call("alloc", n) for s, n in plan.items()),
+                                       return_exceptions=True)
+        ids = [slot_id for reply in replies if isinstance(reply, list) for slot_id in reply]
+        failures = [reply for reply in replies if isinstance(reply, BaseException)]
+        if failures:
+            await self._free_quietly(ids)
+            raise failures[0]
+        return ids
+
+    async def free(self, public: str) -> None:
+        await self._on_slot(public, "free")
+        token = self._token(public)
+        if self._moved.pop(token, None) is not None:
+            await self.directory.forget(token)
+
+    async def fork(self, public: str) -> str:
+        """A copy of the slot on the shard that holds it."""
+        return await self._on_slot(public, "fork")
+
+    async def slot_info(self, public: str) -> SlotInfo:
+        info: SlotInfo = await self._on_slot(public, "slot_info")
+        info.slot_id = public
+        return info
+
+    async def get_state(self, public: str) -> torch.Tensor:
+        array: Array = await self._on_slot(public, "get_state")
+        return array.tensor()
+
+    async def export_state(self, public: str) -> np.ndarray:
+        """The slot's export (safetensors) as bytes in a uint8 array."""
+        return await self._on_slot(public, "export_state")
+
+    async def put_state(self, public: str, state: torch.Tensor) -> None:
+        await self._on_slot(public, "put_state", Array.of(state))
+
+    # -- prefill -----------------------------------------------------------------------
+
+    async def prefill(self, inputs: PrefillInputs) -> PrefillResult:
+        """Validate whole, then run on the shards holding the slots (see the module docstring)."""
+        await run_cpu(validate_prefill, inputs, self.geometry, self.gates, nbytes=self._nbytes(inputs))
+        deadline = time.monotonic() + self._move_wait_s
+        while True:
+            try:
+                return await self._prefill_once(inputs, deadline)
+            except _Reroute:
+                continue
+
+    async def _prefill_once(self, x: PrefillInputs, deadline: float) -> PrefillResult:
+        currents = [None if s is None else self._current(s) for s in x.slots]
+        names = {c: p for c, p in zip(currents, x.slots) if c is not None and p is not None}
+        order = {**{p: i for i, p in enumerate(x.slots) if p is not None},
+                 **{c: i for i, c in enumerate(currents) if c is not None}}
+        nulls = [i for i, c in enumerate(currents) if c is None]
+        plan = await self._plan(len(nulls)) if nulls else {}
+        placement = [None if c is None else self._shard_of(c) for c in currents]
+        fill = iter([shard for shard, n in plan.items() for _ in range(n)])
+        for i in nulls:
+            placement[i] = next(fill)
+        parts: dict[str, _Part] = {}
+        for i, (shard, slot) in enumerate(zip(placement, currents)):
+            assert shard is not None
+            part = parts.setdefault(shard, _Part(shard, [], []))
+            part.indices.append(i)
+            part.slots.append(slot)
+        if len(parts) == 1:
+            return await self._prefill_one(x, next(iter(parts.values())), names, deadline)
+        allocated = await self._prepare(parts, names, order, deadline)
+        try:
+            return await self._prefill_split(x, parts, names, order, allocated)
+        except BaseException:
+            await self._free_quietly(allocated)
+            raise
+
+    @staticmethod
+    def _shard_request(x: PrefillInputs, part: _Part) -> ShardPrefill:
+        starts = list(itertools.accumulate(x.lengths, initial=0))
+        bounds = [(starts[i], starts[i + 1]) for i in part.indices]
+        whole = len(part.indices) == len(x.lengths)
+
+        def pick(t: torch.Tensor) -> Array:
+            return Array.of(t if whole else _rows(t, bounds))
+
+        return ShardPrefill(
+            layer=x.layer, slots=part.slots, lengths=[x.lengths[i] for i in part.indices],
+            q=pick(x.q), k=pick(x.k), v=pick(x.v), g=pick(x.g), beta=pick(x.beta),
+            A_log=None if x.A_log is None else Array.of(x.A_log),
+            dt_bias=None if x.dt_bias is None else Array.of(x.dt_bias), lower_bound=x.lower_bound, scale=x.scale,
+            use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid, allow_neg_eigval=x.allow_neg_eigval,
+            return_final_state=x.return_final_state,
+        )
+
+    @staticmethod
+    def _nbytes(x: PrefillInputs) -> int:
+        return sum(t.numel() * t.element_size() for t in (x.q, x.k, x.v, x.g, x.beta))
+
+    async def _prefill_one(self, x: PrefillInputs, part: _Part, names: dict[str, str],
+                           deadline: float) -> PrefillResult:
+        """The whole request on one shard: its own checks make it all or nothing."""
+        request = self._shard_request(x, part)  # whole: views, no copy
+        try:
+            result: ShardResult = await self.shards[part.shard].call("prefill", request)
+        except ShardUnavailable as down:
+            named = [p for p in x.slots if p is not None]
+            if named:
+                raise self._gone(named[0], down) from None
+            raise
+        except (UnknownSlot, SlotMoving, SlotGone) as e:
+            if await self._retry(list(names.values()), e, deadline):
+                raise _Reroute() from None
+            raise self._public(e, names) from None
+        o = result.o.tensor()
+        final = None if result.final_state is None else result.final_state.tensor()
+        slots = [names.get(s, s) for s in result.slots]
+        return PrefillResult(slots, list(x.lengths), o, final, list(result.allocated))
+
+    @staticmethod
+    def _first_error(errors: Sequence[BaseException], order: Mapping[str, int]) -> BaseException:
+        """Of failures from several shards, the one the single server would have raised:
+        slot errors in request order first, then the rest."""
+        def rank(e: BaseException) -> tuple[int, int]:
+            slot_id = getattr(e, "slot_id", None)
+            return (0, order[slot_id]) if isinstance(slot_id, str) and slot_id in order else (1, 0)
+        return min(errors, key=rank)
+
+    def _part_errors(self, parts: Sequence[_Part], replies: Sequence[Any], names: Mapping[str, str]) -> list[BaseException]:
+        """The failures among ``replies`` (one per part), a dead shard as 410 for its first slot."""
+        errors: list[BaseException] = []
+        for part, reply in zip(parts, replies):
+            if isinstance(reply, ShardUnavailable) and part.slots[0] is not None:
+                errors.append(self._gone(names.get(part.slots[0], part.slots[0]), reply))
+            elif isinstance(reply, BaseException):
+                errors.append(reply)
+        return errors
+
+    async def _prepare(self, parts: dict[str, _Part], names: dict[str, str], order: Mapping[str, int],
+                       deadline: float) -> list[str]:
+        """Before a split prefill runs anything: every named slot exists (404 in request
+        order), and the new slots are allocated (their ids fill the parts)."""
+        checks = [_Part(p.shard, [], [s for s in p.slots if s is not None]) for p in parts.values()]
+        checks = [c for c in checks if c.slots]
+        allocs = [p for p in parts.values() if None in p.slots]
+        replies = await asyncio.gather(
+            *(self.shards[c.shard].call("check", c.slots) for c in checks),
+            *(self.shards[p.shard].call("alloc", p.slots.count(None)) for p in allocs),
+            return_exceptions=True,
+        )
+        alloc_replies = replies[len(checks):]
+        allocated = [s for reply in alloc_replies if isinstance(reply, list) for s in reply]
+        errors = self._part_errors(checks, replies[:len(checks)], names)
+        errors += [reply for reply in alloc_replies if isinstance(reply, BaseException)]
+        if errors:
+            await self._free_quietly(allocated)
+            first = self._first_error(errors, order)
+            if isinstance(first, (UnknownSlot, SlotMoving, SlotGone)) and await self._retry(
+                    list(names.values()), first, deadline):
+                raise _Reroute()
+            raise self._public(first, names) if isinstance(first, Exception) else first
+        for part, reply in zip(allocs, alloc_replies):
+            fresh = iter(reply)
+            part.slots = [s if s is not None else next(fresh) for s in part.slots]
+        return allocated
+
+    async def _prefill_split(self, x: PrefillInputs, parts: dict[str, _Part], names: dict[str, str],
+                             order: Mapping[str, int], allocated: list[str]) -> PrefillResult:
+        """Run the parts concurrently and put the outputs back in request order."""
+        plist = list(parts.values())
+        requests = [await run_cpu(self._shard_request, x, part, nbytes=self._nbytes(x)) for part in plist]
+        replies = await asyncio.gather(*(self.shards[part.shard].call("prefill", request)
+                                         for part, request in zip(plist, requests)), return_exceptions=True)
+        errors = self._part_errors(plist, replies, names)
+        if errors:
+            first = self._first_error(errors, order)
+            raise self._public(first, names) if isinstance(first, Exception) else first
+        n = len(x.lengths)
+        o_parts: list[Optional[torch.Tensor]] = [None] * n
+        finals: list[Optional[torch.Tensor]] = [None] * n
+        slots: list[str] = [""] * n
+        for part, result in zip(plist, replies):
+            assert isinstance(result, ShardResult)
+            outputs = result.o.tensor().split(result.lengths)
+            final = result.final_state.tensor() if result.final_state is not None else None
+            for j, i in enumerate(part.indices):
+                o_parts[i] = outputs[j]
+                slots[i] = names.get(result.slots[j], result.slots[j])
+                if final is not None:
+                    finals[i] = final[j:j + 1]
+        o = torch.cat([t for t in o_parts if t is not None])
+        final_state = torch.cat([t for t in finals if t is not None]) if x.return_final_state else None
+        return PrefillResult(slots, list(x.lengths), o, final_state, allocated)
+
+    # -- moves -------------------------------------------------------------------------
+
+    async def move(self, public: str, target: Optional[str]) -> tuple[str, str]:
+        """Move the slot to shard ``target`` (None: the emptiest other shard that takes
+        new slots); returns (its id, unchanged, and the shard it is on now)."""
+        if target is not None and target not in self.shards:
+            raise UnknownShard(target, sorted(self.shards))
+        deadline = time.monotonic() + self._move_wait_s
+        while True:
+            current = self._current(public)
+            source = self._shard_of(current)
+            if target == source:
+                return public, source
+            try:
+                await self.shards[source].call("check", [current])
+            except ShardUnavailable as down:
+                raise self._gone(public, down) from None
+            except (UnknownSlot, SlotMoving, SlotGone) as e:
+                if await self._retry([public], e, deadline):
+                    continue
+                raise self._public(e, {current: public}) from None
+            destination = target or next(iter(await self._plan(1, exclude=[source])))
+            try:
+                return public, await self._move_current(self._token(public), public, current, destination)
+            except (UnknownSlot, SlotMoving, SlotGone) as e:
+                if await self._retry([public], e, deadline):
+                    continue
+                raise self._public(e, {current: public}) from None
+
+    async def _move_current(self, token: str, public: str, current: str, destination: str) -> str:
+        """Take the slot at ``current`` out of its shard and put it on ``destination``,
+        the state going through the object store; on a refusal there (full), put it back
+        where it was. Records the new place; returns the shard it is on."""
+        source = self._shard_of(current)
+        taken = self.shards[source].send("take", current)
+        try:
+            placed = await self.shards[destination].result(self.shards[destination].send("put", taken))
+            refusal: Optional[BaseException] = None
+        except (PoolFull, GeometryMismatch, ShardUnavailable) as e:
+            refusal = e
+            try:
+                placed = await self.shards[source].result(self.shards[source].send("put", taken))
+            except Exception as back:
+                with contextlib.suppress(Exception):
+                    await self.shards[source].call("release", current)
+                log.error("slot %s lost in a move: %s there, %s putting it back", public, e, back)
+                raise SlotGone(public, f"slot {public!r} was lost in a move to {destination!r}: {e}; putting it "
+                                       f"back failed: {back}") from None
+        if isinstance(placed, TakeFailed):
+            raise placed.fault.error()
+        await self.directory.record(token, placed)
+        self._moved[token] = placed
+        await self.shards[source].call("release", current)
+        if refusal is not None:
+            raise refusal
+        log.info("moved slot %s: %s -> %s", public, current, placed)
+        return self._shard_of(placed)
+
+    async def drain(self, shard: str) -> dict[str, Any]:
+        """Stop placing new slots on ``shard`` and move all of its slots to the others."""
+        if shard not in self.shards:
+            raise UnknownShard(shard, sorted(self.shards))
+        await self.directory.set_draining(shard, True)
+        self._free_at = -float("inf")
+        ids: list[str] = await self.shards[shard].call("slot_ids")
+        origins = await self.directory.origins([self._token(s) for s in ids])
+        moved, failed = 0, []
+        for current in ids:
+            token = self._token(current)
+            public_token = origins.get(token, token)
+            try:
+                destination = next(iter(await self._plan(1, exclude=[shard])))
+                await self._move_current(public_token, current, current, destination)
+                moved += 1
+            except UnknownSlot:
+                continue  # freed meanwhile
+            except Exception as e:
+                failed.append({"slot": current, "detail": str(e)})
+        return {"shard": shard, "moved": moved, "failed": failed}
+
+    async def resume(self, shard: str) -> None:
+        """Let ``shard`` take new slots again."""
+        if shard not in self.shards:
+            raise UnknownShard(shard, sorted(self.shards))
+        await self.directory.set_draining(shard, False)
+        self._free_at = -float("inf")
+
+    # -- figures -----------------------------------------------------------------------
+
+    async def info(self) -> dict[str, Any]:
+        """The single server's /info over all shards that answer: slot counts summed."""
+        statuses = [s for s in (await self.statuses()).values() if isinstance(s, ShardStatus)]
+        if not statuses:
+            raise NotReady("no shard answers")
+        g = self.geometry
+        return {
+            "num_layers": g.num_layers, "num_slots": sum(s.capacity for s in statuses), "num_heads": g.num_heads,
+            "head_k_dim": g.head_k_dim, "head_v_dim": g.head_v_dim, "state_dtype": g.dtype_name,
+            "device": ",".join(sorted({s.device for s in statuses})),
+            "backend": ",".join(sorted({s.backend for s in statuses})),
+            "free_slots": sum(s.free for s in statuses), "used_slots": sum(s.used for s in statuses),
+            "gate_layers": sorted(self.gates),
+        }
+
+    async def shard_table(self) -> list[dict[str, Any]]:
+        """Each shard: up or not, its figures, whether it is draining."""
+        statuses, draining = await asyncio.gather(self.statuses(), self.directory.draining())
+        rows = []
+        for name, s in statuses.items():
+            row: dict[str, Any] = {"shard": name, "up": isinstance(s, ShardStatus), "draining": name in draining}
+            if isinstance(s, ShardStatus):
+                row.update(incarnation=s.incarnation, num_slots=s.capacity, free_slots=s.free, used_slots=s.used,
+                           device=s.device, backend=s.backend)
+            else:
+                row["detail"] = s.detail
+            rows.append(row)
+        return rows
+
+    async def metrics(self) -> dict[str, bytes]:
+        """Each answering shard's Prometheus text."""
+        names = list(self.shards)
+        replies = await asyncio.gather(*(self.shards[n].call("metrics", timeout_s=STATUS_TIMEOUT_S) for n in names),
+                                       return_exceptions=True)
+        return {name: reply for name, reply in zip(names, replies) if isinstance(reply, bytes)}
