@@ -29,7 +29,9 @@ from service.metrics import Metrics
 from service.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from service.problems import install_problem_handlers
 from service.wire.media import ENCODINGS, JSON, SAFETENSORS, negotiate, request_encoding
-from service.wire.prefill import decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, encode_prefill_safetensors
+from service.wire.prefill import (
+    decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, encode_prefill_safetensors,
+)
 from service.wire.schema import AllocRequest, Forked, Info, SlotMetadata, SlotsCreated
 from service.wire.state import decode_state_json, decode_state_safetensors, encode_state_json
 from service.worker import run_cpu

@@ -106,7 +106,8 @@ class ShardedCore:
             raise ValueError("a sharded deployment needs at least one shard")
         self.geometry = PoolGeometry(settings.num_layers, settings.num_slots, settings.num_heads, settings.head_dim,
                                      settings.v_dim, settings.torch_state_dtype, torch.device("cpu"))
-        self.gates: dict[int, Gate] = load_gate_params(settings.gate_params, self.geometry) if settings.gate_params else {}
+        self.gates: dict[int, Gate] = (load_gate_params(settings.gate_params, self.geometry)
+                                       if settings.gate_params else {})
         self.shards = dict(shards)
         self.directory = directory
         self._move_wait_s = move_wait_s
@@ -380,7 +381,8 @@ class ShardedCore:
             return (0, order[slot_id]) if isinstance(slot_id, str) and slot_id in order else (1, 0)
         return min(errors, key=rank)
 
-    def _part_errors(self, parts: Sequence[_Part], replies: Sequence[Any], names: Mapping[str, str]) -> list[BaseException]:
+    def _part_errors(self, parts: Sequence[_Part], replies: Sequence[Any],
+                     names: Mapping[str, str]) -> list[BaseException]:
         """The failures among ``replies`` (one per part), a dead shard as 410 for its first slot."""
         errors: list[BaseException] = []
         for part, reply in zip(parts, replies):

@@ -3,7 +3,6 @@ application with two CPU shards, torn down at the end. The whole folder is skipp
 Ray is not installed (``pip install 'kda-serve[ray]'``)."""
 from __future__ import annotations
 
-import os
 import socket
 import time
 import zlib

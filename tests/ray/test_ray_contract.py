@@ -11,7 +11,7 @@ from ray_helpers import HV, K, LAYERS, TOL, V, make_sequence, reference, rel, sh
 
 from service.client import BadRequest, KDAClient, SlotNotFound
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)  # the first test also starts the cluster (~50 s on 2 cores)
 
 
 def on_both(client: KDAClient, cluster: Cluster) -> tuple[str, str]:
