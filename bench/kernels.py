@@ -46,15 +46,15 @@ CASES = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (64, 512), (256, 128)]
 DECODE = (256, 1)
 # variants of our launch config timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
-    "fp32-operands": dict(fp16_operands=False),
     "fused": dict(fuse_output=True),
     "split": dict(fuse_output=False),
+    "intra-w4-bk16": dict(intra_warps=4, intra_bk=16),
+    "intra-w4": dict(intra_warps=4),
+    "wy-bv32": dict(wy_bv=32),
+    "wy-bk64-w8": dict(wy_bk=64, wy_warps=8),
     "state-bv64": dict(state_bv=64),
     "state-w4": dict(state_warps=4),
-    "state-s3": dict(state_stages=3),
-    "intra-bk64": dict(intra_bk=64),
-    "intra-w4": dict(intra_warps=4),
-    "out-bk128": dict(out_bk=128, out_warps=8),
+    "out-bk64": dict(out_bk=64),
 }
 
 
@@ -151,7 +151,8 @@ def compiled_resources() -> list[str]:
     from kernels import triton_kernels as tk
 
     lines = []
-    for name in ("chunk_intra_kernel", "chunk_state_kernel", "chunk_output_kernel", "recurrent_step_kernel"):
+    for name in ("chunk_intra_kernel", "chunk_wy_kernel", "chunk_state_kernel", "chunk_output_kernel",
+                 "recurrent_step_kernel"):
         fn = getattr(tk, name)
         caches = getattr(fn, "device_caches", None) or {}
         for dev_cache in caches.values():

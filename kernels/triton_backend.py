@@ -1,7 +1,7 @@
 """The Triton backend: runs a `PrefillProblem` on CUDA (or the Triton interpreter).
 
-Sequences of two or more tokens take the chunked path: the intra-chunk kernel, then the
-state pass (which also computes o when there are enough sequence-heads to fill the GPU,
+Sequences of two or more tokens take the chunked path: the intra-chunk kernel (A and the
+solve), the WY kernel, then the state pass (which also computes o when there are enough sequence-heads to fill the GPU,
 else a separate parallel output kernel does). Single-token sequences take the recurrent
 decode kernel. Both paths read initial states from, and write final states to, the pool
 rows named by ``p.indices`` inside the kernels themselves.
@@ -25,6 +25,7 @@ from .triton_kernels import (
     chunk_intra_kernel,
     chunk_output_kernel,
     chunk_state_kernel,
+    chunk_wy_kernel,
     recurrent_step_kernel,
     select_config,
 )
@@ -126,17 +127,24 @@ def run_triton(
 
     n_chunks, n_seqs = plan.chunks.shape[0], plan.seqs.shape[0]
     if n_chunks > 0:
+        tb = torch.empty(T, HV, CHUNK_SIZE, dtype=f32, device=device)
+        aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=mat, device=device)
+        rqk = torch.empty(T, HV, 2, dtype=f32, device=device)
+        chunk_intra_kernel[(n_chunks, HV)](
+            q, k, g, beta, a_log, dt_bias, tb, aqk, rqk, plan.chunks, p.scale, lower_bound,
+            H=H, HV=HV, K=K, BK=cfg.intra_bk, BKD=cfg.intra_bkd, **flags,
+            SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR,
+            num_warps=cfg.intra_warps,
+        )
         w = torch.empty(T, HV, K, dtype=mat, device=device)
         kg, qg = torch.empty_like(w), torch.empty_like(w)
         u = torch.empty(T, HV, V, dtype=f32, device=device)
-        aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=mat, device=device)
         gexp = torch.empty(NT, HV, K, dtype=f32, device=device)
-        chunk_intra_kernel[(n_chunks, HV)](
-            q, k, v, g, beta, a_log, dt_bias, w, u, kg, qg, aqk, gexp, plan.chunks,
-            p.scale, lower_bound, H=H, HV=HV, K=K, V=V,
-            BK=cfg.intra_bk, BKD=cfg.intra_bkd, BV=cfg.intra_bv, **flags,
-            SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR,
-            num_warps=cfg.intra_warps,
+        chunk_wy_kernel[(n_chunks, HV)](
+            q, k, v, g, a_log, dt_bias, tb, rqk, w, u, kg, qg, gexp, plan.chunks, lower_bound,
+            H=H, HV=HV, K=K, V=V, BK=cfg.wy_bk, BV=cfg.wy_bv, GATE=gate,
+            HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
+            DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, num_warps=cfg.wy_warps,
         )
         fused = fuse_output(cfg, n_seqs * HV)
         if fused:

@@ -1,7 +1,8 @@
 """Triton kernels for KDA chunked prefill and decode, one module per stage:
 
-- `gate`: device functions for the gate, beta and L2-norm transforms (fused everywhere);
-- `intra`: per-chunk gate cumsum, A_qk / A_kk, the triangular solve, WY factors w/u;
+- `gate`: device functions for the gate and beta transforms and the gate's chunk cumsum;
+- `intra`: per-chunk gate cumsum, A_qk / A_kk and the triangular solve;
+- `wy`: the WY factors w, u (and kg, qg) from the solve;
 - `state`: the sequential chunk-to-chunk state pass, in place on the pool;
 - `output`: per-chunk outputs from the states and the intra-chunk matrices;
 - `recurrent`: single-token sequences (decode), in place on the pool;
@@ -12,11 +13,13 @@ from .intra import chunk_intra_kernel
 from .output import chunk_output_kernel
 from .recurrent import recurrent_step_kernel
 from .state import chunk_state_kernel
+from .wy import chunk_wy_kernel
 
 __all__ = [
     "LaunchConfig",
     "select_config",
     "chunk_intra_kernel",
+    "chunk_wy_kernel",
     "chunk_state_kernel",
     "chunk_output_kernel",
     "recurrent_step_kernel",

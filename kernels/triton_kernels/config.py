@@ -18,8 +18,10 @@ class LaunchConfig:
 
     intra_bk: int
     intra_bkd: int
-    intra_bv: int
     intra_warps: int
+    wy_bk: int
+    wy_bv: int
+    wy_warps: int
     state_bv: int
     state_warps: int
     state_stages: int
@@ -59,15 +61,15 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
     bk, bv = _pow2(K), _pow2(V)
     if interpret:  # numpy per program: fewer, wider steps are faster; warps mean nothing
         return LaunchConfig(
-            intra_bk=bk, intra_bkd=bk, intra_bv=bv, intra_warps=4,
+            intra_bk=bk, intra_bkd=bk, intra_warps=4, wy_bk=bk, wy_bv=bv, wy_warps=4,
             state_bv=bv, state_warps=4, state_stages=1,
             out_bk=bk, out_bv=bv, out_warps=4, out_stages=1,
             rec_bv=bv, rec_warps=4, fp16_operands=True,
         )
     return LaunchConfig(
-        intra_bk=min(bk, 32), intra_bkd=8, intra_bv=min(bv, 64), intra_warps=8,
+        intra_bk=min(bk, 32), intra_bkd=8, intra_warps=8, wy_bk=min(bk, 32), wy_bv=min(bv, 64), wy_warps=4,
         state_bv=min(bv, 32), state_warps=8, state_stages=2,
-        out_bk=min(bk, 64), out_bv=min(bv, 64), out_warps=4, out_stages=2,
+        out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
         fp16_operands=True,
     )

@@ -1,4 +1,5 @@
-"""Triton device functions for the per-token transforms: gate, beta, L2 norm.
+"""Triton device functions for the per-token transforms (gate, beta) and the chunk-local
+gate cumsum pieces the chunk kernels share.
 
 The same formulas as `kernels.gate`, fused into the kernels that consume them. All
 arithmetic is fp32.
@@ -69,3 +70,37 @@ def gate_params(a_log, dt_bias, i_hv, cols, m_cols, K: tl.constexpr,
     else:
         a = 1.0
     return bias, a
+
+
+@triton.jit
+def load_rows(base, rows, m_rows, stride_row, cols, m_cols):
+    """[len(rows), len(cols)] fp32 tile of base[rows * stride_row + cols], 0 where masked.
+
+    base: a scalar pointer to the tile's first row (64-bit offsets stay scalar); rows, cols:
+    int32 in-tile indices, so per-element address math is 32-bit.
+    """
+    p = base + (rows[:, None] * stride_row + cols[None, :])
+    return tl.load(p, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def decay_tile(g_base, a, bias, lower_bound, rows, m_rows, cols, m_cols, stride_row,
+               GATE: tl.constexpr, FLOOR: tl.constexpr):
+    """[BT, BK] clamped per-token log decays (rows of g from g_base); 0 on masked rows/cols."""
+    x = load_rows(g_base, rows, m_rows, stride_row, cols, m_cols)
+    x = tl.maximum(log_decay(x, bias[None, :], a, lower_bound, GATE), -FLOOR)
+    return tl.where(m_rows[:, None] & m_cols[None, :], x, 0.0)
+
+
+@triton.jit
+def block_sums(gt, BK: tl.constexpr):
+    """Block structure of a [BT, BK] decay tile.
+
+    Returns F3 [NB, BC, BK] (inclusive prefix inside each block), Tot [NB, BK] (block totals)
+    and R3 [NB, BC, BK] (exclusive suffix inside each block).
+    """
+    g3 = tl.reshape(gt, [4, 16, BK])
+    F3 = tl.cumsum(g3, axis=1)
+    Tot = tl.sum(g3, axis=1)
+    R3 = Tot[:, None, :] - F3
+    return F3, Tot, R3

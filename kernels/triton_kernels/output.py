@@ -31,23 +31,23 @@ def chunk_output_kernel(
     t1 = tl.load(chunks + i_c * 3 + 1)
     i_g = tl.load(chunks + i_c * 3 + 2)
     o_t = tl.arange(0, 64)
-    rows = t0 + o_t
-    m_t = rows < t1
+    m_t = o_t < t1 - t0
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
+    tk = (t0 * HV + i_hv) * K  # chunk bases: 64-bit scalars, 32-bit in-tile offsets
+    tv = (t0 * HV + i_hv) * V
 
     acc = tl.zeros([64, BV], dtype=tl.float32)
     h_base = h + (i_g * HV + i_hv) * (K * V)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_q = tl.load(qg + rows[:, None] * (HV * K) + i_hv * K + o_k[None, :],
-                      mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_h = tl.load(h_base + o_k[:, None] * s_hk + o_v[None, :] * s_hv,
-                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_q = tl.load(qg + tk + (o_t[:, None] * (HV * K) + o_k[None, :]), mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_h = tl.load(h_base + (o_k[:, None] * s_hk + o_v[None, :] * s_hv), mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc = tl.dot(b_q, b_h.to(b_q.dtype), acc, input_precision=DOT_PREC)
-    b_a = tl.load(aqk + rows[:, None] * (HV * 64) + i_hv * 64 + o_t[None, :], mask=m_t[:, None], other=0.0)
+    b_a = tl.load(aqk + (t0 * HV + i_hv) * 64 + (o_t[:, None] * (HV * 64) + o_t[None, :]), mask=m_t[:, None], other=0.0)
     m_tv = m_t[:, None] & m_v[None, :]
-    b_v = tl.load(v_new + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
+    p_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+    b_v = tl.load(v_new + tv + p_tv, mask=m_tv, other=0.0)
     acc = tl.dot(b_a, b_v.to(b_a.dtype), acc, input_precision=DOT_PREC)
-    tl.store(o + rows[:, None] * (HV * V) + i_hv * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)
+    tl.store(o + tv + p_tv, acc.to(o.dtype.element_ty), mask=m_tv)

@@ -1,0 +1,81 @@
+"""Stage 1b of chunked KDA: the WY factors, from the solve of stage 1a.
+
+One program per (64-token chunk, value head). With tb = T diag(beta) and the q/k norm
+factors (rq = scale / |q|, rk = 1 / |k|) from `intra`, and the gate cumsum recomputed
+per key slice:
+
+    w  = tb (rk K * exp(G))                 [T, HV, K]  operand dtype
+    u  = tb V                               [T, HV, V]  fp32
+    kg = rk K * exp(G_last - G)             [T, HV, K]  operand dtype
+    qg = rq Q * exp(G)                      [T, HV, K]  operand dtype
+    gexp = exp(G_last) per chunk            [NT, HV, K] fp32
+
+G is the chunk-inclusive prefix of the clamped decays (a prefix sum of non-positive terms:
+no cancellation); G_last - G_t is the exclusive suffix sum, taken as the reverse inclusive
+cumsum minus the token's own decay, so it cancels only against |g_t| <= 30.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gate import decay_tile, gate_params, load_rows
+
+
+@triton.jit
+def chunk_wy_kernel(
+    q, k, v, g, a_log, dt_bias, tb, rqk,
+    w, u, kg, qg, gexp,
+    chunks, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr, FLOOR: tl.constexpr,
+):
+    """Grid (NTc, HV). chunks: [NTc, 3] int64 (first token, end token, h index).
+
+    q, k: [T, H, K]; v: [T, HV, V]; g: [T, HV, K] (any float dtype); tb: [T, HV, 64] and
+    rqk: [T, HV, 2] fp32 from `intra`; outputs as in the module docstring.
+    """
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0 = tl.load(chunks + i_c * 3)
+    t1 = tl.load(chunks + i_c * 3 + 1)
+    i_g = tl.load(chunks + i_c * 3 + 2)
+    o_t = tl.arange(0, 64)
+    m_t = o_t < t1 - t0
+    q_c = q + t0 * (H * K) + i_h * K  # chunk bases: 64-bit scalars, 32-bit in-tile offsets
+    k_c = k + t0 * (H * K) + i_h * K
+    g_c = g + t0 * (HV * K) + i_hv * K
+    tk = (t0 * HV + i_hv) * K
+
+    Tb = load_rows(tb + (t0 * HV + i_hv) * 64, o_t, m_t, HV * 64, o_t, o_t < 64)
+    r_c = rqk + (t0 * HV + i_hv) * 2
+    rq = tl.load(r_c + o_t * (HV * 2), mask=m_t, other=0.0)
+    rk = tl.load(r_c + o_t * (HV * 2) + 1, mask=m_t, other=0.0)
+
+    for i_k in range(tl.cdiv(K, BK)):
+        cols = i_k * BK + tl.arange(0, BK)
+        m_c = cols < K
+        bias, a = gate_params(a_log, dt_bias, i_hv, cols, m_c, K, HAS_A_LOG, HAS_DT_BIAS)
+        gt = decay_tile(g_c, a, bias, lower_bound, o_t, m_t, cols, m_c, HV * K, GATE, FLOOR)
+        eG = tl.exp(tl.cumsum(gt, axis=0))
+        eK = tl.exp(tl.cumsum(gt, axis=0, reverse=True) - gt)
+        kt = load_rows(k_c, o_t, m_t, H * K, cols, m_c) * rk[:, None]
+        qt = load_rows(q_c, o_t, m_t, H * K, cols, m_c) * rq[:, None]
+        wt = tl.dot(Tb, kt * eG, input_precision=DOT_PREC)
+        p = o_t[:, None] * (HV * K) + cols[None, :]
+        m = m_t[:, None] & m_c[None, :]
+        tl.store(w + tk + p, wt.to(w.dtype.element_ty), mask=m)
+        tl.store(kg + tk + p, (kt * eK).to(kg.dtype.element_ty), mask=m)
+        tl.store(qg + tk + p, (qt * eG).to(qg.dtype.element_ty), mask=m)
+        tl.store(gexp + (i_g * HV + i_hv) * K + cols, tl.exp(tl.sum(gt, axis=0)), mask=m_c)
+
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        v_c = (t0 * HV + i_hv) * V
+        vt = load_rows(v + v_c, o_t, m_t, HV * V, cv, m_v)
+        ut = tl.dot(Tb, vt, input_precision=DOT_PREC)
+        tl.store(u + v_c + (o_t[:, None] * (HV * V) + cv[None, :]), ut, mask=m_t[:, None] & m_v[None, :])
