@@ -17,7 +17,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .metrics import Metrics
 from .problems import PAYLOAD_TOO_LARGE, problem
 
-OPEN_PREFIX = "/health/"  # the only routes served without the API key
+OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
+"""The only paths served without the API key: the liveness and readiness probes (ours and
+KServe v2's), which orchestrators call without credentials. Anything else, unknown paths
+included, is 401 without the key, so nothing about the API shows."""
 
 
 class MetricsMiddleware:
@@ -53,15 +56,15 @@ class MetricsMiddleware:
 
 
 class AuthMiddleware:
-    """``Authorization: Bearer <api_key>`` on every path but /health/*, compared in
-    constant time; 401 problem+json otherwise."""
+    """``Authorization: Bearer <api_key>`` on every path but the health probes
+    (`OPEN_PATHS`), compared in constant time; 401 problem+json otherwise."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.key = api_key.encode("utf-8")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not scope["path"].startswith(OPEN_PREFIX):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8"), self.key)):
                 response = problem(401, "unauthorized", "this server requires 'Authorization: Bearer <api key>'",
