@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -304,8 +304,31 @@ class ShardedCore:
             except _Reroute:
                 continue
 
+    def _routable(self, public: str) -> bool:
+        parsed = parse_slot_id(public)
+        return parsed is not None and parsed.shard in self.shards
+
+    async def _unroutable(self, slots: Sequence[Optional[str]]) -> NoReturn:
+        """The 404 a single server would give when some slot names no shard of this
+        deployment: the first missing slot in request order, maybe a routable one before it."""
+        first = next(i for i, s in enumerate(slots) if s is not None and not self._routable(s))
+        earlier = {self._current(p): p for p in slots[:first] if p is not None}
+        by_shard: dict[str, list[str]] = {}
+        for current in earlier:
+            by_shard.setdefault(self._shard_of(current), []).append(current)
+        replies = await asyncio.gather(*(self.shards[shard].call("check", ids) for shard, ids in by_shard.items()),
+                                       return_exceptions=True)
+        errors = [r for r in replies if isinstance(r, (UnknownSlot, SlotMoving, SlotGone))]
+        if errors:
+            order = {current: i for i, current in enumerate(earlier)}
+            raise self._public(self._first_error(errors, order), earlier)  # type: ignore[arg-type]
+        raise UnknownSlot(slots[first])
+
     async def _prefill_once(self, x: PrefillInputs, deadline: float) -> PrefillResult:
-        currents = [None if s is None else self._current(s) for s in x.slots]
+        try:
+            currents = [None if s is None else self._current(s) for s in x.slots]
+        except UnknownSlot:
+            await self._unroutable(x.slots)
         names = {c: p for c, p in zip(currents, x.slots) if c is not None and p is not None}
         order = {**{p: i for i, p in enumerate(x.slots) if p is not None},
                  **{c: i for i, c in enumerate(currents) if c is not None}}

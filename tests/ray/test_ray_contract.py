@@ -78,10 +78,13 @@ def test_refusals_change_nothing(cluster: Cluster, client: KDAClient, gen: torch
     before = {s: client.get_state(s) for s in (a, b)}
     used = client.info()["used_slots"]
     x = make_sequence(4, gen)
-    ghost = f"{shard_of(a)}.1.AAAAAAAAAAAAAAAAAAAAAA"
+    ghost = a.rsplit(".", 1)[0] + ".AAAAAAAAAAAAAAAAAAAAAA"  # this incarnation, never issued: 404
     with pytest.raises(SlotNotFound) as e:  # the first unknown slot in request order, nothing run
         client.prefill(0, [(a, *x), (None, *x), ("not-an-id", *x), (ghost, *x), (b, *x)])
     assert e.value.problem["slot"] == "not-an-id"
+    with pytest.raises(SlotNotFound) as e:  # an unknown id before an unroutable one comes first
+        client.prefill(0, [(b, *x), (ghost, *x), ("not-an-id", *x)])
+    assert e.value.problem["slot"] == ghost
     v_nan = x[2].clone()
     v_nan[-1, 0, 0] = float("nan")
     with pytest.raises(BadRequest) as e:  # validated whole, before any shard runs
@@ -155,9 +158,10 @@ def test_drain_moves_every_slot_and_resume(cluster: Cluster, client: KDAClient, 
     assert rows[source]["used_slots"] == 0 and rows[source]["draining"]
     for s in slots:
         assert torch.equal(client.get_state(s), states[s])
-    assert {shard_of(s) for s in client.alloc(2)} == {target}  # (freed below with the rest)
+    placed = client.alloc(2)
+    assert {shard_of(s) for s in placed} == {target}
     assert httpx.post(f"{cluster.url}/shards/{source}/resume").status_code == 204
-    for s in slots:
+    for s in slots + placed:
         client.free(s)
     for row in httpx.get(f"{cluster.url}/shards").json()["shards"]:
         assert not row["draining"]
