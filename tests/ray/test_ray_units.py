@@ -4,6 +4,7 @@ directory, placement, faults and payloads through pickle, metrics, flags, and a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import pickle
 import subprocess
@@ -275,3 +276,23 @@ def test_shard_restarts_clean_and_after_a_crash(tmp_path: Path) -> None:
         await shard.close()
 
     asyncio.run(fourth_life())
+
+
+def test_ingress_app_keeps_the_api_key_and_body_limit() -> None:
+    """The ingress wears the single server's middleware (the routes behind need a cluster)."""
+    from fastapi.testclient import TestClient
+
+    from service.ray_serve.ingress import create_ingress_app
+    from service.ray_serve.router import ShardedCore
+
+    settings = dataclasses.replace(SETTINGS, api_key="sesame", max_body_mb=0.001)
+    core = ShardedCore(settings, {"a": object()}, object())  # type: ignore[dict-item,arg-type]
+    with TestClient(create_ingress_app(core, settings)) as http:
+        assert http.get("/health/live").json() == {"status": "live"}
+        r = http.get("/info")
+        assert r.status_code == 401 and r.headers["content-type"] == "application/problem+json"
+        r = http.post("/prefill", content=b"x" * 2048, headers={"authorization": "Bearer sesame",
+                                                                 "content-type": "application/json"})
+        assert r.status_code == 413
+        paths = http.get("/openapi.json", headers={"authorization": "Bearer sesame"}).json()["paths"]
+        assert {"/slots/{slot_id}/move", "/shards", "/shards/{name}/drain", "/prefill"} <= set(paths)
