@@ -49,11 +49,13 @@ async def serve(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
 
 def test_errors_under_v2_take_the_protocol_form_on_every_layer():
     """Routing (404, 405) and middleware (401 without the API key) errors under /v2 are
-    {"error": ...} with their status and headers; elsewhere they stay problem+json."""
+    {"error": ...} with their status and headers; elsewhere they stay problem+json. The
+    health probes need no key."""
 
     async def main() -> None:
         async with serve(Settings(**SETTINGS, api_key="k")) as http:
-            r = await http.get("/v2/health/live")
+            assert (await http.get("/v2/health/live")).status_code == 200
+            r = await http.get("/v2/models/kda")
             assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
             assert r.headers["content-type"] == "application/json" and "Bearer" in r.json()["error"]
             assert (await http.get("/info")).headers["content-type"] == "application/problem+json"
