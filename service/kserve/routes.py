@@ -1,4 +1,4 @@
-"""`kserve_router(core, ready)`: the Open Inference Protocol (KServe v2) on a `ServerCore`,
+"""`kserve_router(core, ready, registry)`: the Open Inference Protocol (KServe v2) on a `ServerCore`,
 so tritonclient and the KServe ecosystem work unchanged.
 
 Routes (model ``kda``, version ``1``; the ``/versions/{version}`` forms are accepted too):
@@ -13,8 +13,9 @@ It goes through `ServerCore.prefill` like ``POST /prefill``: the same validation
 ordering, and batching (concurrent requests share one kernel launch). Errors are the
 service's own, rendered as ``{"error": ...}`` by `ProtocolErrors`.
 
-The router owns the app's sequence table and shared memory registry: its lifespan loads
-the table (when a snapshot path is set), and at shutdown unmaps every region and saves it.
+The router owns the app's sequence table: its lifespan loads it (when a snapshot path is
+set) and saves it at shutdown. The shared memory registry is the app's, shared with
+``POST /prefill`` (the app unmaps every region at shutdown).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from .datatypes import ACCEPTED, datatype_name
 from .errors import UnknownModel
 from .protocol import CudaShmRegister, SystemShmRegister
 from .sequences import SUFFIX, SequenceTable
-from .shm import CUDA, SYSTEM, ShmRegistry
+from ..shm import CUDA, SYSTEM, ShmRegistry
 
 log = logging.getLogger("kda_serve.kserve")
 MODEL, VERSION, PLATFORM = "kda", "1", "kda-serve"
@@ -91,11 +92,11 @@ def model_metadata(core: ServerCore) -> dict[str, Any]:
     return {"name": MODEL, "versions": [VERSION], "platform": PLATFORM, "inputs": inputs, "outputs": outputs}
 
 
-def kserve_router(core: ServerCore, ready: Callable[[], bool]) -> APIRouter:
-    """The KServe v2 routes on ``core``; ``ready`` says whether the kernels are warm.
-    Mount with ``app.include_router`` and add `ProtocolErrors` to the app."""
+def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegistry) -> APIRouter:
+    """The KServe v2 routes on ``core``; ``ready`` says whether the kernels are warm;
+    ``registry`` holds the app's shared memory regions (its owner closes it). Mount with
+    ``app.include_router`` and add `ProtocolErrors` to the app."""
     table = SequenceTable(core.snapshot_path + SUFFIX if core.snapshot_path else None)
-    registry = ShmRegistry()
 
     @asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -103,7 +104,6 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool]) -> APIRouter:
         try:
             yield
         finally:
-            registry.close()
             try:
                 table.save()
             except OSError:

@@ -22,7 +22,7 @@ from service.config import Settings
 from service.errors import InvalidRequest
 from service.kserve.options import UINT64_MAX, parse_options
 from service.kserve.sequences import SUFFIX, SequenceTable
-from service.kserve.shm import ShmRegistry
+from service.shm import ShmRegistry
 
 SETTINGS = dict(num_layers=LAYERS, num_slots=8, num_heads=HV, head_dim=K, head_v_dim=V)
 

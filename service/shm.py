@@ -1,5 +1,7 @@
-"""Registered shared memory regions of one app: the system (POSIX) and CUDA shared memory
-extensions, which share one namespace of region names.
+"""Registered shared memory regions of one app, shared by every transport that passes
+tensors this way (the KServe v2 system and CUDA shared memory extensions, and ``POST
+/prefill`` with `service.shm_prefill`): system (POSIX) and CUDA regions share one
+namespace of region names.
 
 A request names a region, an offset and a byte size for each tensor it passes this way;
 every such reference is bounds-checked against the region here. Inputs are copied out of
@@ -10,24 +12,29 @@ A request holds a `lease` on the regions it names from decoding to its response,
 unregister arriving meanwhile takes the name away at once but unmaps the memory only
 when the last such request is done. `close` (at shutdown) unmaps everything. The
 memory itself belongs to the client: it is never unlinked or freed here.
+
+A region may be registered with a lease (``ttl_s``): each request that uses it renews it,
+and `expire` unregisters the regions idle past their lease, so a client that died without
+unregistering leaves no mapping behind for long.
 """
 from __future__ import annotations
 
 import logging
 import math
-from abc import ABC, abstractmethod
 import mmap
 import os
+import time
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
-from ..errors import InvalidRequest
-from ..wire.tensors import tensor_bytes, view_tensor
 from .cuda_ipc import IpcMemory, unavailable_reason
+from .errors import InvalidRequest
+from .wire.tensors import tensor_bytes, view_tensor
 
-log = logging.getLogger("kda_serve.kserve.shm")
+log = logging.getLogger("kda_serve.shm")
 SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX shared memory objects
 SYSTEM, CUDA = "system", "cuda"
 
@@ -40,7 +47,9 @@ class UnknownRegion(InvalidRequest):
 
 
 class _Region(ABC):
-    """A registered region of ``byte_size`` bytes; ``users`` counts the requests leasing it."""
+    """A registered region of ``byte_size`` bytes; ``users`` counts the requests leasing it;
+    ``ttl_s`` (None: no lease) is how long it may stay unused before `ShmRegistry.expire`
+    unregisters it, counted from ``last_used`` (time.monotonic)."""
 
     kind: str
 
@@ -49,6 +58,8 @@ class _Region(ABC):
         self.byte_size = byte_size
         self.users = 0
         self.closing = False
+        self.ttl_s: Optional[float] = None
+        self.last_used = time.monotonic()
 
     def check(self, offset: int, nbytes: int, field: str) -> None:
         """That [offset, offset + nbytes) lies inside the region."""
@@ -172,11 +183,17 @@ class ShmRegistry:
         self._regions: dict[str, Region] = {}
         self.cuda_reason = unavailable_reason()
 
-    def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register_system(self, name: str, key: str, offset: int, byte_size: int,
+                        ttl_s: Optional[float] = None) -> SystemRegion:
+        """Map ``byte_size`` bytes at ``offset`` of POSIX shared memory ``key`` as region
+        ``name``; with ``ttl_s`` it is unregistered after that long unused (see `expire`)."""
         self._free_name(name)
-        self._regions[name] = SystemRegion(name, key, offset, byte_size)
+        region = SystemRegion(name, key, offset, byte_size)
+        region.ttl_s = ttl_s
+        self._regions[name] = region
         log.info("registered system shared memory region %r (key %r, offset %d, %d bytes)", name, key, offset,
                  byte_size)
+        return region
 
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         self.require_cuda()
@@ -212,6 +229,17 @@ class ShmRegistry:
                 self._close(region)
             log.info("unregistered %s shared memory region %r", kind, n)
 
+    def expire(self) -> list[str]:
+        """Unregister the regions whose lease ran out (unused for ``ttl_s``); their names."""
+        now = time.monotonic()
+        gone = [r for r in self._regions.values()
+                if r.ttl_s is not None and r.users == 0 and now - r.last_used > r.ttl_s]
+        for region in gone:
+            log.info("shared memory region %r unused for %.1f s (its lease): unregistering", region.name,
+                     now - region.last_used)
+            self.unregister(region.kind, region.name)
+        return [r.name for r in gone]
+
     def _get(self, name: str, kind: Optional[str] = None) -> Region:
         region = self._regions.get(name)
         if region is None or (kind is not None and region.kind != kind):
@@ -229,8 +257,10 @@ class ShmRegistry:
         try:
             yield regions
         finally:
+            now = time.monotonic()
             for region in regions.values():
                 region.users -= 1
+                region.last_used = now
                 if region.closing and region.users == 0:
                     self._close(region)
 

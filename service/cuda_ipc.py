@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import InvalidRequest
+from .errors import InvalidRequest
 
 NO_CUDA = "CUDA shared memory needs a CUDA device; this server has none (use system shared memory)"
 NO_CUDA_PYTHON = ("CUDA shared memory needs the cuda-python package on the server "
