@@ -2,9 +2,15 @@
 
 Routes (all but /health/* need the API key when one is set):
 POST /slots, GET/DELETE /slots/{id}, POST /slots/{id}/fork, GET/PUT /slots/{id}/state,
-POST /prefill, GET /info, GET /metrics, GET /health/live, GET /health/ready.
+POST /prefill, GET /info, GET /metrics, GET /health/live, GET /health/ready,
+POST/GET /shm/regions, GET/DELETE /shm/regions/{name}.
 /prefill and the state routes read the raw body themselves (JSON or safetensors, chosen
 by Content-Type; the response by Accept), so their OpenAPI bodies are declared by hand.
+/prefill also takes tensors by reference to registered shared memory
+(``application/vnd.kda.shm+json``, see `service.shm_prefill`); the regions are the app's
+`ShmRegistry`, shared with the KServe v2 shared memory extensions. Every /prefill response
+carries ``Server-Timing: decode, kernel, encode`` (milliseconds) so a client can tell
+transport time from compute.
 
 A client that leaves before its response (``POST /slots``, fork, a /prefill that created
 slots) leaves no slot behind: the slots created for it are freed (status 499 in the
@@ -14,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager, suppress
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 import anyio
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -32,6 +40,11 @@ from .kserve import ProtocolErrors, kserve_router
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .problems import install_problem_handlers
+from .shm import SYSTEM, ShmRegistry
+from .shm_prefill import (
+    SHM_JSON, PrefillShmRequest, PrefillShmResponse, RegionRegister, RegionStatus, parse_shm_request, read_request,
+    region_names, write_result,
+)
 from .wire.body import BodyBuffer
 from .wire.media import ENCODINGS, JSON, PROBLEM, SAFETENSORS, negotiate, request_encoding
 from .wire.prefill import decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, encode_prefill_safetensors
@@ -65,6 +78,7 @@ def _both(model: type[BaseModel], binary: str) -> dict[str, Any]:
 _PREFILL_BINARY = ("safetensors with tensors q [T,H,K], k [T,H,K], v [T,HV,V], g [T,HV,K], beta [T,HV] "
                    "(optional A_log [HV], dt_bias [HV,K]) and __metadata__.request = PrefillOptions as JSON")
 _STATE_BINARY = "safetensors with tensor state [L,HV,V,K] in the pool dtype"
+_REGION_EXPIRY_S = 1.0  # how often leased shared memory regions are checked for expiry
 
 
 async def read_body(request: Request) -> bytearray:
@@ -100,8 +114,8 @@ class DeliveryGuard(Response):
     PIECE = 1 << 20
 
     def __init__(self, content: bytes | memoryview, media_type: str,
-                 on_abandoned: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(content, media_type=media_type)
+                 on_abandoned: Callable[[], Awaitable[None]], headers: dict[str, str]) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
         self._on_abandoned = on_abandoned
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -115,12 +129,18 @@ class DeliveryGuard(Response):
             await send({"type": "http.response.body", "body": body[start:end], "more_body": end < len(body)})
 
 
+def _server_timing(**phases_s: float) -> dict[str, str]:
+    """A ``Server-Timing`` header (W3C) of the phases, given in seconds, in milliseconds."""
+    return {"server-timing": ", ".join(f"{name};dur={s * 1000:.3f}" for name, s in phases_s.items())}
+
+
 def create_app(settings: Settings) -> FastAPI:
     """The app serving a new `ServerCore` (``app.state.core``; the pool is allocated and
     gate parameters loaded here, so bad settings fail before serving). Its lifespan starts
     the core, warms the kernels in the background (/health/ready answers 200 after), sweeps
     idle slots when a ttl is set, and closes the core (snapshot) at shutdown."""
     core = ServerCore(settings)
+    registry = ShmRegistry()
     ready = asyncio.Event()
 
     async def warm() -> None:
@@ -140,10 +160,16 @@ def create_app(settings: Settings) -> FastAPI:
             except Exception:
                 log.exception("idle sweep failed; retrying in %.2f s", period)
 
+    async def expire_regions() -> None:
+        while True:
+            await asyncio.sleep(_REGION_EXPIRY_S)
+            registry.expire()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await core.start()
-        tasks = [asyncio.create_task(warm(), name="kda-warmup")]
+        tasks = [asyncio.create_task(warm(), name="kda-warmup"),
+                 asyncio.create_task(expire_regions(), name="kda-shm-leases")]
         if settings.slot_ttl_s is not None:
             period = min(max(settings.slot_ttl_s / 4, 0.05), 10.0)
             tasks.append(asyncio.create_task(sweep_forever(period), name="kda-sweep"))
@@ -154,6 +180,7 @@ def create_app(settings: Settings) -> FastAPI:
                 task.cancel()
                 with suppress(asyncio.CancelledError):
                     await task
+            registry.close()
             await core.close()
 
     app = FastAPI(
@@ -170,7 +197,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
     app.add_middleware(ProtocolErrors)  # outermost: {"error": ...} bodies under /v2, from every layer
-    app.include_router(kserve_router(core, ready.is_set))  # Open Inference Protocol (KServe v2), /v2/...
+    app.include_router(kserve_router(core, ready.is_set, registry))  # Open Inference Protocol (KServe v2), /v2/...
 
     async def release(created: Sequence[str]) -> None:
         """Free the slots made for a client that left before learning their ids."""
@@ -236,25 +263,77 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/prefill", responses={
         200: {"description": "outputs o [T, HV, V] and final states [N, HV, V, K]; encoding by Accept "
-                             "(default: the request's)", "content": _both(PrefillJSONResponse, "safetensors with "
-                             "o, final_state and __metadata__.response = {\"slots\": [...]}")},
+                             "(default: the request's). A shared memory request gets PrefillShmResponse (JSON): "
+                             "the outputs are in its regions", "content": {
+                  **_both(PrefillJSONResponse, "safetensors with o, final_state and __metadata__.response = "
+                                               "{\"slots\": [...]}"),
+                  JSON: {"schema": {"oneOf": [_ref(PrefillJSONResponse), _ref(PrefillShmResponse)]}}}},
         **_errors(400, 404, 406, 408, 409, 413, 415, 422, 503)},
-        openapi_extra={"requestBody": {"required": True, "content": _both(PrefillJSONRequest, _PREFILL_BINARY)}},
+        openapi_extra={"requestBody": {"required": True, "content": {
+            **_both(PrefillJSONRequest, _PREFILL_BINARY), SHM_JSON: {"schema": _ref(PrefillShmRequest)}}}},
         summary="Chunked KDA prefill of a batch of sequences on one layer, in place on their slots")
     async def prefill(request: Request) -> Response:
-        encoding = request_encoding(request.headers.get("content-type"))
+        encoding = request_encoding(request.headers.get("content-type"), (*ENCODINGS, SHM_JSON))
+        if encoding == SHM_JSON:
+            return await prefill_shm(request)
         reply = negotiate(request.headers.get("accept"), ENCODINGS, default=encoding)
         body = await read_body(request)
         decode = decode_prefill_json if encoding == JSON else decode_prefill_safetensors
-        result = await core.prefill(await run_cpu(decode, body, nbytes=len(body)))
+        start = time.perf_counter()
+        inputs = await run_cpu(decode, body, nbytes=len(body))
+        decode_s = time.perf_counter() - start
+        result = await core.prefill(inputs)
         if result.allocated and (gone := await abandoned(request, result.allocated)):
             return gone
         encode = encode_prefill_json if reply == JSON else encode_prefill_safetensors
         size = result.o.numel() * result.o.element_size()
+        start = time.perf_counter()
         payload = _payload(await run_cpu(encode, result, nbytes=size))
+        timing = _server_timing(decode=decode_s, kernel=result.kernel_s, encode=time.perf_counter() - start)
         if result.allocated:
-            return DeliveryGuard(payload, reply, lambda: release(result.allocated))
-        return Response(payload, media_type=reply)
+            return DeliveryGuard(payload, reply, lambda: release(result.allocated), timing)
+        return Response(payload, media_type=reply, headers=timing)
+
+    async def prefill_shm(request: Request) -> Response:
+        """/prefill with tensors in shared memory (`service.shm_prefill`): the regions stay
+        mapped from the bounds checks until the outputs are written."""
+        negotiate(request.headers.get("accept"), (JSON,), default=JSON)
+        parsed = parse_shm_request(await read_body(request))
+        with registry.lease(region_names(parsed)) as regions:
+            start = time.perf_counter()
+            size = sum(t.shm.byte_size for t in (parsed.q, parsed.k, parsed.v, parsed.g, parsed.beta))
+            plan = await run_cpu(read_request, parsed, regions, core, nbytes=size)
+            decode_s = time.perf_counter() - start
+            result = await core.prefill(plan.inputs)
+            if result.allocated and (gone := await abandoned(request, result.allocated)):
+                return gone
+            start = time.perf_counter()
+            doc = await run_cpu(write_result, plan, result, regions,
+                                nbytes=result.o.numel() * result.o.element_size())
+        timing = _server_timing(decode=decode_s, kernel=result.kernel_s, encode=time.perf_counter() - start)
+        return JSONResponse(doc, headers=timing)
+
+    @app.post("/shm/regions", status_code=201, response_model=RegionStatus, responses=_errors(400, 408, 413, 422),
+              summary="Register a POSIX shared memory region (for /prefill by reference)")
+    async def shm_register(body: RegionRegister) -> dict[str, Any]:
+        registry.register_system(body.name, body.key, body.offset, body.byte_size, body.ttl_s)
+        return registry.status(SYSTEM, body.name)[0]
+
+    @app.get("/shm/regions", response_model=list[RegionStatus], responses=_errors(),
+             summary="Every registered system shared memory region")
+    async def shm_regions() -> list[dict[str, Any]]:
+        return registry.status(SYSTEM)
+
+    @app.get("/shm/regions/{name}", response_model=RegionStatus, responses=_errors(400),
+             summary="One registered system shared memory region (400 when unknown)")
+    async def shm_region(name: str) -> dict[str, Any]:
+        return registry.status(SYSTEM, name)[0]
+
+    @app.delete("/shm/regions/{name}", status_code=204, responses=_errors(),
+                summary="Unregister a region (idempotent); its mapping closes once no request uses it")
+    async def shm_unregister(name: str) -> Response:
+        registry.unregister(SYSTEM, name)
+        return Response(status_code=204)
 
     @app.get("/info", response_model=Info, responses=_errors(),
              summary="Pool geometry, device, backend and free slots")
@@ -283,7 +362,8 @@ def create_app(settings: Settings) -> FastAPI:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, StateJSON, Problem):
+            for model in (PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, PrefillShmRequest,
+                          PrefillShmResponse, StateJSON, Problem):
                 model_schema = model.model_json_schema(ref_template=_REF)
                 components.update(model_schema.pop("$defs", {}))
                 components[model.__name__] = model_schema

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -342,6 +343,7 @@ class ServerCore:
         indices = torch.tensor(rows, dtype=torch.int64, device=device)
         pool_layer = self.pool.layer_view(layer)
         slots = [s for job in jobs for s in job.slots]
+        start = time.perf_counter()
         try:
             o = kernels.chunk_kda(
                 packed("q"), packed("k"), packed("v"), packed("g"), packed("beta"),
@@ -358,6 +360,7 @@ class ServerCore:
             raise
         wants_final = any(job.valid.inputs.return_final_state for job in jobs)
         finals = pool_layer.index_select(0, indices).cpu() if wants_final else None
+        kernel_s = time.perf_counter() - start
         for slot_id, n in zip(slots, lengths):
             self.pool.record_tokens(slot_id, layer, n)
         self.metrics.tokens.inc(sum(lengths))
@@ -370,6 +373,6 @@ class ServerCore:
             job_lengths = job.valid.inputs.lengths
             t1, n1 = t0 + sum(job_lengths), n0 + len(job_lengths)
             final = finals[n0:n1] if finals is not None and job.valid.inputs.return_final_state else None
-            results.append(PrefillResult(job.slots, list(job_lengths), o[t0:t1], final, job.allocated))
+            results.append(PrefillResult(job.slots, list(job_lengths), o[t0:t1], final, job.allocated, kernel_s))
             t0, n0 = t1, n1
         return results

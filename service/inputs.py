@@ -51,7 +51,8 @@ class PrefillResult:
     lengths: tokens per sequence; o: [T, HV, V] in v's dtype; final_state: [N, HV, V, K] in
     the pool dtype, each slot's state after this request, or None when declined;
     allocated: the ids this request created (a transport that cannot deliver the result
-    frees them).
+    frees them); kernel_s: seconds of the launch that ran it (inputs to the device, kernel,
+    outputs to the host; shared by every request merged into that launch).
     """
 
     slots: list[str]
@@ -59,3 +60,4 @@ class PrefillResult:
     o: torch.Tensor
     final_state: Optional[torch.Tensor]
     allocated: list[str]
+    kernel_s: float = 0.0

@@ -113,7 +113,8 @@ def test_health_and_openapi(server):
     assert httpx.get(f"{server.url}/health/ready").json() == {"status": "ready"}
     schema = httpx.get(f"{server.url}/openapi.json").json()
     prefill = schema["paths"]["/prefill"]["post"]
-    assert set(prefill["requestBody"]["content"]) == {"application/json", "application/x-safetensors"}
+    assert set(prefill["requestBody"]["content"]) == {"application/json", "application/x-safetensors",
+                                                       "application/vnd.kda.shm+json"}  # shared memory (tests/transport)
     assert set(prefill["responses"]["200"]["content"]) == {"application/json", "application/x-safetensors"}
     assert "application/problem+json" in prefill["responses"]["404"]["content"]
     for name in ("PrefillJSONRequest", "PrefillOptions", "JSONTensor", "Problem", "StateJSON"):
