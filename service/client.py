@@ -3,7 +3,13 @@
 Binary transport (safetensors) by default, JSON with ``encoding="json"``. Tensors may be
 on any device and in float32, bfloat16 or float16; results come back as CPU tensors
 viewing the response buffer (no copy). Errors raise `KDAError` subclasses carrying the
-server's problem details::
+server's problem details.
+
+``transport="shm"`` (a client on the server's host) passes prefill tensors through a
+POSIX shared memory region instead of the HTTP body (`service.shm_client`): the client
+creates and registers it on first use, grows it as needed and unregisters it on close.
+Its results are copies unless ``shm_views=True`` (views of the region, valid until the
+next prefill on this client)::
 
     with KDAClient("http://127.0.0.1:8000") as kda:
         out = kda.prefill(0, [(None, q, k, v, g, beta)])      # None: allocate a slot
@@ -16,12 +22,14 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from dataclasses import dataclass
+from contextlib import suppress
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Generic, Iterator, Literal, Optional, Sequence, TypeVar, Union
 
 import httpx
 import torch
 
+from .shm_client import SHM_JSON, Geometry, Placed, ShmArena, is_unknown_region, split_sequences
 from .wire.body import BodyBuffer
 from .wire.media import JSON, PROBLEM, SAFETENSORS, media_type
 from .wire.prefill import REQUIRED_TENSORS, decode_prefill_response
@@ -35,6 +43,7 @@ __all__ = [
 ]
 
 Encoding = Literal["safetensors", "json"]
+Transport = Literal["http", "shm"]
 SequenceInput = tuple[Optional[str], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """One sequence of a prefill: (slot id or None, q [T,H,K], k [T,H,K], v [T,HV,V], g [T,HV,K], beta [T,HV])."""
 _T = TypeVar("_T")
@@ -104,12 +113,15 @@ def _raise_for(status: int, headers: httpx.Headers, body: bytearray) -> None:
 class PrefillOutput:
     """The result of `prefill`: ``slots`` (each sequence's slot id, new ones included),
     ``lengths``, ``o_packed`` [T, HV, V] in v's dtype and ``final_state`` [N, HV, V, K]
-    (None when declined). ``o`` splits o_packed per sequence (views, no copy)."""
+    (None when declined). ``o`` splits o_packed per sequence (views, no copy).
+    ``server_timing``: the server's phases in milliseconds (decode, kernel, encode), from
+    its ``Server-Timing`` header."""
 
     slots: list[str]
     lengths: list[int]
     o_packed: torch.Tensor
     final_state: Optional[torch.Tensor]
+    server_timing: dict[str, float] = field(default_factory=dict)
 
     @property
     def o(self) -> list[torch.Tensor]:
@@ -156,26 +168,33 @@ def _media(encoding: Encoding) -> str:
     return SAFETENSORS if encoding == "safetensors" else JSON
 
 
+def _server_timing(headers: httpx.Headers) -> dict[str, float]:
+    """``Server-Timing: kernel;dur=1.5, encode;dur=0.2`` -> {"kernel": 1.5, "encode": 0.2}."""
+    phases = {}
+    for metric in headers.get("server-timing", "").split(","):
+        name, *params = (p.strip() for p in metric.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if name and key == "dur":
+                with suppress(ValueError):
+                    phases[name] = float(value)
+    return phases
+
+
 def _read_state(headers: httpx.Headers, body: bytearray) -> torch.Tensor:
     if media_type(headers.get("content-type")) == JSON:
         return decode_state_json(body)
     return decode_state_safetensors(body)  # an export: its geometry metadata is not needed here
 
 
-def _prefill_call(
-    media: str, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor],
-    dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
-    allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
-) -> _Call[PrefillOutput]:
+def _prefill_options(
+    layer: int, sequences: Sequence[SequenceInput], *, lower_bound: Optional[float], use_qk_l2norm: bool,
+    use_beta_sigmoid: bool, allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
+) -> tuple[list[Optional[str]], dict[str, list[torch.Tensor]], list[int], dict[str, Any]]:
+    """(slots, each tensor's per-sequence parts, lengths, the request options) of a prefill."""
     if not sequences:
         raise ValueError("prefill needs at least one sequence")
-    slots, parts = [], {name: [] for name in REQUIRED_TENSORS}
-    for i, seq in enumerate(sequences):
-        if len(seq) != 6:
-            raise ValueError(f"sequences[{i}] must be (slot, q, k, v, g, beta), got {len(seq)} items")
-        slots.append(seq[0])
-        for name, t in zip(REQUIRED_TENSORS, seq[1:]):
-            parts[name].append(t)
+    slots, parts = split_sequences(sequences, REQUIRED_TENSORS)
     lengths = [int(q.shape[0]) for q in parts["q"]]
     options: dict[str, Any] = {
         "layer": layer, "sequences": [{"slot": s, "length": n} for s, n in zip(slots, lengths)],
@@ -186,6 +205,54 @@ def _prefill_call(
         options["lower_bound"] = float(lower_bound)
     if scale is not None:
         options["scale"] = float(scale)
+    return slots, parts, lengths, options
+
+
+@dataclass
+class _ShmPrefill:
+    """A shared memory prefill, laid out: what goes where, and how to read the answer."""
+
+    tensors: dict[str, list[torch.Tensor]]
+    places: dict[str, Placed]
+    need: int
+    options: dict[str, Any]
+    lengths: list[int]
+
+    def call(self, arena: ShmArena) -> _Call[PrefillOutput]:
+        """Copy the inputs in and build the request (after the region is large enough)."""
+        body = arena.fill(self.tensors, self.places, self.options)
+
+        def parse(headers: httpx.Headers, data: bytearray) -> PrefillOutput:
+            doc = json.loads(data)
+            o = arena.result(doc, "o")
+            assert o is not None
+            return PrefillOutput(doc["slots"], self.lengths, o, arena.result(doc, "final_state"),
+                                 _server_timing(headers))
+
+        return _Call("POST", "/prefill", parse, body, SHM_JSON, JSON)
+
+
+def _shm_prefill(
+    arena: ShmArena, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+    allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
+) -> _ShmPrefill:
+    _, parts, lengths, options = _prefill_options(
+        layer, sequences, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state)
+    tensors = {**parts, **{name: [t] for name, t in (("A_log", A_log), ("dt_bias", dt_bias)) if t is not None}}
+    places, need = arena.layout(tensors, lengths, return_final_state)
+    return _ShmPrefill(tensors, places, need, options, lengths)
+
+
+def _prefill_call(
+    media: str, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+    allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
+) -> _Call[PrefillOutput]:
+    slots, parts, lengths, options = _prefill_options(
+        layer, sequences, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state)
     extra = {name: t for name, t in (("A_log", A_log), ("dt_bias", dt_bias)) if t is not None}
     if media == SAFETENSORS:  # each sequence's bytes are copied once, into place in the body
         body: Union[bytes, bytearray] = encode_safetensors({**parts, **extra}, {"request": json.dumps(options)})
@@ -196,7 +263,7 @@ def _prefill_call(
 
     def parse(headers: httpx.Headers, data: bytearray) -> PrefillOutput:
         got_slots, o, final = decode_prefill_response(data, media_type(headers.get("content-type")) or media)
-        return PrefillOutput(got_slots, lengths, o, final)
+        return PrefillOutput(got_slots, lengths, o, final, _server_timing(headers))
 
     return _Call("POST", "/prefill", parse, body, media, media)
 
@@ -232,6 +299,12 @@ class _Calls:
     def prefill(self, layer: int, sequences: Sequence[SequenceInput], **options: Any) -> _Call[PrefillOutput]:
         return _prefill_call(self.media, layer, sequences, **options)
 
+    def register_region(self, registration: dict[str, Any]) -> _Call[None]:
+        return _Call("POST", "/shm/regions", _nothing, json.dumps(registration).encode())
+
+    def unregister_region(self, name: str) -> _Call[None]:
+        return _Call("DELETE", f"/shm/regions/{_q(name)}", _nothing)
+
 
 _SEND_CHUNK = 1 << 20
 """Bodies go out in 1 MiB views: httpx would copy a bytearray into bytes, and httpcore
@@ -254,13 +327,24 @@ def _client_headers(api_key: Optional[str]) -> dict[str, str]:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def _arena(transport: Transport, ttl_s: float, views: bool) -> Optional[ShmArena]:
+    if transport not in ("http", "shm"):
+        raise ValueError(f"transport must be 'http' or 'shm', got {transport!r}")
+    return ShmArena(ttl_s, views) if transport == "shm" else None
+
+
 class KDAClient:
     """Synchronous client. ``base_url`` of the server; ``api_key`` when it has one;
-    ``encoding`` of request and response bodies; ``timeout`` in seconds per request."""
+    ``encoding`` of request and response bodies; ``timeout`` in seconds per request.
+    ``transport="shm"``: prefill tensors through shared memory (same host only), the
+    region leased for ``shm_ttl_s`` seconds past its last use; ``shm_views``: results
+    view the region (valid until the next prefill) instead of being copies."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: Optional[str] = None,
-                 encoding: Encoding = "safetensors", timeout: float = 300.0) -> None:
+                 encoding: Encoding = "safetensors", timeout: float = 300.0, transport: Transport = "http",
+                 shm_ttl_s: float = 300.0, shm_views: bool = False) -> None:
         self._calls = _Calls(encoding)
+        self._arena = _arena(transport, shm_ttl_s, shm_views)
         self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_client_headers(api_key))
 
     def _run(self, call: _Call[_T]) -> _T:
@@ -317,14 +401,46 @@ class KDAClient:
         """Prefill ``sequences`` on ``layer``, each ``(slot or None, q, k, v, g, beta)``; see
         the module docstring. g is the log decay unless a gate applies (A_log or
         lower_bound here, or the server's gate parameters for the layer)."""
-        return self._run(self._calls.prefill(
-            layer, sequences, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
-            use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
-            return_final_state=return_final_state,
-        ))
+        options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+                       use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
+                       return_final_state=return_final_state)
+        arena = self._arena
+        if arena is None:
+            return self._run(self._calls.prefill(layer, sequences, **options))
+        if arena.geometry is None:
+            arena.geometry = Geometry.from_info(self.info())
+        plan = _shm_prefill(arena, layer, sequences, **options)
+        if not arena.fits(plan.need):
+            self._register(arena, plan.need)
+        try:
+            return self._run(plan.call(arena))
+        except BadRequest as e:
+            if not is_unknown_region(e.problem):
+                raise
+        arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
+        self._register(arena, plan.need)
+        return self._run(plan.call(arena))
+
+    def _register(self, arena: ShmArena, need: int) -> None:
+        registration = arena.create(need)
+        try:
+            self._run(self._calls.register_region(registration))
+        except BaseException:
+            arena.abandon()
+            raise
+        old = arena.registered()
+        if old is not None:
+            self._run(self._calls.unregister_region(old))
 
     def close(self) -> None:
-        self._http.close()
+        """Unregister the shared memory region (if any) and close the connection."""
+        try:
+            name = self._arena.close() if self._arena is not None else None
+            if name is not None:
+                with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
+                    self._run(self._calls.unregister_region(name))
+        finally:
+            self._http.close()
 
     def __enter__(self) -> "KDAClient":
         return self
@@ -337,8 +453,10 @@ class AsyncKDAClient:
     """`KDAClient`'s asyncio twin: the same methods, as coroutines."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: Optional[str] = None,
-                 encoding: Encoding = "safetensors", timeout: float = 300.0) -> None:
+                 encoding: Encoding = "safetensors", timeout: float = 300.0, transport: Transport = "http",
+                 shm_ttl_s: float = 300.0, shm_views: bool = False) -> None:
         self._calls = _Calls(encoding)
+        self._arena = _arena(transport, shm_ttl_s, shm_views)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_client_headers(api_key))
 
     async def _run(self, call: _Call[_T]) -> _T:
@@ -385,14 +503,46 @@ class AsyncKDAClient:
         use_beta_sigmoid: bool = False, allow_neg_eigval: bool = False, scale: Optional[float] = None,
         return_final_state: bool = True,
     ) -> PrefillOutput:
-        return await self._run(self._calls.prefill(
-            layer, sequences, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
-            use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
-            return_final_state=return_final_state,
-        ))
+        options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+                       use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
+                       return_final_state=return_final_state)
+        arena = self._arena
+        if arena is None:
+            return await self._run(self._calls.prefill(layer, sequences, **options))
+        if arena.geometry is None:
+            arena.geometry = Geometry.from_info(await self.info())
+        plan = _shm_prefill(arena, layer, sequences, **options)
+        if not arena.fits(plan.need):
+            await self._register(arena, plan.need)
+        try:
+            return await self._run(plan.call(arena))
+        except BadRequest as e:
+            if not is_unknown_region(e.problem):
+                raise
+        arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
+        await self._register(arena, plan.need)
+        return await self._run(plan.call(arena))
+
+    async def _register(self, arena: ShmArena, need: int) -> None:
+        registration = arena.create(need)
+        try:
+            await self._run(self._calls.register_region(registration))
+        except BaseException:
+            arena.abandon()
+            raise
+        old = arena.registered()
+        if old is not None:
+            await self._run(self._calls.unregister_region(old))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        """Unregister the shared memory region (if any) and close the connection."""
+        try:
+            name = self._arena.close() if self._arena is not None else None
+            if name is not None:
+                with suppress(httpx.TransportError, KDAError):
+                    await self._run(self._calls.unregister_region(name))
+        finally:
+            await self._http.aclose()
 
     async def __aenter__(self) -> "AsyncKDAClient":
         return self

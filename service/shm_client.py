@@ -1,0 +1,219 @@
+"""The client side of the shared memory transport (``KDAClient(url, transport="shm")``).
+
+`ShmArena` owns one POSIX shared memory region per client: it is created under
+``/dev/shm``, mapped here as a torch uint8 tensor, registered with the server (``POST
+/shm/regions``, with a lease of ``ttl_s`` seconds renewed by every request), and then
+its name is unlinked at once. From then on the memory lives exactly as long as the two
+mappings: a client that exits or crashes leaves nothing in /dev/shm, and the server's
+mapping goes when the client unregisters (`close`) or, failing that, when the lease runs
+out. A request that needs more room replaces the region with a larger one.
+
+Per prefill the inputs are copied once into the region (packed, 64-byte aligned), the
+request names them, and the server writes ``o`` and ``final_state`` behind them. Results
+are copies by default; with ``views=True`` they view the region (no copy) and stay valid
+only until the next prefill on the same client overwrites it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .wire.tensors import JSON_DTYPES, JSON_NAMES
+
+SHM_JSON = "application/vnd.kda.shm+json"
+SHM_DIR = "/dev/shm"
+ALIGN = 64
+UNKNOWN_REGION = "unknown-shared-memory-region"
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the client must know of the pool to size the outputs: HV, V, K and the state dtype."""
+
+    num_heads: int
+    head_v_dim: int
+    head_k_dim: int
+    state_dtype: torch.dtype
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> "Geometry":
+        return cls(info["num_heads"], info["head_v_dim"], info["head_k_dim"], JSON_DTYPES[info["state_dtype"]])
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A tensor's place in the region."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return _aligned(math.prod(self.shape) * self.dtype.itemsize)
+
+    def ref(self, region: str, nbytes: int) -> dict[str, Any]:
+        return {"region": region, "offset": self.offset, "byte_size": nbytes}
+
+
+@dataclass
+class _Mapped:
+    """A created and mapped region: its registry name (also its key) and the memory."""
+
+    name: str
+    memory: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.memory.numel()
+
+
+class ShmArena:
+    """One client's region and the requests that use it; see the module docstring.
+
+    The methods build what to send; the client sends it (`KDAClient` and
+    `AsyncKDAClient` drive the same arena). ``ttl_s``: the lease the server keeps the
+    region mapped for without a request; ``views``: results view the region."""
+
+    def __init__(self, ttl_s: float, views: bool) -> None:
+        self.ttl_s = ttl_s
+        self.views = views
+        self.geometry: Optional[Geometry] = None
+        self._region: Optional[_Mapped] = None
+        self._pending: Optional[_Mapped] = None
+
+    # -- the region ----------------------------------------------------------------------
+
+    def fits(self, nbytes: int) -> bool:
+        return self._region is not None and self._region.size >= nbytes
+
+    def create(self, nbytes: int) -> dict[str, Any]:
+        """Create and map a region of at least ``nbytes`` (1.25x headroom); the JSON body of
+        its registration, to POST to /shm/regions before `registered`."""
+        size = max(_aligned(nbytes + nbytes // 4), 1 << 20)
+        name = f"kda-{os.getpid()}-{secrets.token_hex(6)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        try:
+            memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        except BaseException:
+            os.unlink(path)
+            raise
+        self._pending = _Mapped(name, memory)
+        return {"name": name, "key": "/" + name, "byte_size": size, "ttl_s": self.ttl_s}
+
+    def registered(self) -> Optional[str]:
+        """The pending region is registered: unlink its name (the two mappings keep the
+        memory) and make it current. Returns the name of the region it replaces, to
+        unregister, or None."""
+        pending, self._pending = self._pending, None
+        assert pending is not None, "registered() without create()"
+        os.unlink(os.path.join(SHM_DIR, pending.name))
+        old, self._region = self._region, pending
+        return None if old is None else old.name
+
+    def abandon(self) -> None:
+        """Registration failed: drop the pending region (unlinked, unmapped when unreferenced)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            os.unlink(os.path.join(SHM_DIR, pending.name))
+
+    def forget(self) -> None:
+        """The server no longer knows the region (restarted, or its lease ran out): the
+        next request registers a new one."""
+        self._region = None
+
+    def close(self) -> Optional[str]:
+        """Drop the region (its memory goes when no view of it is left); its name, to unregister."""
+        self.abandon()
+        old, self._region = self._region, None
+        return None if old is None else old.name
+
+    # -- requests ------------------------------------------------------------------------
+
+    def layout(self, tensors: dict[str, Sequence[torch.Tensor]], lengths: Sequence[int],
+               return_final_state: bool) -> tuple[dict[str, Placed], int]:
+        """Where each input (the parts of one packed tensor, in order) and output goes, and
+        the bytes needed."""
+        assert self.geometry is not None, "layout() before the geometry is known"
+        g = self.geometry
+        places, offset = {}, 0
+        for name, parts in tensors.items():
+            shape = [sum(int(p.shape[0]) for p in parts), *parts[0].shape[1:]]
+            places[name] = Placed(offset, parts[0].dtype, shape)
+            offset += places[name].nbytes
+        T = sum(lengths)
+        places["o"] = Placed(offset, tensors["v"][0].dtype, [T, g.num_heads, g.head_v_dim])
+        offset += places["o"].nbytes
+        if return_final_state:
+            places["final_state"] = Placed(offset, g.state_dtype, [len(lengths), g.num_heads, g.head_v_dim,
+                                                                    g.head_k_dim])
+            offset += places["final_state"].nbytes
+        return places, offset
+
+    def fill(self, tensors: dict[str, Sequence[torch.Tensor]], places: dict[str, Placed],
+             options: dict[str, Any]) -> bytes:
+        """Copy the inputs into the region (one copy each); the request body naming them."""
+        assert self._region is not None, "fill() without a region"
+        memory, name = self._region.memory, self._region.name
+        doc = dict(options)
+        for key, parts in tensors.items():
+            place = places[key]
+            offset = place.offset
+            for part in parts:
+                n = part.numel() * place.dtype.itemsize
+                if n:
+                    memory[offset:offset + n].view(place.dtype).view(part.shape).copy_(part)
+                offset += n
+            size = offset - place.offset
+            doc[key] = {"dtype": JSON_NAMES[place.dtype], "shape": place.shape, "shm": place.ref(name, size)}
+        outputs = {key: places[key].ref(name, places[key].nbytes) for key in ("o", "final_state") if key in places}
+        doc["outputs"] = outputs
+        return json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+    def result(self, doc: dict[str, Any], key: str) -> Optional[torch.Tensor]:
+        """Output ``key`` of a response document, read from the region (a copy unless ``views``)."""
+        spec = doc.get(key)
+        if spec is None:
+            return None
+        assert self._region is not None
+        ref, dtype = spec["shm"], JSON_DTYPES[spec["dtype"]]
+        if ref["region"] != self._region.name:
+            raise ValueError(f"the server wrote {key} into region {ref['region']!r}, not this client's")
+        start = ref["offset"]
+        t = self._region.memory[start:start + ref["byte_size"]].view(dtype).view(spec["shape"])
+        return t if self.views else t.clone()
+
+
+def split_sequences(sequences: Sequence[Sequence[Any]], names: Sequence[str]
+                    ) -> tuple[list[Optional[str]], dict[str, list[torch.Tensor]]]:
+    """(slots, tensors by name) of ``(slot, q, k, v, g, beta)`` tuples."""
+    slots: list[Optional[str]] = []
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for i, seq in enumerate(sequences):
+        if len(seq) != len(names) + 1:
+            raise ValueError(f"sequences[{i}] must be (slot, {', '.join(names)}), got {len(seq)} items")
+        slots.append(seq[0])
+        for name, t in zip(names, seq[1:]):
+            parts[name].append(t)
+    return slots, parts
+
+
+def is_unknown_region(problem: dict[str, Any]) -> bool:
+    """Whether an error's problem document says the region is not registered (the server
+    restarted, or the lease ran out)."""
+    return str(problem.get("type", "")).endswith(UNKNOWN_REGION)
