@@ -50,16 +50,14 @@ class Cluster:
     def shards(self) -> list[str]:
         return self.scale_out.shard_names
 
-    def replica_actor(self, deployment: str) -> "ray.actor.ActorHandle":
-        """The Ray actor of the (single running) replica of ``deployment``."""
-        for actor in ray.util.list_named_actors(all_namespaces=True):
-            if actor["namespace"] == "serve" and f"#{deployment}#" in actor["name"]:
-                return ray.get_actor(actor["name"], namespace="serve")
-        raise LookupError(f"no replica of {deployment!r}")
-
     def kill(self, deployment: str) -> None:
-        """Kill the replica of ``deployment`` the hard way (no graceful stop); Serve starts another."""
-        ray.kill(self.replica_actor(deployment), no_restart=True)
+        """Kill every replica of ``deployment`` the hard way (no graceful stop); Serve
+        starts new ones."""
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == "serve" and f"#{deployment}#" in a["name"]]
+        assert names, f"no replica of {deployment!r}"
+        for name in names:
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         """Until the ingress answers and every shard is up."""
@@ -78,13 +76,16 @@ class Cluster:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A local Ray cluster (loopback only, no dashboard) serving two CPU shards of
-    SHARD_SLOTS slots each; Serve's HTTP proxy on a free 127.0.0.1 port."""
+    SHARD_SLOTS slots each behind two ingress replicas (so consecutive requests may meet
+    different replicas, and their caches of the slot directory); Serve's HTTP proxy on a
+    free 127.0.0.1 port."""
     state_dir = tmp_path_factory.mktemp("ray-state")
     port = free_port()
     settings = Settings(host="127.0.0.1", port=port, device="cpu", num_layers=LAYERS, num_slots=SHARD_SLOTS,
                         num_heads=HV, head_dim=K, head_v_dim=V, batch_window_ms=5.0, max_body_mb=MAX_BODY_MB,
                         log_level="warning")
-    scale_out = ScaleOut(shards=2, gpus_per_shard=0, cpus_per_shard=1, cpus_per_ingress=1, state_dir=str(state_dir),
+    scale_out = ScaleOut(shards=2, gpus_per_shard=0, cpus_per_shard=1, ingress_replicas=2, cpus_per_ingress=0.5,
+                         state_dir=str(state_dir),
                          app_name=APP, health_check_period_s=0.5, move_wait_s=5.0)
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})

@@ -173,7 +173,7 @@ def test_moved_slots_survive_an_ingress_restart(cluster: Cluster, client: KDACli
     client.put_state(slot, state)
     other = next(s for s in cluster.shards if s != shard_of(slot))
     assert httpx.post(f"{cluster.url}/slots/{slot}/move", json={"shard": other}, timeout=60).status_code == 200
-    cluster.kill("ingress")  # its cache of the directory dies with it; the directory actor does not
+    cluster.kill("ingress")  # their caches of the directory die with them; the directory actor does not
     cluster.wait_ready()
     assert torch.equal(client.get_state(slot), state)
     client.free(slot)
