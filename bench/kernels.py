@@ -46,15 +46,12 @@ CASES = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (64, 512), (256, 128)]
 DECODE = (256, 1)
 # variants of our launch config timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
-    "fused": dict(fuse_output=True),
     "split": dict(fuse_output=False),
-    "intra-w4-bk16": dict(intra_warps=4, intra_bk=16),
-    "intra-w4": dict(intra_warps=4),
-    "wy-bv32": dict(wy_bv=32),
-    "wy-bk64-w8": dict(wy_bk=64, wy_warps=8),
+    "state-bv32": dict(state_bv=32),
     "state-bv64": dict(state_bv=64),
-    "state-w4": dict(state_warps=4),
-    "out-bk64": dict(out_bk=64),
+    "intra-w8-bk32": dict(intra_warps=8, intra_bk=32),
+    "wy-bk32": dict(wy_bk=32),
+    "wy-w8": dict(wy_warps=8),
 }
 
 

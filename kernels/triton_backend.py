@@ -1,8 +1,8 @@
 """The Triton backend: runs a `PrefillProblem` on CUDA (or the Triton interpreter).
 
 Sequences of two or more tokens take the chunked path: the intra-chunk kernel (A and the
-solve), the WY kernel, then the state pass (which also computes o when there are enough sequence-heads to fill the GPU,
-else a separate parallel output kernel does). Single-token sequences take the recurrent
+solve), the WY kernel, then the state pass, which also computes o (or, by config, leaves
+that to a separate parallel output kernel). Single-token sequences take the recurrent
 decode kernel. Both paths read initial states from, and write final states to, the pool
 rows named by ``p.indices`` inside the kernels themselves.
 
@@ -29,7 +29,7 @@ from .triton_kernels import (
     recurrent_step_kernel,
     select_config,
 )
-from .triton_kernels.config import fuse_output
+from .triton_kernels.config import fuse_output, state_block_v
 from .triton_kernels.gate import GATE_GIVEN, GATE_LOWER_BOUND, GATE_SOFTPLUS, LOG_DECAY_FLOOR
 
 
@@ -119,6 +119,7 @@ def run_triton(
     lower_bound = 0.0 if p.lower_bound is None else p.lower_bound
     fp32_inputs = f32 in (q.dtype, k.dtype, v.dtype)
     dot_prec = "ieee" if fp32_inputs else "tf32"
+    sum_prec = "ieee" if fp32_inputs else "tf32x3"  # prefix sums of log decays: exact
     mat = torch.float16 if cfg.fp16_operands and not fp32_inputs else f32
     flags = dict(
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
@@ -144,7 +145,7 @@ def run_triton(
             q, k, v, g, a_log, dt_bias, tb, rqk, w, u, kg, qg, gexp, plan.chunks, lower_bound,
             H=H, HV=HV, K=K, V=V, BK=cfg.wy_bk, BV=cfg.wy_bv, GATE=gate,
             HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
-            DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, num_warps=cfg.wy_warps,
+            DOT_PREC=dot_prec, SUM_PREC=sum_prec, FLOOR=LOG_DECAY_FLOOR, num_warps=cfg.wy_warps,
         )
         fused = fuse_output(cfg, n_seqs * HV)
         if fused:
@@ -155,10 +156,11 @@ def run_triton(
                 states, hk, hv = torch.empty(NT, HV, K, V, dtype=f32, device=device), V, 1
             else:
                 states, hk, hv = h, s_hk, s_hv
-        nv = -(-V // cfg.state_bv)
+        state_bv = state_block_v(cfg, n_seqs * HV, K, V)
+        nv = -(-V // state_bv)
         chunk_state_kernel[(n_seqs * HV * nv,)](
             w, u, kg, gexp, qg, aqk, o, v_new, states, p.pool, p.indices, plan.seqs,
-            *pool_strides, hk, hv, HV=HV, K=K, V=V, BK=max(16, _next_pow2(K)), BV=cfg.state_bv,
+            *pool_strides, hk, hv, HV=HV, K=K, V=V, BK=max(16, _next_pow2(K)), BV=state_bv,
             FUSE_OUT=fused, STORE_H=not fused or h is not None, DOT_PREC=dot_prec,
             num_warps=cfg.state_warps, num_stages=cfg.state_stages,
         )

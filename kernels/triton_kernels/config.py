@@ -22,7 +22,7 @@ class LaunchConfig:
     wy_bk: int
     wy_bv: int
     wy_warps: int
-    state_bv: int
+    state_bv: int | None  # None: decided by shape (`state_block_v`)
     state_warps: int
     state_stages: int
     out_bk: int
@@ -40,9 +40,14 @@ class LaunchConfig:
         return replace(self, **kw)
 
 
-# Compute o inside the state pass when the (sequence, head) programs alone fill the GPU;
-# with few of them (one long sequence) a separate, fully parallel output stage is faster.
-FUSE_MIN_SEQ_HEADS = 128
+# Compute o inside the state pass from this many (sequence, head) programs on (0: always).
+# Measured on an H200
+# (H=32, K=V=128, bf16): fusing wins at every grid case, one 65536-token sequence included
+# (12.4 vs 13.3 ms), as it skips the h / v_new round trip through memory.
+FUSE_MIN_SEQ_HEADS = 0
+# With this many (sequence, head) programs the state pass fills the GPU with BV = 64 (fewer,
+# wider programs: 5.7 vs 6.2 ms on 8x4096); below it BV = 32 keeps more programs in flight.
+WIDE_STATE_MIN_SEQ_HEADS = 128
 
 
 def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
@@ -50,6 +55,15 @@ def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
     if cfg.fuse_output is not None:
         return cfg.fuse_output
     return num_seq_heads >= FUSE_MIN_SEQ_HEADS
+
+
+def state_block_v(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int) -> int:
+    """The V block of the state pass: the config's, else by the number of programs (and 32
+    for K > 128, where the [K, BV] state and the [64, K] tiles crowd the registers)."""
+    if cfg.state_bv is not None:
+        return cfg.state_bv
+    wide = num_seq_heads >= WIDE_STATE_MIN_SEQ_HEADS and K <= 128
+    return min(_pow2(V), 64 if wide else 32)
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -67,8 +81,8 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
             rec_bv=bv, rec_warps=4, fp16_operands=True,
         )
     return LaunchConfig(
-        intra_bk=min(bk, 32), intra_bkd=8, intra_warps=8, wy_bk=min(bk, 32), wy_bv=min(bv, 64), wy_warps=4,
-        state_bv=min(bv, 32), state_warps=8, state_stages=2,
+        intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, wy_bk=min(bk, 16), wy_bv=min(bv, 64), wy_warps=4,
+        state_bv=None, state_warps=8, state_stages=2 if bk <= 128 else 1,
         out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
         fp16_operands=True,

@@ -27,6 +27,14 @@ def test_long_sequences(lengths: tuple[int, ...]) -> None:
                ref_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (256, 256), (128, 64)])
+def test_head_dims(dims: tuple[int, int]) -> None:
+    """The other tuned head dims (64) and the largest (256: one pipeline stage)."""
+    K, V = dims
+    check_case(Case((1, 100, 200), H=2, HV=4, K=K, V=V, gate="softplus", dtype=torch.bfloat16),
+               "cuda", seed=50 + K, tol=GPU_TOL, ref_dtype=torch.float32)
+
+
 def test_random_varlen_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """100 random batches mixing decode tokens, partial, exact and multi-chunk sequences,
     alternating gates and both output paths (one GVA geometry: head counts and dims are
