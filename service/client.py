@@ -9,7 +9,8 @@ server's problem details.
 POSIX shared memory region instead of the HTTP body (`service.shm_client`): the client
 creates and registers it on first use, grows it as needed and unregisters it on close.
 Its results are copies unless ``shm_views=True`` (views of the region, valid until the
-next prefill on this client)::
+next prefill on this client). One region per client: its shared memory prefills run one
+at a time (use one client per concurrent stream)::
 
     with KDAClient("http://127.0.0.1:8000") as kda:
         out = kda.prefill(0, [(None, q, k, v, g, beta)])      # None: allocate a slot
@@ -20,7 +21,9 @@ next prefill on this client)::
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import urllib.parse
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -345,6 +348,7 @@ class KDAClient:
                  shm_ttl_s: float = 300.0, shm_views: bool = False) -> None:
         self._calls = _Calls(encoding)
         self._arena = _arena(transport, shm_ttl_s, shm_views)
+        self._arena_lock = threading.Lock()  # one region: one shared memory prefill at a time
         self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_client_headers(api_key))
 
     def _run(self, call: _Call[_T]) -> _T:
@@ -410,16 +414,17 @@ class KDAClient:
         if arena.geometry is None:
             arena.geometry = Geometry.from_info(self.info())
         plan = _shm_prefill(arena, layer, sequences, **options)
-        if not arena.fits(plan.need):
+        with self._arena_lock:
+            if not arena.fits(plan.need):
+                self._register(arena, plan.need)
+            try:
+                return self._run(plan.call(arena))
+            except BadRequest as e:
+                if not is_unknown_region(e.problem):
+                    raise
+            arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
             self._register(arena, plan.need)
-        try:
             return self._run(plan.call(arena))
-        except BadRequest as e:
-            if not is_unknown_region(e.problem):
-                raise
-        arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
-        self._register(arena, plan.need)
-        return self._run(plan.call(arena))
 
     def _register(self, arena: ShmArena, need: int) -> None:
         registration = arena.create(need)
@@ -457,6 +462,7 @@ class AsyncKDAClient:
                  shm_ttl_s: float = 300.0, shm_views: bool = False) -> None:
         self._calls = _Calls(encoding)
         self._arena = _arena(transport, shm_ttl_s, shm_views)
+        self._arena_lock = asyncio.Lock()  # one region: one shared memory prefill at a time
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_client_headers(api_key))
 
     async def _run(self, call: _Call[_T]) -> _T:
@@ -512,16 +518,17 @@ class AsyncKDAClient:
         if arena.geometry is None:
             arena.geometry = Geometry.from_info(await self.info())
         plan = _shm_prefill(arena, layer, sequences, **options)
-        if not arena.fits(plan.need):
+        async with self._arena_lock:
+            if not arena.fits(plan.need):
+                await self._register(arena, plan.need)
+            try:
+                return await self._run(plan.call(arena))
+            except BadRequest as e:
+                if not is_unknown_region(e.problem):
+                    raise
+            arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
             await self._register(arena, plan.need)
-        try:
             return await self._run(plan.call(arena))
-        except BadRequest as e:
-            if not is_unknown_region(e.problem):
-                raise
-        arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
-        await self._register(arena, plan.need)
-        return await self._run(plan.call(arena))
 
     async def _register(self, arena: ShmArena, need: int) -> None:
         registration = arena.create(need)

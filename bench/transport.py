@@ -1,0 +1,270 @@
+"""Transport figures of kda-serve, all measured in one run on this machine (ratios only).
+
+(a) raw loopback socket: a second process receives N bytes into a buffer and sends M back;
+(b) `KDAClient` -> ``POST /prefill`` safetensors, end to end, response included;
+(c) the same request as JSON (base64);
+(d) batching: 32 concurrent small requests against a server with the batch window on,
+    and one with it off;
+(e) shared memory: ``KDAClient(transport="shm")`` on the same request, against a plain
+    memcpy (torch ``copy_``) of the same bytes (inputs in, outputs out).
+
+Bytes moved = request body + response body (inputs + o + final_state for shm). The server
+reports each request's kernel time in ``Server-Timing`` (kernel;dur=ms); on the CPU the
+kernel is not transport, so rates are also given with it subtracted ("ex-kernel"): the
+transport figures (b)/(a) and (e)/memcpy use those. Best of ``--repeats``.
+
+    python bench/transport.py [--mb 100] [--repeats 3] [--json-mb 100]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.client import AsyncKDAClient, KDAClient  # noqa: E402
+
+# Request geometry: bytes per token-head high, so 100 MB is few tokens (a short kernel).
+HV, K, V = 32, 128, 128
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+def start_server(args: Sequence[str]) -> Server:
+    """``python -m service.cli`` on a free port, ready (kernels warm)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+         *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
+                return Server(url, process)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("server not ready")
+
+
+# -- (a) raw socket -------------------------------------------------------------------------
+
+def _sink(srv: socket.socket, n_in: int, n_out: int, rounds: int) -> None:
+    """Accept one connection on ``srv``; per round receive n_in bytes into a buffer, send n_out back."""
+    conn, _ = srv.accept()
+    with conn:
+        buf, reply = bytearray(n_in), bytes(n_out)
+        view = memoryview(buf)
+        for _ in range(rounds):
+            got = 0
+            while got < n_in:
+                got += conn.recv_into(view[got:], min(n_in - got, 1 << 22))
+            conn.sendall(reply)
+
+
+def raw_socket(n_in: int, n_out: int, repeats: int) -> float:
+    """Best seconds for n_in bytes out and n_out back over a loopback TCP socket, to a
+    forked process (plain sockets, no torch in the loop)."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        proc = mp.get_context("fork").Process(target=_sink, args=(srv, n_in, n_out, repeats))
+        proc.start()
+        sock = socket.create_connection(srv.getsockname())
+    payload, back = bytearray(n_in), bytearray(n_out)
+    best = float("inf")
+    with sock:
+        view = memoryview(back)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sock.sendall(payload)
+            got = 0
+            while got < n_out:
+                got += sock.recv_into(view[got:], min(n_out - got, 1 << 22))
+            best = min(best, time.perf_counter() - t0)
+    proc.join()
+    return best
+
+
+# -- (b), (c), (e): one prefill, timed, with the server's kernel time -------------------------
+
+def make_request(tokens: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, HV, K, generator=gen).to(dtype)
+    k = (torch.randn(tokens, HV, K, generator=gen) / K ** 0.5).to(dtype)
+    v = torch.randn(tokens, HV, V, generator=gen).to(dtype)
+    g = -torch.nn.functional.softplus(torch.randn(tokens, HV, K, generator=gen) - 2).to(dtype)
+    beta = torch.rand(tokens, HV, generator=gen).to(dtype)
+    return q, k, v, g, beta
+
+
+def input_bytes(seq: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in seq)
+
+
+@dataclass
+class Timed:
+    seconds: float
+    kernel_s: float
+    moved: int  # bytes in + out
+
+    @property
+    def mb_s(self) -> float:
+        return self.moved / self.seconds / 1e6
+
+    @property
+    def ex_kernel_mb_s(self) -> float:
+        return self.moved / (self.seconds - self.kernel_s) / 1e6
+
+
+def time_prefill(client: KDAClient, slot: str, seq: Sequence[torch.Tensor], repeats: int) -> Timed:
+    """Best end-to-end time of one prefill on ``slot`` (and that request's kernel time)."""
+    best: Optional[Timed] = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = client.prefill(0, [(slot, *seq)])
+        dt = time.perf_counter() - t0
+        moved = input_bytes(seq) + out.o_packed.numel() * out.o_packed.element_size()
+        moved += 0 if out.final_state is None else out.final_state.numel() * out.final_state.element_size()
+        timed = Timed(dt, out.server_timing["kernel"] / 1000, moved)
+        if best is None or timed.seconds - timed.kernel_s < best.seconds - best.kernel_s:
+            best = timed
+    assert best is not None
+    return best
+
+
+def memcpy_seconds(n_in: int, n_out: int, repeats: int) -> float:
+    """Best time of torch copy_ of n_in + n_out bytes between fresh-ish buffers (threads as torch has)."""
+    src_in, dst_in = torch.ones(n_in, dtype=torch.uint8), torch.empty(n_in, dtype=torch.uint8)
+    src_out, dst_out = torch.ones(n_out, dtype=torch.uint8), torch.empty(n_out, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst_in.copy_(src_in)
+        dst_out.copy_(src_out)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# -- (d) batching --------------------------------------------------------------------------
+
+async def _burst(url: str, n: int, tokens: int, rounds: int) -> float:
+    """Tokens/s of ``rounds`` bursts of ``n`` concurrent one-sequence prefills."""
+    gen = torch.Generator().manual_seed(1)
+    small = dict(q=torch.randn(tokens, 4, 64, generator=gen), k=torch.randn(tokens, 4, 64, generator=gen) / 8,
+                 v=torch.randn(tokens, 4, 64, generator=gen),
+                 g=-torch.nn.functional.softplus(torch.randn(tokens, 4, 64, generator=gen)),
+                 beta=torch.rand(tokens, 4, generator=gen))
+    seq = tuple(small[name] for name in ("q", "k", "v", "g", "beta"))
+    async with AsyncKDAClient(url) as client:
+        slots = await client.alloc(n)
+        await asyncio.gather(*(client.prefill(0, [(s, *seq)]) for s in slots))  # connections up
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            await asyncio.gather(*(client.prefill(0, [(s, *seq)]) for s in slots))
+        return n * tokens * rounds / (time.perf_counter() - t0)
+
+
+def batching(n: int, tokens: int, rounds: int, window_ms: float) -> tuple[float, float]:
+    """(tokens/s with the window on, off), each on its own server (4 heads, K = V = 64)."""
+    rates = []
+    for window in (window_ms, 0.0):
+        server = start_server(["--num-layers", "1", "--num-slots", str(n), "--num-heads", "4", "--head-dim", "64",
+                               "--batch-window-ms", str(window)])
+        try:
+            rates.append(asyncio.run(_burst(server.url, n, tokens, rounds)))
+        finally:
+            server.stop()
+    return rates[0], rates[1]
+
+
+# -- main ----------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=float, default=100.0, help="request size (MB) of (b) and (e)")
+    ap.add_argument("--json-mb", type=float, default=25.0, help="request size (MB) of the JSON path (c)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-requests", type=int, default=32)
+    ap.add_argument("--batch-tokens", type=int, default=64)
+    ap.add_argument("--batch-rounds", type=int, default=10)
+    ap.add_argument("--batch-window-ms", type=float, default=2.0)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+
+    per_token = 4 * HV * (2 * K + V + K + 1)
+    tokens = int(args.mb * 1e6 / per_token)
+    seq = make_request(tokens)
+    n_in = input_bytes(seq)
+    print(f"request: {tokens} tokens x {HV} heads, K=V={K}, fp32: {n_in / 1e6:.1f} MB in")
+
+    server = start_server(["--num-layers", "1", "--num-slots", "4", "--num-heads", str(HV), "--head-dim", str(K),
+                           "--max-body-mb", str(int(max(args.mb, args.json_mb * 1.4)) + 64)])
+    try:
+        with KDAClient(server.url) as binary, KDAClient(server.url, transport="shm", shm_views=True) as shm, \
+                KDAClient(server.url, encoding="json") as js:
+            slot = binary.alloc(1)[0]
+            b = time_prefill(binary, slot, seq, args.repeats)
+            e = time_prefill(shm, slot, seq, args.repeats)
+            json_seq = make_request(max(1, int(args.json_mb * 1e6 / per_token)))
+            c = time_prefill(js, slot, json_seq, max(1, args.repeats - 1))
+    finally:
+        server.stop()
+    n_out = b.moved - n_in
+    a_s = raw_socket(n_in, n_out, args.repeats)
+    a_mb_s = (n_in + n_out) / a_s / 1e6
+    copy_s = memcpy_seconds(n_in, n_out, args.repeats)
+    copy_mb_s = (n_in + n_out) / copy_s / 1e6
+    on, off = batching(args.batch_requests, args.batch_tokens, args.batch_rounds, args.batch_window_ms)
+
+    def row(name: str, t: Timed, toks: int) -> str:
+        return (f"| {name} | {t.moved / 1e6:.0f} | {t.seconds * 1e3:.0f} | {t.kernel_s * 1e3:.0f} | {t.mb_s:.0f} | "
+                f"{t.ex_kernel_mb_s:.0f} | {toks / t.seconds:.0f} |")
+
+    print("\n| path | MB moved | ms | server kernel ms | MB/s | MB/s ex-kernel | tokens/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| (a) raw loopback socket | {(n_in + n_out) / 1e6:.0f} | {a_s * 1e3:.0f} | - | {a_mb_s:.0f} | "
+          f"{a_mb_s:.0f} | - |")
+    print(row("(b) KDAClient -> /prefill safetensors", b, tokens))
+    print(row("(c) KDAClient -> /prefill JSON", c, json_seq[0].shape[0]))
+    print(row("(e) KDAClient shm -> /prefill", e, tokens))
+    print(f"| memcpy (torch copy_) of (e)'s bytes | {(n_in + n_out) / 1e6:.0f} | {copy_s * 1e3:.0f} | - | "
+          f"{copy_mb_s:.0f} | {copy_mb_s:.0f} | - |")
+    print(f"\n(b) / (a), ex-kernel: {b.ex_kernel_mb_s / a_mb_s:.2f}   (goal >= 0.70); end to end {b.mb_s / a_mb_s:.2f}")
+    print(f"(c) / (b), ex-kernel: {c.ex_kernel_mb_s / b.ex_kernel_mb_s:.2f}")
+    print(f"(e) / memcpy, ex-kernel: {e.ex_kernel_mb_s / copy_mb_s:.2f}   (goal >= 0.50); "
+          f"(e) / (b) ex-kernel: {e.ex_kernel_mb_s / b.ex_kernel_mb_s:.2f}")
+    print(f"(d) {args.batch_requests} concurrent x {args.batch_tokens} tokens: window {args.batch_window_ms} ms "
+          f"{on:.0f} tokens/s, window 0 {off:.0f} tokens/s: gain {on / off:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

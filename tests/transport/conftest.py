@@ -1,0 +1,35 @@
+"""Fixtures of the transport tests: one live kda-serve (the service tests' geometry)."""
+from __future__ import annotations
+
+import zlib
+from typing import Iterator
+
+import pytest
+import torch
+from transport_helpers import GEOMETRY_ARGS, Server, start_server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The float64 reference runs thousands of tiny ops: one thread, not a pool spinning
+    against the server process on a 2-core machine. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The one server of this folder; SIGTERM at the end must exit 0 with no traceback logged."""
+    srv = start_server([*GEOMETRY_ARGS, "--batch-window-ms", "20"], tmp_path_factory.mktemp("transport") / "kda.log")
+    yield srv
+    status = srv.stop()
+    assert status == 0, f"kda-serve exited {status} on SIGTERM:\n{srv.log_text()}"
+    assert "Traceback" not in srv.log_text(), srv.log_text()
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """Seeded from the test's name: fresh inputs per test, reproducible runs."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,107 @@
+"""Helpers for the transport tests: the service tests' server and inputs (loaded from
+tests/service/service_helpers.py), and a hand-made POSIX shared memory region to build
+shared memory requests with, including wrong ones."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional, Sequence
+
+import torch
+
+from service.wire.tensors import JSON_DTYPES, JSON_NAMES
+
+ROOT = Path(__file__).resolve().parents[2]
+SHM_JSON = "application/vnd.kda.shm+json"
+
+
+def _service_helpers() -> ModuleType:
+    if "service_helpers" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("service_helpers", ROOT / "tests" / "service" / "service_helpers.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["service_helpers"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["service_helpers"]
+
+
+_sh = _service_helpers()
+GEOMETRY_ARGS: list[str] = _sh.GEOMETRY_ARGS
+LAYERS, SLOTS, HV, H, K, V, TOL = _sh.LAYERS, _sh.SLOTS, _sh.HV, _sh.H, _sh.K, _sh.V, _sh.TOL
+Server = _sh.Server
+start_server = _sh.start_server
+make_sequence = _sh.make_sequence
+reference = _sh.reference
+rel = _sh.rel
+pool_image = _sh.pool_image
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+class Region:
+    """A POSIX shared memory object of ``size`` bytes made by the test (as a client would),
+    mapped here as a uint8 tensor; `unlink` removes the name."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"kda-test-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = f"/dev/shm/{self.name}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.memory = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
+
+    def registration(self, ttl_s: Optional[float] = None, name: Optional[str] = None,
+                     byte_size: Optional[int] = None) -> dict[str, Any]:
+        doc: dict[str, Any] = {"name": name or self.name, "key": "/" + self.name,
+                               "byte_size": self.size if byte_size is None else byte_size}
+        if ttl_s is not None:
+            doc["ttl_s"] = ttl_s
+        return doc
+
+    def put(self, offset: int, t: torch.Tensor) -> dict[str, Any]:
+        """Write ``t`` at ``offset``; its shared memory tensor reference."""
+        n = t.numel() * t.element_size()
+        self.memory[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+        return {"dtype": JSON_NAMES[t.dtype], "shape": list(t.shape),
+                "shm": {"region": self.name, "offset": offset, "byte_size": n}}
+
+    def get(self, ref: dict[str, Any]) -> torch.Tensor:
+        """A copy of the tensor a response places in this region."""
+        shm = ref["shm"]
+        raw = self.memory[shm["offset"]:shm["offset"] + shm["byte_size"]]
+        return raw.view(JSON_DTYPES[ref["dtype"]]).view(ref["shape"]).clone()
+
+    def unlink(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def shm_request(region: Region, slots: Sequence[Optional[str]], seqs: Sequence[Sequence[torch.Tensor]],
+                layer: int = 0, **options: Any) -> dict[str, Any]:
+    """A /prefill shared memory request with the packed inputs written from offset 0 of
+    ``region``, o and final_state after them (64-byte aligned, room exactly as needed)."""
+    doc: dict[str, Any] = {"layer": layer, "sequences": [{"slot": s, "length": int(x[0].shape[0])}
+                                                        for s, x in zip(slots, seqs)], **options}
+    offset = 0
+    for i, name in enumerate(NAMES):
+        packed = torch.cat([x[i] for x in seqs])
+        doc[name] = region.put(offset, packed)
+        offset += -(-packed.numel() * packed.element_size() // 64) * 64
+    T = sum(int(x[0].shape[0]) for x in seqs)
+    o_size = T * HV * V * seqs[0][2].element_size()
+    final_size = len(seqs) * HV * V * K * 4
+    doc["outputs"] = {"o": {"region": region.name, "offset": offset, "byte_size": o_size},
+                      "final_state": {"region": region.name, "offset": offset + -(-o_size // 64) * 64,
+                                      "byte_size": final_size}}
+    return doc
+
+
+def dumps(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc).encode()
