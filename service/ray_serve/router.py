@@ -190,6 +190,8 @@ class ShardedCore:
             try:
                 return await self.shards[shard].call(method, current, *args)
             except ShardUnavailable as down:
+                if await self._refresh([public]):  # it had moved off the dead shard
+                    continue
                 raise self._gone(public, down) from None
             except (UnknownSlot, SlotMoving, SlotGone) as e:
                 if await self._retry([public], e, deadline):
@@ -312,7 +314,10 @@ class ShardedCore:
         """The 404 a single server would give when some slot names no shard of this
         deployment: the first missing slot in request order, maybe a routable one before it."""
         first = next(i for i, s in enumerate(slots) if s is not None and not self._routable(s))
-        earlier = {self._current(p): p for p in slots[:first] if p is not None}
+        routable = [p for p in slots[:first] if p is not None]
+        if routable:
+            await self._refresh(routable)  # an error path: ask the directory rather than trust the cache
+        earlier = {self._current(p): p for p in routable}
         by_shard: dict[str, list[str]] = {}
         for current in earlier:
             by_shard.setdefault(self._shard_of(current), []).append(current)
