@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence, Union
 import torch
 
 from ..errors import MalformedBody
-from .tensors import MAX_RANK, SAFETENSORS_CODES, SAFETENSORS_DTYPES, nbytes, view_tensor
+from .tensors import MAX_RANK, SAFETENSORS_CODES, SAFETENSORS_DTYPES, nbytes, tensor_bytes, view_tensor
 
 MAX_HEADER_BYTES = 8 << 20  # 8 MiB: the safetensors library allows 100 MB; requests need KBs
 _SPEC_KEYS = {"dtype", "shape", "data_offsets"}
@@ -130,13 +130,9 @@ def _parts(name: str, value: TensorParts) -> tuple[list[torch.Tensor], list[int]
     return parts, [sum(p.shape[0] for p in parts), *first.shape[1:]]
 
 
-def encode_safetensors(tensors: Mapping[str, TensorParts], metadata: Mapping[str, str] | None = None) -> bytearray:
-    """One safetensors body holding ``tensors`` (in order) and ``metadata``.
-
-    A value may be a tensor or a sequence of tensors, written back to back as their
-    concatenation along dim 0 (so packing sequences costs no extra copy). Tensors may live
-    on any device; each byte is copied once, straight into the returned buffer.
-    """
+def _layout(tensors: Mapping[str, TensorParts], metadata: Mapping[str, str] | None
+            ) -> tuple[bytes, list[tuple[int, list[torch.Tensor]]], int]:
+    """(the 8-byte length and padded JSON header, each tensor's data offset and parts, data bytes)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -153,10 +149,20 @@ def encode_safetensors(tensors: Mapping[str, TensorParts], metadata: Mapping[str
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
     head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as the safetensors writer does
-    base = 8 + len(head)
-    buf = bytearray(base + offset)
-    struct.pack_into("<Q", buf, 0, len(head))
-    buf[8:base] = head
+    return struct.pack("<Q", len(head)) + head, layout, offset
+
+
+def encode_safetensors(tensors: Mapping[str, TensorParts], metadata: Mapping[str, str] | None = None) -> bytearray:
+    """One safetensors body holding ``tensors`` (in order) and ``metadata``.
+
+    A value may be a tensor or a sequence of tensors, written back to back as their
+    concatenation along dim 0 (so packing sequences costs no extra copy). Tensors may live
+    on any device; each byte is copied once, straight into the returned buffer.
+    """
+    head, layout, size = _layout(tensors, metadata)
+    base = len(head)
+    buf = bytearray(base + size)
+    buf[:base] = head
     for start, parts in layout:
         position = base + start
         for p in parts:
@@ -166,3 +172,17 @@ def encode_safetensors(tensors: Mapping[str, TensorParts], metadata: Mapping[str
                 dst.copy_(p.detach().contiguous().reshape(-1).view(torch.uint8))
             position += size
     return buf
+
+
+def safetensors_pieces(tensors: Mapping[str, TensorParts], metadata: Mapping[str, str] | None = None
+                       ) -> list[memoryview]:
+    """The body `encode_safetensors` makes, as the pieces to send one after another,
+    without joining them: the header, then each part's bytes, viewed in place when it is a
+    contiguous CPU tensor (copied once otherwise). The tensors must not change until sent."""
+    head, layout, _ = _layout(tensors, metadata)
+    pieces = [memoryview(head)]
+    for _, parts in layout:
+        for p in parts:
+            if p.numel():
+                pieces.append(memoryview(tensor_bytes(p)))
+    return pieces
