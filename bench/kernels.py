@@ -50,7 +50,7 @@ VARIANTS: dict[str, dict] = {
     "state-bv32": dict(state_bv=32),
     "state-bv64": dict(state_bv=64),
     "intra-w8-bk32": dict(intra_warps=8, intra_bk=32),
-    "wy-bk32": dict(wy_bk=32),
+    "wy-bk16": dict(wy_bk=16),
     "wy-w8": dict(wy_warps=8),
 }
 

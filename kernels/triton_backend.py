@@ -119,7 +119,6 @@ def run_triton(
     lower_bound = 0.0 if p.lower_bound is None else p.lower_bound
     fp32_inputs = f32 in (q.dtype, k.dtype, v.dtype)
     dot_prec = "ieee" if fp32_inputs else "tf32"
-    sum_prec = "ieee" if fp32_inputs else "tf32x3"  # prefix sums of log decays: exact
     mat = torch.float16 if cfg.fp16_operands and not fp32_inputs else f32
     flags = dict(
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
@@ -145,7 +144,7 @@ def run_triton(
             q, k, v, g, a_log, dt_bias, tb, rqk, w, u, kg, qg, gexp, plan.chunks, lower_bound,
             H=H, HV=HV, K=K, V=V, BK=cfg.wy_bk, BV=cfg.wy_bv, GATE=gate,
             HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
-            DOT_PREC=dot_prec, SUM_PREC=sum_prec, FLOOR=LOG_DECAY_FLOOR, num_warps=cfg.wy_warps,
+            DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, num_warps=cfg.wy_warps,
         )
         fused = fuse_output(cfg, n_seqs * HV)
         if fused:

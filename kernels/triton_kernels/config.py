@@ -81,7 +81,7 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
             rec_bv=bv, rec_warps=4, fp16_operands=True,
         )
     return LaunchConfig(
-        intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, wy_bk=min(bk, 16), wy_bv=min(bv, 64), wy_warps=4,
+        intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, wy_bk=min(bk, 32), wy_bv=min(bv, 64), wy_warps=4,
         state_bv=None, state_warps=8, state_stages=2 if bk <= 128 else 1,
         out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
