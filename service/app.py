@@ -9,8 +9,8 @@ by Content-Type; the response by Accept), so their OpenAPI bodies are declared b
 /prefill also takes tensors by reference to registered shared memory
 (``application/vnd.kda.shm+json``, see `service.shm_prefill`); the regions are the app's
 `ShmRegistry`, shared with the KServe v2 shared memory extensions. Every /prefill response
-carries ``Server-Timing: decode, kernel, encode`` (milliseconds) so a client can tell
-transport time from compute.
+carries ``Server-Timing: decode, validate, kernel, encode`` (milliseconds) so a client can
+tell transport time from compute.
 
 A client that leaves before its response (``POST /slots``, fork, a /prefill that created
 slots) leaves no slot behind: the slots created for it are freed (status 499 in the
@@ -289,7 +289,8 @@ def create_app(settings: Settings) -> FastAPI:
         size = result.o.numel() * result.o.element_size()
         start = time.perf_counter()
         payload = _payload(await run_cpu(encode, result, nbytes=size))
-        timing = _server_timing(decode=decode_s, kernel=result.kernel_s, encode=time.perf_counter() - start)
+        timing = _server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
+                                encode=time.perf_counter() - start)
         if result.allocated:
             return DeliveryGuard(payload, reply, lambda: release(result.allocated), timing)
         return Response(payload, media_type=reply, headers=timing)
@@ -310,7 +311,8 @@ def create_app(settings: Settings) -> FastAPI:
             start = time.perf_counter()
             doc = await run_cpu(write_result, plan, result, regions,
                                 nbytes=result.o.numel() * result.o.element_size())
-        timing = _server_timing(decode=decode_s, kernel=result.kernel_s, encode=time.perf_counter() - start)
+        timing = _server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
+                                encode=time.perf_counter() - start)
         return JSONResponse(doc, headers=timing)
 
     @app.post("/shm/regions", status_code=201, response_model=RegionStatus, responses=_errors(400, 408, 413, 422),

@@ -123,7 +123,7 @@ class PrefillOutput:
     """The result of `prefill`: ``slots`` (each sequence's slot id, new ones included),
     ``lengths``, ``o_packed`` [T, HV, V] in v's dtype and ``final_state`` [N, HV, V, K]
     (None when declined). ``o`` splits o_packed per sequence (views, no copy).
-    ``server_timing``: the server's phases in milliseconds (decode, kernel, encode), from
+    ``server_timing``: the server's phases in milliseconds (decode, validate, kernel, encode), from
     its ``Server-Timing`` header."""
 
     slots: list[str]

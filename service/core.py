@@ -23,6 +23,7 @@ between launches) and at close.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -270,7 +271,9 @@ class ServerCore:
     async def prefill(self, inputs: PrefillInputs) -> PrefillResult:
         """Run one prefill request; see the module docstring for the order of checks."""
         size = sum(t.numel() * t.element_size() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
+        start = time.perf_counter()
         valid = await run_cpu(validate_prefill, inputs, self.geometry, self.gates, nbytes=size)
+        validate_s = time.perf_counter() - start
         named = [slot_id for slot_id in inputs.slots if slot_id is not None]
         for slot_id in named:
             if not self.pool.contains(slot_id):
@@ -284,7 +287,8 @@ class ServerCore:
             fresh = iter(created)
             slots = [s if s is not None else next(fresh) for s in inputs.slots]
             async with self.ordering.hold([(s, inputs.layer) for s in slots]):
-                return await self.batcher.submit(valid.batch_key, valid.tokens, _Job(valid, slots, created))
+                result = await self.batcher.submit(valid.batch_key, valid.tokens, _Job(valid, slots, created))
+                return dataclasses.replace(result, validate_s=validate_s)
         except BaseException:
             if created:
                 await self.worker.run(self._free_all, created)

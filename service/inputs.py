@@ -52,7 +52,8 @@ class PrefillResult:
     the pool dtype, each slot's state after this request, or None when declined;
     allocated: the ids this request created (a transport that cannot deliver the result
     frees them); kernel_s: seconds of the launch that ran it (inputs to the device, kernel,
-    outputs to the host; shared by every request merged into that launch).
+    outputs to the host; shared by every request merged into that launch); validate_s:
+    seconds spent validating the request's inputs.
     """
 
     slots: list[str]
@@ -61,3 +62,4 @@ class PrefillResult:
     final_state: Optional[torch.Tensor]
     allocated: list[str]
     kernel_s: float = 0.0
+    validate_s: float = 0.0
