@@ -3,14 +3,9 @@ application with two CPU shards, torn down at the end. The whole folder is skipp
 Ray is not installed (``pip install 'kda-serve[ray]'``)."""
 from __future__ import annotations
 
-import socket
-import time
 import zlib
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 import torch
 
@@ -19,66 +14,22 @@ pytest.importorskip("ray.serve")
 
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
-from ray_helpers import HV, K, LAYERS, V  # noqa: E402
+from ray_helpers import APP, HV, K, LAYERS, MAX_BODY_MB, ROOT, SHARD_SLOTS, V, Cluster, free_port  # noqa: E402
 
 from service.client import KDAClient  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.ray_serve.config import ScaleOut  # noqa: E402
 from service.ray_serve.deploy import DIRECTORY_NAMESPACE, build_app, directory_actor_name  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-SHARD_SLOTS = 16
-MAX_BODY_MB = 1
-APP = "kda-test"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Cluster:
-    """The running application: its URL, settings and the two shard names."""
-
-    url: str
-    settings: Settings
-    scale_out: ScaleOut
-
-    @property
-    def shards(self) -> list[str]:
-        return self.scale_out.shard_names
-
-    def kill(self, deployment: str) -> None:
-        """Kill every replica of ``deployment`` the hard way (no graceful stop); Serve
-        starts new ones."""
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == "serve" and f"#{deployment}#" in a["name"]]
-        assert names, f"no replica of {deployment!r}"
-        for name in names:
-            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        """Until the ingress answers and every shard is up."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(f"{self.url}/shards", timeout=10)
-                if r.status_code == 200 and all(row["up"] for row in r.json()["shards"]):
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("the application did not become ready")
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A local Ray cluster (loopback only, no dashboard) serving two CPU shards of
     SHARD_SLOTS slots each behind two ingress replicas (so consecutive requests may meet
     different replicas, and their caches of the slot directory); Serve's HTTP proxy on a
-    free 127.0.0.1 port."""
+    free 127.0.0.1 port. Module-scoped: torn down before the next module, so no idle
+    cluster competes with the rest of the suite for the CPU."""
     state_dir = tmp_path_factory.mktemp("ray-state")
     port = free_port()
     settings = Settings(host="127.0.0.1", port=port, device="cpu", num_layers=LAYERS, num_slots=SHARD_SLOTS,

@@ -1,13 +1,23 @@
-"""Helpers for the Ray Serve tests: the geometry, random KDA inputs and the float64
-reference (`kernels.naive_recurrent_kda`)."""
+"""Helpers for the Ray Serve tests: the geometry, random KDA inputs, the float64 reference
+(`kernels.naive_recurrent_kda`) and `Cluster`, the handle on the running application.
+(Not in conftest.py: test modules import these, and ``conftest`` names another folder's
+module when several folders are collected together.)"""
 from __future__ import annotations
 
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
+import httpx
+import ray
 import torch
 import torch.nn.functional as F
 
 from kernels import naive_recurrent_kda
+from service.config import Settings
+from service.ray_serve.config import ScaleOut
 
 # K != V and H < HV catch transposes and GVA slips.
 LAYERS, HV, H, K, V = 2, 4, 2, 16, 32
@@ -42,3 +52,50 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def shard_of(slot_id: str) -> str:
     return slot_id.split(".")[0]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARD_SLOTS = 16
+MAX_BODY_MB = 1
+APP = "kda-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    """The running application: its URL, settings and the two shard names."""
+
+    url: str
+    settings: Settings
+    scale_out: ScaleOut
+
+    @property
+    def shards(self) -> list[str]:
+        return self.scale_out.shard_names
+
+    def kill(self, deployment: str) -> None:
+        """Kill every replica of ``deployment`` the hard way (no graceful stop); Serve
+        starts new ones."""
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == "serve" and f"#{deployment}#" in a["name"]]
+        assert names, f"no replica of {deployment!r}"
+        for name in names:
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Until the ingress answers and every shard is up."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{self.url}/shards", timeout=10)
+                if r.status_code == 200 and all(row["up"] for row in r.json()["shards"]):
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("the application did not become ready")

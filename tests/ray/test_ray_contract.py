@@ -6,8 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from conftest import MAX_BODY_MB, SHARD_SLOTS, Cluster
-from ray_helpers import HV, K, LAYERS, TOL, V, make_sequence, reference, rel, shard_of
+from ray_helpers import (
+    HV, K, LAYERS, MAX_BODY_MB, SHARD_SLOTS, TOL, V, Cluster, make_sequence, reference, rel, shard_of,
+)
 
 from service.client import BadRequest, KDAClient, SlotNotFound
 

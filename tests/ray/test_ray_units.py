@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
-from ray_helpers import HV, K, LAYERS, TOL, V, make_sequence, reference, rel
+from ray_helpers import HV, K, LAYERS, ROOT, TOL, V, make_sequence, reference, rel
 
 from service.config import Settings
 from service.errors import InvalidRequest, SchemaError
