@@ -142,7 +142,8 @@ def test_lease_expires(server: Server) -> None:
 
 
 @pytest.mark.parametrize("case", [
-    "input past the end", "output past the end", "unknown region", "output room too small", "final_state room too small",
+    "input past the end", "output past the end", "unknown region", "output room too small",
+    "final_state room too small",
     "input byte_size disagrees with shape", "final_state room missing", "NaN input", "bad shape",
 ])
 def test_refusals_change_nothing(server: Server, gen: torch.Generator, case: str) -> None:

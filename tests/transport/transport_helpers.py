@@ -22,7 +22,8 @@ SHM_JSON = "application/vnd.kda.shm+json"
 
 def _service_helpers() -> ModuleType:
     if "service_helpers" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("service_helpers", ROOT / "tests" / "service" / "service_helpers.py")
+        path = ROOT / "tests" / "service" / "service_helpers.py"
+        spec = importlib.util.spec_from_file_location("service_helpers", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules["service_helpers"] = module
