@@ -1,6 +1,7 @@
 """Fixtures for the Ray Serve tests: a local Ray cluster on 127.0.0.1 running the sharded
 application with two CPU shards, torn down at the end. The whole folder is skipped when
-Ray is not installed (``pip install 'kda-serve[ray]'``)."""
+Ray is not installed (``pip install 'kda-serve[ray]'``): each test module starts with
+``pytest.importorskip("ray.serve")``, and nothing here imports Ray before a fixture runs."""
 from __future__ import annotations
 
 import zlib
@@ -9,17 +10,11 @@ from typing import Iterator
 import pytest
 import torch
 
-pytest.importorskip("ray")
-pytest.importorskip("ray.serve")
+from ray_helpers import APP, HV, K, LAYERS, MAX_BODY_MB, ROOT, SHARD_SLOTS, V, Cluster, free_port
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-from ray_helpers import APP, HV, K, LAYERS, MAX_BODY_MB, ROOT, SHARD_SLOTS, V, Cluster, free_port  # noqa: E402
-
-from service.client import KDAClient  # noqa: E402
-from service.config import Settings  # noqa: E402
-from service.ray_serve.config import ScaleOut  # noqa: E402
-from service.ray_serve.deploy import DIRECTORY_NAMESPACE, build_app, directory_actor_name  # noqa: E402
+from service.client import KDAClient
+from service.config import Settings
+from service.ray_serve.config import ScaleOut
 
 
 
@@ -30,6 +25,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     different replicas, and their caches of the slot directory); Serve's HTTP proxy on a
     free 127.0.0.1 port. Module-scoped: torn down before the next module, so no idle
     cluster competes with the rest of the suite for the CPU."""
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    from service.ray_serve.deploy import DIRECTORY_NAMESPACE, build_app, directory_actor_name
+
     state_dir = tmp_path_factory.mktemp("ray-state")
     port = free_port()
     settings = Settings(host="127.0.0.1", port=port, device="cpu", num_layers=LAYERS, num_slots=SHARD_SLOTS,

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import httpx
-import ray
 import torch
 import torch.nn.functional as F
 
@@ -81,6 +80,8 @@ class Cluster:
     def kill(self, deployment: str) -> None:
         """Kill every replica of ``deployment`` the hard way (no graceful stop); Serve
         starts new ones."""
+        import ray
+
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == "serve" and f"#{deployment}#" in a["name"]]
         assert names, f"no replica of {deployment!r}"

@@ -6,11 +6,14 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from ray_helpers import (
+
+pytest.importorskip("ray.serve")  # the ray extra; CI installs it
+
+from ray_helpers import (  # noqa: E402
     HV, K, LAYERS, MAX_BODY_MB, SHARD_SLOTS, TOL, V, Cluster, make_sequence, reference, rel, shard_of,
 )
 
-from service.client import BadRequest, KDAClient, SlotNotFound
+from service.client import BadRequest, KDAClient, SlotNotFound  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)  # the first test also starts the cluster (~50 s on 2 cores)
 

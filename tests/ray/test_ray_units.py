@@ -16,21 +16,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from ray_helpers import HV, K, LAYERS, ROOT, TOL, V, make_sequence, reference, rel
 
-from service.config import Settings
-from service.errors import InvalidRequest, SchemaError
-from service.metrics import Metrics
-from service.ray_serve.config import parse_scale_out
-from service.ray_serve.directory import SlotDirectory
-from service.ray_serve.errors import ShardFault, SlotGone, SlotMoving
-from service.ray_serve.ids import SlotName, check_shard_name, parse_slot_id
-from service.ray_serve.incarnation import Incarnation, ShardFiles
-from service.ray_serve.metrics import merge_metrics
-from service.ray_serve.payload import Array, ShardPrefill, SlotCargo, TakeFailed
-from service.ray_serve.router import plan_placement
-from service.ray_serve.shard import ShardServer
-from state_store import PoolFull, UnknownSlot
+pytest.importorskip("ray.serve")  # the ray extra; CI installs it
+
+from ray_helpers import HV, K, LAYERS, ROOT, TOL, V, make_sequence, reference, rel  # noqa: E402
+
+from service.config import Settings  # noqa: E402
+from service.errors import InvalidRequest, SchemaError  # noqa: E402
+from service.metrics import Metrics  # noqa: E402
+from service.ray_serve.config import parse_scale_out  # noqa: E402
+from service.ray_serve.directory import SlotDirectory  # noqa: E402
+from service.ray_serve.errors import ShardFault, SlotGone, SlotMoving  # noqa: E402
+from service.ray_serve.ids import SlotName, check_shard_name, parse_slot_id  # noqa: E402
+from service.ray_serve.incarnation import Incarnation, ShardFiles  # noqa: E402
+from service.ray_serve.metrics import merge_metrics  # noqa: E402
+from service.ray_serve.payload import Array, ShardPrefill, SlotCargo, TakeFailed  # noqa: E402
+from service.ray_serve.router import plan_placement  # noqa: E402
+from service.ray_serve.shard import ShardServer  # noqa: E402
+from state_store import PoolFull, UnknownSlot  # noqa: E402
 
 SETTINGS = Settings(device="cpu", num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V,
                     batch_window_ms=0.0)
