@@ -61,7 +61,9 @@ def start_server(args: Sequence[str], log: Path, env: Optional[dict[str, str]] =
                  timeout: float = 90.0) -> Server:
     """Start kda-serve on a free loopback port and wait until /health/ready says 200."""
     port = free_port()
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    # The repository first, then whatever the caller's path holds (e.g. carried wheels).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     out = open(log, "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
