@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kernels import chunk_kda, naive_recurrent_kda
+# The repository before bench/ on the path: bench/kernels.py would shadow the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import chunk_kda, naive_recurrent_kda  # noqa: E402
 
 
 def main() -> None:
