@@ -66,11 +66,14 @@ def start_server(args: Sequence[str]) -> Server:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-         *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+         *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
         try:
             if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
                 return Server(url, process)
