@@ -145,9 +145,8 @@ class ServerCore:
             await asyncio.sleep(period)
             try:
                 await self.checkpoint()
-            except SnapshotError:
-                log.exception("periodic snapshot failed; the journal still marks what changed, retrying in %.1f s",
-                              period)
+            except Exception:  # keep snapshotting: the journal still marks what changed
+                log.exception("periodic snapshot failed; retrying in %.1f s", period)
 
     async def sweep(self) -> list[str]:
         """Free slots idle past the ttl; returns their ids."""
