@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 from reliability_helpers import (
-    GEOMETRY_ARGS, H, HV, JSON, K, LAYERS, PROBLEM, ROOT, ST, V, WholePool, assert_problem, connect, load_module,
+    GEOMETRY_ARGS, HV, JSON, K, LAYERS, PROBLEM, ROOT, ST, V, WholePool, assert_problem, connect, load_module,
     make_sequence, random_state, read_response, request_head, rss_bytes, start_server,
 )
 
@@ -46,9 +45,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def pool(server: Any) -> Iterator[WholePool]:
-    """Three live slots with random state and recorded tokens, and a fourth freed again:
-    the slots `Ctx` expects (a freed id must be refused like an unknown one)."""
     whole = WholePool(server.url)
+    yield whole
+    whole.close()
+
+
+@pytest.fixture(scope="module")
+def victims(server: Any, pool: WholePool) -> list[str]:
+    """Three live slots with random state and recorded tokens, then a fourth freed again:
+    the slots `Ctx` expects (a freed id must be refused like an unknown one)."""
     gen = torch.Generator().manual_seed(8)
     with KDAClient(server.url) as c:
         slots = c.alloc(4)
@@ -56,10 +61,8 @@ def pool(server: Any) -> Iterator[WholePool]:
             c.put_state(slot, state)
         c.prefill(1, [(slots[0], *make_sequence(5, gen))])
         c.free(slots[3])
-    whole.add(*slots[:3])
-    whole.live_and_freed = slots  # type: ignore[attr-defined]
-    yield whole
-    whole.close()
+    pool.add(*slots[:3])
+    return slots
 
 
 def _prefill(content_type: str, body: Callable[[Any], bytes]) -> Build:
@@ -204,9 +207,9 @@ def test_the_matrix_covers_nan_and_inf_in_every_tensor():
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_refused_and_the_whole_pool_unchanged(server, pool, gen, case):
+def test_refused_and_the_whole_pool_unchanged(pool, victims, gen, case):
     build, status, slug, field = CASES[case]
-    method, path, headers, body = build(Ctx(pool.live_and_freed, gen))
+    method, path, headers, body = build(Ctx(victims, gen))
     before = pool.image()
     r = pool.http.request(method, path, headers=headers, content=body)
     problem = assert_problem(r, status, slug)
@@ -216,7 +219,7 @@ def test_refused_and_the_whole_pool_unchanged(server, pool, gen, case):
     assert pool.image() == before
 
 
-def test_a_real_header_over_the_cap_is_refused_unparsed(server, pool):
+def test_a_real_header_over_the_cap_is_refused_unparsed(pool, victims):
     """An 8 MiB + 8 header inside a body well under the body limit: refused for its size
     before a byte of it is parsed as JSON."""
     before = pool.image()
@@ -226,7 +229,7 @@ def test_a_real_header_over_the_cap_is_refused_unparsed(server, pool):
     assert pool.image() == before
 
 
-def test_a_content_length_larger_than_the_body_times_out_without_reserving_it(server, pool):
+def test_a_content_length_larger_than_the_body_times_out_without_reserving_it(server, pool, victims):
     """A client announces 900 MiB, sends 100 bytes and waits: 408 after the body timeout,
     the server never set the announced size aside, and nothing changed."""
     before, rss = pool.image(), rss_bytes(server.process.pid)
@@ -243,12 +246,12 @@ def test_a_content_length_larger_than_the_body_times_out_without_reserving_it(se
     assert pool.image() == before
 
 
-def test_a_content_length_smaller_than_the_body_truncates_it(server, pool, gen):
+def test_a_content_length_smaller_than_the_body_truncates_it(server, pool, victims, gen):
     """The server reads exactly Content-Length bytes: the rest is not a body. The truncated
     body is refused as malformed; the bytes after it are a broken next request, which the
     HTTP parser refuses and the connection closes."""
     before = pool.image()
-    body = Ctx(pool.live_and_freed, gen).st_body()
+    body = Ctx(victims, gen).st_body()
     declared = len(body) - 64
     with connect(server.url) as s:
         s.sendall(request_head("POST", "/prefill", [("Content-Type", ST), ("Content-Length", str(declared))])
@@ -263,7 +266,7 @@ def test_a_content_length_smaller_than_the_body_truncates_it(server, pool, gen):
 
 
 @pytest.mark.parametrize("length", ["-1", "12abc", "1, 2", "+5"])
-def test_a_malformed_content_length_is_refused_by_the_parser(server, pool, length):
+def test_a_malformed_content_length_is_refused_by_the_parser(server, pool, victims, length):
     """Framing the HTTP parser cannot trust (a request smuggling vector) never reaches the
     app: a 400 and the connection closed."""
     before = pool.image()
@@ -274,7 +277,7 @@ def test_a_malformed_content_length_is_refused_by_the_parser(server, pool, lengt
     assert pool.image() == before
 
 
-def test_content_length_and_chunked_together_are_refused(server, pool):
+def test_content_length_and_chunked_together_are_refused(server, pool, victims):
     before = pool.image()
     with connect(server.url) as s:
         s.sendall(request_head("POST", "/prefill", [("Content-Type", ST), ("Content-Length", "5"),
@@ -284,7 +287,7 @@ def test_content_length_and_chunked_together_are_refused(server, pool):
     assert pool.image() == before
 
 
-def test_two_gigabytes_against_a_one_gigabyte_limit_are_refused_before_reading(server, pool):
+def test_two_gigabytes_against_a_one_gigabyte_limit_are_refused_before_reading(server, pool, victims):
     """Content-Length 2 GB against --max-body-mb 1024: a 413 problem while the client has
     sent 64 KiB, no memory set aside for the body, nothing changed."""
     before, rss = pool.image(), rss_bytes(server.process.pid)

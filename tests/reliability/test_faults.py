@@ -10,7 +10,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import httpx
 import pytest
