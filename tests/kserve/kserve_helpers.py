@@ -1,15 +1,11 @@
 """Helpers of the KServe tests: the service tests' harness (a real kda-serve process, random
 inputs, the float64 reference, pool images), and tritonclient plumbing.
 
-The harness is ``tests/service/service_helpers.py``, loaded once under its own module name
-so both folders share one module object whichever is collected first.
+The harness is ``tests/server_harness.py`` (tests/ is on pytest's pythonpath).
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Optional, Sequence
 
 import ml_dtypes
@@ -17,31 +13,13 @@ import numpy as np
 import torch
 import tritonclient.http as tc
 from tritonclient.utils import np_to_triton_dtype
+from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
+    GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, metric, pool_image, random_state, reference, rel, start_server,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _service_helpers() -> ModuleType:
-    if "service_helpers" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("service_helpers", ROOT / "tests" / "service" / "service_helpers.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["service_helpers"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["service_helpers"]
-
-
-_sh = _service_helpers()
-GEOMETRY_ARGS: list[str] = _sh.GEOMETRY_ARGS
-LAYERS, SLOTS, HV, H, K, V, TOL = _sh.LAYERS, _sh.SLOTS, _sh.HV, _sh.H, _sh.K, _sh.V, _sh.TOL
-Server = _sh.Server
-start_server = _sh.start_server
-make_sequence = _sh.make_sequence
-random_state = _sh.random_state
-reference = _sh.reference
-rel = _sh.rel
-pool_image = _sh.pool_image
-metric = _sh.metric
 
 MAX_BODY_MB = 1  # the test servers' body limit: small, so the 413 test sends little
 NAMES = ("q", "k", "v", "g", "beta")

@@ -2,8 +2,7 @@
 random inputs, the float64 reference), an image of the *whole* pool, raw HTTP over a
 socket, and the server's resident memory.
 
-The harness is ``tests/service/service_helpers.py``, loaded once under its own module name
-so that every folder using it shares one module object whichever is collected first.
+The harness is ``tests/server_harness.py`` (tests/ is on pytest's pythonpath).
 """
 from __future__ import annotations
 
@@ -17,6 +16,9 @@ from typing import Callable, Optional, Sequence
 from urllib.parse import urlsplit
 
 import httpx
+from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
+    GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, metric, random_state, reference, rel, start_server,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,16 +34,6 @@ def load_module(name: str, path: Path) -> ModuleType:
     return sys.modules[name]
 
 
-_sh = load_module("service_helpers", ROOT / "tests" / "service" / "service_helpers.py")
-GEOMETRY_ARGS: list[str] = _sh.GEOMETRY_ARGS
-LAYERS, SLOTS, HV, H, K, V, TOL = _sh.LAYERS, _sh.SLOTS, _sh.HV, _sh.H, _sh.K, _sh.V, _sh.TOL
-Server = _sh.Server
-start_server = _sh.start_server
-make_sequence = _sh.make_sequence
-random_state = _sh.random_state
-reference = _sh.reference
-rel = _sh.rel
-metric = _sh.metric
 
 ST = "application/x-safetensors"
 JSON = "application/json"

@@ -6,7 +6,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from service_helpers import GEOMETRY_ARGS, MAX_BODY_MB, Server, start_server
+from server_harness import GEOMETRY_ARGS, MAX_BODY_MB, Server, start_server
 
 from service.client import KDAClient
 

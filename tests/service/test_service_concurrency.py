@@ -6,7 +6,7 @@ import itertools
 
 import httpx
 import torch
-from service_helpers import TOL, make_sequence, metric, reference, rel
+from server_harness import TOL, make_sequence, metric, reference, rel
 
 from service.client import AsyncKDAClient
 

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import torch
-from service_helpers import (
+from server_harness import (
     MAX_BODY_MB, H, HV, K, LAYERS, SLOTS, V, make_sequence, metric, pool_image, random_state,
 )
 

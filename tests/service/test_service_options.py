@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
-from service_helpers import GEOMETRY_ARGS, HV, K, LAYERS, TOL, V, make_sequence, metric, reference, rel, start_server
+from server_harness import GEOMETRY_ARGS, HV, K, LAYERS, TOL, V, make_sequence, metric, reference, rel, start_server
 
 from service.client import BadRequest, KDAClient, SlotNotFound, Unauthorized
 

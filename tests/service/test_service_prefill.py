@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 import torch
-from service_helpers import HV, K, TOL, V, make_sequence, random_state, reference, rel
+from server_harness import HV, K, TOL, V, make_sequence, random_state, reference, rel
 
 from service.client import KDAClient
 from service.wire.safetensors_codec import encode_safetensors, parse_safetensors

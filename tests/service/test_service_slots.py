@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load as st_load
-from service_helpers import HV, K, LAYERS, SLOTS, TOL, V, make_sequence, metric, random_state, reference, rel
+from server_harness import HV, K, LAYERS, SLOTS, TOL, V, make_sequence, metric, random_state, reference, rel
 
 from service.client import KDAClient, SlotNotFound
 

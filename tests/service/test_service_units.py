@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from service_helpers import H, HV, K, LAYERS, ROOT, SLOTS, TOL, V, make_sequence, reference, rel
+from server_harness import H, HV, K, LAYERS, ROOT, SLOTS, TOL, V, make_sequence, reference, rel
 
 from service.app import create_app
 from service.batcher import Batcher

@@ -1,45 +1,24 @@
-"""Helpers for the transport tests: the service tests' server and inputs (loaded from
-tests/service/service_helpers.py), and a hand-made POSIX shared memory region to build
+"""Helpers for the transport tests: the service tests' server and inputs (tests/server_harness.py), and a hand-made POSIX shared memory region to build
 shared memory requests with, including wrong ones."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Optional, Sequence
 
 import torch
 
 from service.wire.tensors import JSON_DTYPES, JSON_NAMES
+from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
+    GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, pool_image, reference, rel, start_server,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM_JSON = "application/vnd.kda.shm+json"
 
 
-def _service_helpers() -> ModuleType:
-    if "service_helpers" not in sys.modules:
-        path = ROOT / "tests" / "service" / "service_helpers.py"
-        spec = importlib.util.spec_from_file_location("service_helpers", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["service_helpers"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["service_helpers"]
-
-
-_sh = _service_helpers()
-GEOMETRY_ARGS: list[str] = _sh.GEOMETRY_ARGS
-LAYERS, SLOTS, HV, H, K, V, TOL = _sh.LAYERS, _sh.SLOTS, _sh.HV, _sh.H, _sh.K, _sh.V, _sh.TOL
-Server = _sh.Server
-start_server = _sh.start_server
-make_sequence = _sh.make_sequence
-reference = _sh.reference
-rel = _sh.rel
-pool_image = _sh.pool_image
 NAMES = ("q", "k", "v", "g", "beta")
 
 

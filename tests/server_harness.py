@@ -1,4 +1,4 @@
-"""Helpers for the service tests: a real `kda-serve` process, random KDA inputs, the
+"""The harness every HTTP test folder shares (service, kserve, transport, reliability): a real `kda-serve` process, random KDA inputs, the
 float64 reference, and an image of the pool to prove a rejected request changed nothing."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kernels import naive_recurrent_kda
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 # The geometry every test server uses: K != V and H < HV catch transposes and GVA slips.
 LAYERS, SLOTS, HV, H, K, V = 2, 256, 4, 2, 16, 32
