@@ -115,24 +115,20 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def _field_types() -> dict[str, type]:
+def _field_types(cls: type) -> dict[str, type]:
     """Each field's scalar type (int, float or str), Optional[...] unwrapped."""
     types = {}
-    for name, hint in typing.get_type_hints(Settings).items():
+    for name, hint in typing.get_type_hints(cls).items():
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         types[name] = args[0] if args else hint
     return types
 
 
-def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
-    """One ``--flag`` per Settings field, its default taken from ``KDA_<FLAG>`` when set."""
-    parser = argparse.ArgumentParser(
-        prog="kda-serve",
-        description="KDA chunked prefill over HTTP: a state pool, a batcher and the kernels behind FastAPI. "
-        "Every flag can also be set as KDA_<FLAG> (e.g. KDA_NUM_SLOTS=256).",
-    )
-    types = _field_types()
-    for f in dataclasses.fields(Settings):
+def add_env_flags(parser: argparse.ArgumentParser, cls: type, environ: Mapping[str, str]) -> None:
+    """One ``--flag`` per field of the dataclass ``cls`` (help from the field's metadata), its
+    default taken from ``KDA_<FLAG>`` when set; a malformed variable is a usage error."""
+    types = _field_types(cls)
+    for f in dataclasses.fields(cls):
         kind = types[f.name]
         raw = environ.get(env_name(f.name))
         default = f.default
@@ -145,6 +141,16 @@ def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentPa
             "--" + f.name.replace("_", "-"), type=kind, default=default,
             help=f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]",
         )
+
+
+def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
+    """One ``--flag`` per Settings field, its default taken from ``KDA_<FLAG>`` when set."""
+    parser = argparse.ArgumentParser(
+        prog="kda-serve",
+        description="KDA chunked prefill over HTTP: a state pool, a batcher and the kernels behind FastAPI. "
+        "Every flag can also be set as KDA_<FLAG> (e.g. KDA_NUM_SLOTS=256).",
+    )
+    add_env_flags(parser, Settings, environ)
     return parser
 
 

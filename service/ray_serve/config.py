@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from service.config import Settings, build_parser, env_name
+from service.config import Settings, add_env_flags, build_parser
 
 from .ids import check_shard_name
 
@@ -66,10 +66,6 @@ class ScaleOut:
         return None if self.state_dir is None else os.path.join(self.state_dir, f"{self.app_name}.directory.json")
 
 
-def _scalar(hint: Any) -> type:
-    return {"int": int, "float": float, "str": str, "Optional[str]": str}[str(hint)]
-
-
 def build_scale_out_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
     """``kda-serve``'s flags plus one per `ScaleOut` field (``KDA_<FLAG>`` as default)."""
     parser = build_parser(environ)
@@ -77,17 +73,7 @@ def build_scale_out_parser(environ: Mapping[str, str] = os.environ) -> argparse.
     parser.description = ("Deploy kda-serve on a Ray cluster with Ray Serve: one shard (pool, batcher, kernels) per "
                           "GPU behind an HTTP ingress serving the single server's API. --host/--port are the "
                           "address of Serve's HTTP proxy. Every flag can also be set as KDA_<FLAG>.")
-    for f in dataclasses.fields(ScaleOut):
-        kind = _scalar(f.type)
-        raw = environ.get(env_name(f.name))
-        default = f.default
-        if raw not in (None, ""):
-            try:
-                default = kind(raw)
-            except ValueError:
-                parser.error(f"{env_name(f.name)}={raw!r} is not a valid {kind.__name__}")
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
-                            help=f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]")
+    add_env_flags(parser, ScaleOut, environ)
     return parser
 
 
