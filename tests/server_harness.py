@@ -10,9 +10,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import httpx
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -141,3 +142,14 @@ def metric(text: str, name: str, **labels: str) -> float:
         if sample_name == name and got == want:
             return float(value)
     return 0.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The float64 reference runs thousands of tiny ops: one thread, not a pool spinning
+    against the server process on a 2-core machine. Restored afterwards, so tests in other
+    folders keep their threads. Conftests that import this get it for their folder."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

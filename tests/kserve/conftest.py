@@ -9,16 +9,7 @@ import pytest
 import torch
 import tritonclient.http as tc
 from kserve_helpers import GEOMETRY_ARGS, MAX_BODY_MB, Server, start_server
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The float64 reference runs thousands of tiny ops: one thread, not a pool spinning
-    against the server process on a 2-core machine. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from server_harness import one_torch_thread  # noqa: F401  (autouse fixture for this folder)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from ray_helpers import APP, HV, K, LAYERS, MAX_BODY_MB, ROOT, SHARD_SLOTS, V, C
 from service.client import KDAClient
 from service.config import Settings
 from service.ray_serve.config import ScaleOut
+from server_harness import one_torch_thread  # noqa: F401  (autouse fixture for this folder)
 
 
 
@@ -52,16 +53,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         except ValueError:
             pass  # never created
         ray.shutdown()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The float64 reference runs many tiny ops: one thread beats a pool fighting the
-    cluster's processes for 2 cores. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
