@@ -110,12 +110,22 @@ def _resolve_gate(x: PrefillInputs, geometry: PoolGeometry, server: Optional[Gat
     return Gate(x.A_log, dt_bias, x.lower_bound, key=gate_key(x.A_log, dt_bias, x.lower_bound))
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of the float tensor ``t`` is finite, in one pass over it that
+    allocates nothing of its size: min and max propagate NaN, and are infinite when any value is.
+    (``torch.isfinite(t).all()`` writes a bool tensor of t's size and reads it again: ~10x slower.)"""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def _check_finite(x: PrefillInputs) -> None:
     if x.scale is not None and not (math.isfinite(x.scale) and x.scale > 0):
         raise _fail("scale", f"scale must be a finite number > 0, got {x.scale}")
     for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
         t = getattr(x, name)
-        if t is not None and not bool(torch.isfinite(t).all()):
+        if t is not None and not all_finite(t):
             raise _fail(name, f"{name} {describe(t)} holds non-finite values (NaN or Inf)")
 
 
@@ -139,5 +149,5 @@ def validate_state(state: torch.Tensor, geometry: PoolGeometry, field: str = "st
     if tuple(state.shape) != geometry.slot_shape or state.dtype != geometry.dtype:
         raise _fail(field, f"state must be {geometry.dtype_name}{list(geometry.slot_shape)} "
                            f"([L, HV, V, K] of the pool), got {describe(state)}")
-    if not bool(torch.isfinite(state).all()):
+    if not all_finite(state):
         raise _fail(field, f"state {describe(state)} holds non-finite values (NaN or Inf)")

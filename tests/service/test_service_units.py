@@ -19,7 +19,7 @@ from service.errors import InvalidRequest, NotReady
 from service.gates import Gate
 from service.inputs import PrefillInputs
 from service.metrics import Metrics
-from service.validation import validate_prefill
+from service.validation import all_finite, validate_prefill
 from service.worker import DeviceWorker
 from state_store import PoolGeometry, UnknownSlot
 
@@ -80,6 +80,24 @@ def test_invalid_prefills_name_the_field(gen, replace, field):
     with pytest.raises(InvalidRequest) as e:
         validate_prefill(x, GEOMETRY, {})
     assert e.value.field == field and e.value.status == 400
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_all_finite_finds_one_bad_value_anywhere(dtype, bad):
+    """The one-pass scan (min and max) sees a single NaN or Inf at the start, middle or end
+    of large, odd-sized and strided tensors, and passes finite ones and empty ones."""
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 63, 100_003):
+        assert all_finite(torch.randn(n, generator=gen).to(dtype))
+        for pos in {0, n // 2, n - 1}:
+            x = torch.randn(n, generator=gen).to(dtype)
+            x[pos] = bad
+            assert not all_finite(x), (n, pos)
+    strided = torch.randn(4, 6, 8, generator=gen).to(dtype)[:, ::2]
+    strided[3, 2, 7] = bad
+    assert not all_finite(strided)
+    assert all_finite(torch.empty(0, 3, dtype=dtype))
 
 
 def test_server_gates_take_over_the_layer(gen):
