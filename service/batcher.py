@@ -98,6 +98,7 @@ class Batcher(Generic[J, R]):
                 return
             if first in self._pending:  # else its submitter gave up while it waited
                 await self._launch(self._take(first.key))
+            del first  # its inputs (views of its request body) go now, not when the next request arrives
 
     async def _gather(self, first: _Entry[J, R]) -> None:
         """Wait until ``first``'s window ends or its key's pending tokens reach max_tokens."""

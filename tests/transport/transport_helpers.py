@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -85,3 +86,31 @@ def shm_request(region: Region, slots: Sequence[Optional[str]], seqs: Sequence[S
 
 def dumps(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc).encode()
+
+
+def request_head(method: str, path: str, headers: Sequence[tuple[str, str]]) -> bytes:
+    """An HTTP/1.1 request line and headers, as bytes for a raw socket."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *(f"{k}: {v}" for k, v in headers)]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length from ``s``: status, headers, body. Reads
+    exactly its bytes (the head a byte at a time), so pipelined responses can follow."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += _recv_exactly(s, 1)
+    head = head[:-4]
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, _recv_exactly(s, int(headers.get("content-length", "0")))
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data

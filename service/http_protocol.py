@@ -1,0 +1,204 @@
+"""`KDAHttpProtocol`: uvicorn's httptools protocol, with large request bodies collected whole
+and HTTP framing errors answered as problem+json.
+
+uvicorn hands a body to the app in the pieces it reads (64 KiB or so), pauses reading
+whenever 64 KiB wait unread (``flow_control.HIGH_WATER_LIMIT``), and copies each piece into
+new bytes in ``receive()``: a 100 MB body is ~1600 ``receive()`` round trips through the
+middleware, and each byte is copied once more than needed. Here, once the app asks for the
+body of a request framed by Content-Length (asking means accepting that size: kda-serve's
+body limit refuses a larger Content-Length before the first ``receive()``), reading no
+longer pauses, the pieces are appended to one buffer, and the app gets the whole body in
+one ``http.request`` message whose ``body`` is that buffer (a bytearray, handed over, not
+copied). While the body arrives the app is woken every `PROGRESS_S` with an empty
+``more_body`` message, so a deadline on the next bytes (``--body-timeout-s``) still tells
+a slow upload from a stalled one. A client that announces a large body and sends a few
+bytes still costs a few bytes: the buffer grows as bytes arrive. Each connection keeps
+the buffers of its last large bodies (`service.wire.warm`): the next body of that size is
+read into memory already paged in (page faults on fresh memory cost ~8x the copy here).
+
+Requests without Content-Length (chunked), bodies the app does not read, pipelined
+requests waiting their turn, keep-alive, disconnects and shutdown are uvicorn's own.
+
+Where uvicorn answers a request its HTTP parser refuses with a plain-text 400, this answers
+with an RFC 9457 problem (``bad-content-length`` for a malformed Content-Length or one
+framing the body twice, 413 ``payload-too-large`` for one beyond 64 bits, ``bad-request``
+otherwise), and closes the connection, as uvicorn does.
+
+    uvicorn.run(app, http=KDAHttpProtocol)
+
+It overrides hooks of uvicorn's ``HttpToolsProtocol`` that are not public API
+(``_start_asgi_task``, the cycle's fields), as of uvicorn 0.54: pyproject.toml holds that
+floor, and tests/transport/test_transport_http_protocol.py fails if they move.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Optional
+
+import httptools
+from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGIReceiveEvent, ASGISendCallable, Scope
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.server import ServerState
+
+from .problems import PAYLOAD_TOO_LARGE, problem
+from .wire.warm import WarmBuffers
+
+PROGRESS_S = 0.1
+"""How often the app is woken, with no bytes, while a whole body is being collected."""
+
+
+def declared_length(headers: list[tuple[bytes, bytes]]) -> Optional[int]:
+    """The Content-Length of a request framed by it alone (None when chunked or absent);
+    the HTTP parser has already refused malformed or conflicting values."""
+    length = None
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length":
+            try:
+                length = int(value)
+            except ValueError:
+                return None
+    return length
+
+
+def parser_problem(error: httptools.HttpParserError) -> tuple[int, bytes]:
+    """(status, the whole HTTP response) for a request the parser refused; it closes the connection."""
+    detail = str(error) or "invalid HTTP request"
+    if "Content-Length overflow" in detail:
+        slug, title = PAYLOAD_TOO_LARGE
+        status, response = 413, problem(413, slug, f"{detail}: the body's size does not fit in 64 bits", title=title,
+                                        headers={"Connection": "close"})
+    elif "Content-Length" in detail:
+        status, response = 400, problem(400, "bad-content-length", f"{detail}: the body's framing cannot be trusted",
+                                        headers={"Connection": "close"})
+    else:
+        status, response = 400, problem(400, "bad-request", f"{detail}: not a valid HTTP/1.1 request",
+                                        headers={"Connection": "close"})
+    head = [STATUS_LINE[status]] + [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
+    return status, b"".join(head) + b"\r\n" + response.body
+
+
+class _Collect:
+    """A body being collected whole: into a warm buffer of its size, or by growing
+    ``cycle.body`` (the buffer is then kept warm for the next body of its size)."""
+
+    def __init__(self, cycle: RequestResponseCycle, length: int, warm: WarmBuffers) -> None:
+        self.cycle = cycle
+        self._warm = warm
+        self._into = warm.take(length)
+        self._view: Optional[memoryview] = None
+        self._filled = 0
+        if self._into is not None:
+            self._view = memoryview(self._into)
+            self.add(cycle.body)  # what arrived before the app asked for the body
+            cycle.body = bytearray()
+
+    def add(self, data: bytes | bytearray) -> None:
+        if self._view is None:
+            self.cycle.body += data
+            return
+        self._view[self._filled:self._filled + len(data)] = data
+        self._filled += len(data)
+
+    def finish(self) -> bytearray:
+        """The whole body, handed over (the parser has seen exactly Content-Length bytes)."""
+        self.release()
+        if self._into is not None:
+            return self._into
+        body, self.cycle.body = self.cycle.body, bytearray()
+        self._warm.keep(body)
+        return body
+
+    def release(self) -> None:
+        """Let go of the warm buffer's memoryview (a buffer viewed is never reused)."""
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+
+
+class KDAHttpProtocol(HttpToolsProtocol):
+    """See the module docstring. One instance per connection, as uvicorn's; its warm
+    buffers (`service.wire.warm`) live as long as the connection."""
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._warm = WarmBuffers()
+        self._whole: Optional[_Collect] = None  # the body being collected whole, if any
+        self._woken = 0.0  # when its reader was last woken (time.monotonic)
+
+    def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError as e:
+            status, response = parser_problem(e)
+            self.logger.warning("Invalid HTTP request received (%s): %d", e, status)
+            self.transport.write(response)
+            self.transport.close()
+
+    def on_body(self, body: bytes) -> None:
+        whole = self._whole
+        if whole is None or whole.cycle is not self.cycle:
+            super().on_body(body)
+            return
+        if whole.cycle.response_complete:
+            return
+        whole.add(body)
+        now = time.monotonic()
+        if now - self._woken >= PROGRESS_S:
+            self._woken = now
+            whole.cycle.message_event.set()
+
+    def on_message_complete(self) -> None:
+        if self._whole is not None and self._whole.cycle is self.cycle:
+            if self.cycle.response_complete:  # answered without its body: the buffer is free again
+                self._whole.release()
+            self._whole = None
+        super().on_message_complete()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        length = declared_length(cycle.scope["headers"])
+        if length is not None:
+            app = self._with_whole_body(cycle, length, app)
+        super()._start_asgi_task(cycle, app)
+
+    def _with_whole_body(self, cycle: RequestResponseCycle, length: int, app: ASGI3Application) -> ASGI3Application:
+        """``app`` with ``receive`` replaced by one that delivers ``cycle``'s body whole."""
+        whole: Optional[_Collect] = None
+
+        async def receive() -> ASGIReceiveEvent:
+            # uvicorn's RequestResponseCycle.receive, but for the body: whole, and not copied.
+            nonlocal whole
+            if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+                cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                cycle.waiting_for_100_continue = False
+            if not cycle.disconnected and not cycle.response_complete:
+                if whole is None and cycle is self.cycle and cycle.more_body:
+                    whole = self._whole = _Collect(cycle, length, self._warm)
+                    self._woken = time.monotonic()
+                cycle.flow.resume_reading()
+                await cycle.message_event.wait()
+                cycle.message_event.clear()
+            if cycle.disconnected or cycle.response_complete:
+                return {"type": "http.disconnect"}
+            if cycle.more_body:
+                return {"type": "http.request", "body": b"", "more_body": True}
+            if whole is not None:
+                body, whole = whole.finish(), None
+            else:
+                body, cycle.body = cycle.body, bytearray()
+            return {"type": "http.request", "body": body, "more_body": False}  # type: ignore[typeddict-item]
+
+        async def whole_body_app(scope: Scope, _: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+            await app(scope, receive, send)
+
+        return whole_body_app
