@@ -3,7 +3,14 @@
 Binary transport (safetensors) by default, JSON with ``encoding="json"``. Tensors may be
 on any device and in float32, bfloat16 or float16; results come back as CPU tensors
 viewing the response buffer (no copy). Errors raise `KDAError` subclasses carrying the
-server's problem details.
+server's problem details; network failures raise httpx's exceptions.
+
+`KDAClient` sends ``http://`` requests through `service.http_transport.StdlibTransport`:
+the body goes to the socket as views of the tensors' own bytes and the response is read
+into one buffer of its Content-Length (httpx's default transport copies each byte about
+three times more). `AsyncKDAClient` keeps httpx's default asyncio transport: an asyncio
+fast path would need its own HTTP/1.1 client, and the sync client is what moves large
+bodies (one prefill at a time per connection either way).
 
 ``transport="shm"`` (a client on the server's host) passes prefill tensors through a
 POSIX shared memory region instead of the HTTP body (`service.shm_client`): the client
@@ -32,6 +39,7 @@ from typing import Any, AsyncIterator, Callable, Generic, Iterator, Literal, Opt
 import httpx
 import torch
 
+from .http_transport import StdlibTransport
 from .shm_client import SHM_JSON, Geometry, Placed, ShmArena, is_unknown_region, split_sequences
 from .wire.body import BodyBuffer
 from .wire.media import JSON, PROBLEM, SAFETENSORS, media_type
@@ -317,8 +325,9 @@ class _Calls:
 
 _SEND_CHUNK = 1 << 20
 """Bodies go out in 1 MiB views: httpx would copy a bytearray into bytes, and httpcore
-re-slices what a socket send leaves over, which is quadratic on one large buffer
-(62 MB: ~200 MB/s in one piece, ~320 MB/s in 1 MiB pieces, on loopback)."""
+(the async client's transport) re-slices what a socket send leaves over, which is
+quadratic on one large buffer (62 MB: ~200 MB/s in one piece, ~320 MB/s in 1 MiB pieces,
+on loopback)."""
 
 
 def _chunks(body: Body) -> Iterator[memoryview]:
@@ -356,7 +365,8 @@ class KDAClient:
         self._calls = _Calls(encoding)
         self._arena = _arena(transport, shm_ttl_s, shm_views)
         self._arena_lock = threading.Lock()  # one region: one shared memory prefill at a time
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_client_headers(api_key))
+        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_client_headers(api_key),
+                                  mounts={"http://": StdlibTransport()})
 
     def _run(self, call: _Call[_T]) -> _T:
         content = None if call.body is None else _chunks(call.body)
