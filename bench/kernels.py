@@ -46,12 +46,10 @@ CASES = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (64, 512), (256, 128)]
 DECODE = (256, 1)
 # variants of our launch config timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
-    "split": dict(fuse_output=False),
+    "one-piece": dict(piece_chunk_heads=0),
+    "previous (one piece, state 8 warps)": dict(piece_chunk_heads=0, state_warps=8),
     "state-bv32": dict(state_bv=32),
-    "state-bv64": dict(state_bv=64),
-    "intra-w8-bk32": dict(intra_warps=8, intra_bk=32),
-    "wy-bk16": dict(wy_bk=16),
-    "wy-w8": dict(wy_warps=8),
+    "intra-s2": dict(intra_stages=2),
 }
 
 

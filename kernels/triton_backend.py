@@ -2,7 +2,9 @@
 
 Sequences of two or more tokens take the chunked path: the intra-chunk kernel (A and the
 solve), the WY kernel, then the state pass, which also computes o (or, by config, leaves
-that to a separate parallel output kernel). Single-token sequences take the recurrent
+that to a separate parallel output kernel). Large batches run in pieces (`triton_plan`):
+on CUDA the state pass of each piece runs on a high-priority side stream while the
+parallel stages of the next pieces run on the caller's stream. Single-token sequences take the recurrent
 decode kernel. Both paths read initial states from, and write final states to, the pool
 rows named by ``p.indices`` inside the kernels themselves.
 
@@ -13,9 +15,8 @@ Products run in tf32 for 16-bit inputs and in full fp32 ("ieee") for fp32 inputs
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,51 +30,9 @@ from .triton_kernels import (
     recurrent_step_kernel,
     select_config,
 )
-from .triton_kernels.config import fuse_output, state_block_v
+from .triton_kernels.config import fuse_output, piece_chunks, state_launch
+from .triton_plan import LaunchPlan, launch_plan
 from .triton_kernels.gate import GATE_GIVEN, GATE_LOWER_BOUND, GATE_SOFTPLUS, LOG_DECAY_FLOOR
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """Device index tables for one varlen layout (int64).
-
-    chunks: [NTc, 3] (first token, end token, h index) for each chunk of each sequence of
-    >= 2 tokens; seqs: [Nc, 4] (sequence id, first token, end token, h index of its first
-    chunk) for those sequences; decs: [N1, 3] (sequence id, token, h index) for the
-    single-token ones. num_chunks: NT over all sequences (a 1-token sequence counts one).
-    """
-
-    chunks: torch.Tensor
-    seqs: torch.Tensor
-    decs: torch.Tensor
-    num_chunks: int
-
-
-@lru_cache(maxsize=64)
-def launch_plan(bounds: tuple[int, ...], device: torch.device) -> LaunchPlan:
-    """The index tables for packed sequences with offsets ``bounds``, built on the host and
-    copied to ``device`` once (cached: serving repeats layouts)."""
-    chunks: list[int] = []
-    seqs: list[int] = []
-    decs: list[int] = []
-    hoff = 0
-    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if b - a == 1:
-            decs += [n, a, hoff]
-            hoff += 1
-            continue
-        seqs += [n, a, b, hoff]
-        for t in range(a, b, CHUNK_SIZE):
-            chunks += [t, min(t + CHUNK_SIZE, b), hoff]
-            hoff += 1
-    packed = torch.tensor(chunks + seqs + decs, dtype=torch.int64).to(device)
-    nc, ns = len(chunks), len(seqs)
-    return LaunchPlan(
-        chunks=packed[:nc].view(-1, 3),
-        seqs=packed[nc:nc + ns].view(-1, 4),
-        decs=packed[nc + ns:].view(-1, 3),
-        num_chunks=hoff,
-    )
 
 
 def _gate_mode(p: PrefillProblem) -> int:
@@ -92,6 +51,38 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+@lru_cache(maxsize=8)
+def _state_stream(device: torch.device) -> torch.cuda.Stream:
+    """The high-priority side stream the state passes of one device run on (one per
+    device, kept for the process: creating streams per call would cost more than it saves)."""
+    _, high = torch.cuda.Stream.priority_range()
+    return torch.cuda.Stream(device=device, priority=high)
+
+
+def _run_pieces(plan: LaunchPlan, device: torch.device, parallel: Callable[[int, int], None],
+                sequential: Callable[[int, int, int, int], None]) -> None:
+    """Run ``parallel(c0, c1)`` (intra + WY over chunk rows [c0, c1)) and then
+    ``sequential(c0, c1, s0, s1)`` (state pass, output) for each piece. On CUDA with two or
+    more pieces the sequential parts go to the side stream, each after its piece's parallel
+    part, and the caller's stream waits for the last of them before it goes on."""
+    if device.type != "cuda" or len(plan.pieces) < 2:
+        for pc in plan.pieces:
+            parallel(pc.c0, pc.c1)
+            sequential(pc.c0, pc.c1, pc.s0, pc.s1)
+        return
+    main = torch.cuda.current_stream(device)
+    side = _state_stream(device)
+    side.wait_stream(main)
+    for pc in plan.pieces:
+        parallel(pc.c0, pc.c1)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            sequential(pc.c0, pc.c1, pc.s0, pc.s1)
+    main.wait_stream(side)
+
+
 def run_triton(
     p: PrefillProblem, config: Optional[LaunchConfig] = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -103,7 +94,8 @@ def run_triton(
     HV, V = v.shape[1], v.shape[2]
     device = q.device
     cfg = config or select_config(K, V, os.environ.get("TRITON_INTERPRET") == "1")
-    plan = launch_plan(p.bounds, device)
+    n_multi = sum(1 for a, b in zip(p.bounds[:-1], p.bounds[1:]) if b - a > 1)
+    plan = launch_plan(p.bounds, piece_chunks(cfg, HV, n_multi), device)
     NT = plan.num_chunks
     f32 = torch.float32
 
@@ -125,52 +117,6 @@ def run_triton(
         USE_L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, NEG_EIGVAL=p.allow_neg_eigval,
     )
 
-    n_chunks, n_seqs = plan.chunks.shape[0], plan.seqs.shape[0]
-    if n_chunks > 0:
-        tb = torch.empty(T, HV, CHUNK_SIZE, dtype=f32, device=device)
-        aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=mat, device=device)
-        rqk = torch.empty(T, HV, 2, dtype=f32, device=device)
-        chunk_intra_kernel[(n_chunks, HV)](
-            q, k, g, beta, a_log, dt_bias, tb, aqk, rqk, plan.chunks, p.scale, lower_bound,
-            H=H, HV=HV, K=K, BK=cfg.intra_bk, BKD=cfg.intra_bkd, **flags,
-            SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR,
-            num_warps=cfg.intra_warps,
-        )
-        w = torch.empty(T, HV, K, dtype=mat, device=device)
-        kg, qg = torch.empty_like(w), torch.empty_like(w)
-        u = torch.empty(T, HV, V, dtype=f32, device=device)
-        gexp = torch.empty(NT, HV, K, dtype=f32, device=device)
-        chunk_wy_kernel[(n_chunks, HV)](
-            q, k, v, g, a_log, dt_bias, tb, rqk, w, u, kg, qg, gexp, plan.chunks, lower_bound,
-            H=H, HV=HV, K=K, V=V, BK=cfg.wy_bk, BV=cfg.wy_bv, GATE=gate,
-            HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
-            DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, num_warps=cfg.wy_warps,
-        )
-        fused = fuse_output(cfg, n_seqs * HV)
-        if fused:
-            v_new, states, hk, hv = u, h if h is not None else o, s_hk, s_hv
-        else:
-            v_new = torch.empty_like(u)
-            if h is None:  # scratch states for the output stage, [NT, HV, K, V]
-                states, hk, hv = torch.empty(NT, HV, K, V, dtype=f32, device=device), V, 1
-            else:
-                states, hk, hv = h, s_hk, s_hv
-        state_bv = state_block_v(cfg, n_seqs * HV, K, V)
-        nv = -(-V // state_bv)
-        chunk_state_kernel[(n_seqs * HV * nv,)](
-            w, u, kg, gexp, qg, aqk, o, v_new, states, p.pool, p.indices, plan.seqs,
-            *pool_strides, hk, hv, HV=HV, K=K, V=V, BK=max(16, _next_pow2(K)), BV=state_bv,
-            FUSE_OUT=fused, STORE_H=not fused or h is not None, DOT_PREC=dot_prec,
-            num_warps=cfg.state_warps, num_stages=cfg.state_stages,
-        )
-        if not fused:
-            nv = -(-V // cfg.out_bv)
-            chunk_output_kernel[(n_chunks * nv, HV)](
-                qg, states, v_new, aqk, o, plan.chunks, hk, hv,
-                HV=HV, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec,
-                num_warps=cfg.out_warps, num_stages=cfg.out_stages,
-            )
-
     if plan.decs.shape[0] > 0:
         nv = -(-V // cfg.rec_bv)
         recurrent_step_kernel[(plan.decs.shape[0] * nv, HV)](
@@ -179,4 +125,58 @@ def run_triton(
             H=H, HV=HV, K=K, V=V, BK=max(16, _next_pow2(K)), BV=cfg.rec_bv, **flags,
             STORE_H=h is not None, num_warps=cfg.rec_warps,
         )
+    if plan.chunks.shape[0] == 0:
+        return o, h
+
+    tb = torch.empty(T, HV, CHUNK_SIZE, dtype=f32, device=device)
+    aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=mat, device=device)
+    rqk = torch.empty(T, HV, 2, dtype=f32, device=device)
+    w = torch.empty(T, HV, K, dtype=mat, device=device)
+    kg, qg = torch.empty_like(w), torch.empty_like(w)
+    u = torch.empty(T, HV, V, dtype=f32, device=device)
+    gexp = torch.empty(NT, HV, K, dtype=f32, device=device)
+    carry = torch.empty(max(plan.num_carry, 1), HV, K, V, dtype=f32, device=device)
+    fused = fuse_output(cfg, n_multi * HV)
+    if fused:
+        v_new, states, hk, hv = u, h if h is not None else o, s_hk, s_hv
+    else:
+        v_new = torch.empty_like(u)
+        if h is None:  # scratch states for the output stage, [NT, HV, K, V]
+            states, hk, hv = torch.empty(NT, HV, K, V, dtype=f32, device=device), V, 1
+        else:
+            states, hk, hv = h, s_hk, s_hv
+    state_bv, state_warps = state_launch(cfg, n_multi * HV, len(plan.pieces) > 1, K, V)
+
+    def parallel(c0: int, c1: int) -> None:
+        chunks = plan.chunks[c0:c1]
+        chunk_intra_kernel[(c1 - c0, HV)](
+            q, k, g, beta, a_log, dt_bias, tb, aqk, rqk, chunks, p.scale, lower_bound,
+            H=H, HV=HV, K=K, BK=cfg.intra_bk, BKD=cfg.intra_bkd, **flags,
+            SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR,
+            num_warps=cfg.intra_warps, num_stages=cfg.intra_stages,
+        )
+        chunk_wy_kernel[(c1 - c0, HV)](
+            q, k, v, g, a_log, dt_bias, tb, rqk, w, u, kg, qg, gexp, chunks, lower_bound,
+            H=H, HV=HV, K=K, V=V, BK=cfg.wy_bk, BV=cfg.wy_bv, GATE=gate,
+            HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
+            DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, num_warps=cfg.wy_warps, num_stages=cfg.wy_stages,
+        )
+
+    def sequential(c0: int, c1: int, s0: int, s1: int) -> None:
+        nv = -(-V // state_bv)
+        chunk_state_kernel[((s1 - s0) * HV * nv,)](
+            w, u, kg, gexp, qg, aqk, o, v_new, states, p.pool, p.indices, plan.segs[s0:s1], carry,
+            *pool_strides, hk, hv, HV=HV, K=K, V=V, BK=max(16, _next_pow2(K)), BV=state_bv,
+            FUSE_OUT=fused, STORE_H=not fused or h is not None, DOT_PREC=dot_prec,
+            num_warps=state_warps, num_stages=cfg.state_stages,
+        )
+        if not fused:
+            nv = -(-V // cfg.out_bv)
+            chunk_output_kernel[((c1 - c0) * nv, HV)](
+                qg, states, v_new, aqk, o, plan.chunks[c0:c1], hk, hv,
+                HV=HV, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec,
+                num_warps=cfg.out_warps, num_stages=cfg.out_stages,
+            )
+
+    _run_pieces(plan, device, parallel, sequential)
     return o, h

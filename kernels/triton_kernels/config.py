@@ -19,11 +19,13 @@ class LaunchConfig:
     intra_bk: int
     intra_bkd: int
     intra_warps: int
+    intra_stages: int
     wy_bk: int
     wy_bv: int
     wy_warps: int
-    state_bv: int | None  # None: decided by shape (`state_block_v`)
-    state_warps: int
+    wy_stages: int
+    state_bv: int | None  # None: decided by shape (`state_launch`)
+    state_warps: int | None  # None: decided by shape (`state_launch`)
     state_stages: int
     out_bk: int
     out_bv: int
@@ -32,6 +34,10 @@ class LaunchConfig:
     rec_bv: int
     rec_warps: int
     fuse_output: bool | None = None  # None: decided by shape (`fuse_output`)
+    # Cut batches into pieces of about this many (chunk, head) programs per parallel launch,
+    # so each piece's state pass overlaps the next pieces' parallel stages (0: one piece;
+    # None: decided by shape, `piece_chunks`).
+    piece_chunk_heads: int | None = 0
     # 16-bit inputs: store w, kg, qg, A_qk in fp16 and multiply in fp16 (10-bit mantissa, as
     # tf32) instead of fp32 + tf32; fp32 inputs always keep fp32 and full-precision products.
     fp16_operands: bool = False
@@ -45,9 +51,17 @@ class LaunchConfig:
 # (H=32, K=V=128, bf16): fusing wins at every grid case, one 65536-token sequence included
 # (12.4 vs 13.3 ms), as it skips the h / v_new round trip through memory.
 FUSE_MIN_SEQ_HEADS = 0
-# With this many (sequence, head) programs the state pass fills the GPU with BV = 64 (fewer,
-# wider programs: 5.7 vs 6.2 ms on 8x4096); below it BV = 32 keeps more programs in flight.
+# Batches of at least this many (sequence, head) pairs fill the GPU with the state pass
+# alone, which then runs after all the parallel stages. Below it the batch is cut into
+# pieces whose state passes overlap the next pieces' parallel stages (a side stream). H200,
+# H=32, K=V=128, bf16, same run (2026-11-30; state pass 4 warps, BV 32 in both): 1x65536
+# 8.38 ms in pieces vs 9.18 in one,
+# 1x16384 2.22 vs 2.34; on 8x4096 pieces cost 4.51 vs 4.36 (the overlapped state pass takes
+# SM room from the parallel kernels, and the GPU is full anyway).
 WIDE_STATE_MIN_SEQ_HEADS = 128
+# Programs per parallel launch of one piece: 4096 (chunk, head) programs are ~15 waves of
+# the intra kernel on an H200 (132 SMs, two programs each).
+PIECE_CHUNK_HEADS = 4096
 
 
 def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
@@ -57,13 +71,28 @@ def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
     return num_seq_heads >= FUSE_MIN_SEQ_HEADS
 
 
-def state_block_v(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int) -> int:
-    """The V block of the state pass: the config's, else by the number of programs (and 32
-    for K > 128, where the [K, BV] state and the [64, K] tiles crowd the registers)."""
-    if cfg.state_bv is not None:
-        return cfg.state_bv
-    wide = num_seq_heads >= WIDE_STATE_MIN_SEQ_HEADS and K <= 128
-    return min(_pow2(V), 64 if wide else 32)
+def _wide(num_seq_heads: int) -> bool:
+    return num_seq_heads >= WIDE_STATE_MIN_SEQ_HEADS
+
+
+def piece_chunks(cfg: LaunchConfig, HV: int, num_seqs: int) -> int:
+    """Chunks per piece (`kernels.triton_plan`) for ``num_seqs`` multi-token sequences of
+    HV value heads; 0 for one piece."""
+    target = cfg.piece_chunk_heads
+    if target is None:
+        target = 0 if _wide(num_seqs * HV) else PIECE_CHUNK_HEADS
+    return max(1, -(-target // HV)) if target > 0 else 0
+
+
+def state_launch(cfg: LaunchConfig, num_seq_heads: int, pieced: bool, K: int, V: int) -> tuple[int, int]:
+    """(BV, warps) of the state pass: the config's, else 4 warps (measured on an H200: they
+    share an SM with the parallel kernels, and beat 8 warps even alone: 4.20 vs 4.36 ms on
+    8x4096) and BV = 64, except BV = 32 where one piece of few (sequence, head) pairs needs
+    more programs to spread over the GPU (1x4096: 0.62 vs 0.65 ms) or K > 128 (the [K, BV]
+    state and the [64, K] tiles crowd the registers)."""
+    narrow = not _wide(num_seq_heads) and not pieced
+    bv = cfg.state_bv or min(_pow2(V), 32 if narrow or K > 128 else 64)
+    return bv, cfg.state_warps or 4
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -75,15 +104,15 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
     bk, bv = _pow2(K), _pow2(V)
     if interpret:  # numpy per program: fewer, wider steps are faster; warps mean nothing
         return LaunchConfig(
-            intra_bk=bk, intra_bkd=bk, intra_warps=4, wy_bk=bk, wy_bv=bv, wy_warps=4,
-            state_bv=bv, state_warps=4, state_stages=1,
+            intra_bk=bk, intra_bkd=bk, intra_warps=4, intra_stages=1, wy_bk=bk, wy_bv=bv, wy_warps=4,
+            wy_stages=1, state_bv=bv, state_warps=4, state_stages=1,
             out_bk=bk, out_bv=bv, out_warps=4, out_stages=1,
-            rec_bv=bv, rec_warps=4, fp16_operands=True,
+            rec_bv=bv, rec_warps=4, fp16_operands=True, piece_chunk_heads=PIECE_CHUNK_HEADS,
         )
     return LaunchConfig(
-        intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, wy_bk=min(bk, 32), wy_bv=min(bv, 64), wy_warps=4,
-        state_bv=None, state_warps=8, state_stages=2 if bk <= 128 else 1,
+        intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, intra_stages=3, wy_bk=min(bk, 32), wy_bv=min(bv, 64),
+        wy_warps=4, wy_stages=3, state_bv=None, state_warps=None, state_stages=2 if bk <= 128 else 1,
         out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
-        fp16_operands=True,
+        fp16_operands=True, piece_chunk_heads=None,
     )

@@ -10,7 +10,8 @@ fp32 across the sequence's chunks:
 
 The initial state is read from ``pool[indices[seq]]`` and the final state written back to
 the same row by this kernel (no gather/scatter copies); index -1 reads zeros and writes
-nothing. The pool is addressed through its strides, so [S, HV, V, K] and [S, HV, K, V]
+nothing. A segment of a sequence cut into pieces (`kernels.triton_plan`) reads and/or
+writes a carry row instead, by its segment-table entry. The pool is addressed through its strides, so [S, HV, V, K] and [S, HV, K, V]
 layouts (fp32 or bf16) are one code path. This kernel must never be autotuned: a timing
 run would advance live states.
 """
@@ -22,14 +23,15 @@ import triton.language as tl
 
 @triton.jit
 def chunk_state_kernel(
-    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, seqs,
+    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry,
     s_slot, s_head, s_pk, s_pv, s_hk, s_hv,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Grid (Nc * HV * cdiv(V, BV),). seqs: [Nc, 4] int64 (sequence id, first token, end
-    token, h index of its first chunk).
+    """Grid (Ns * HV * cdiv(V, BV),). segs: [Ns, 6] int64 (sequence id, first token, end
+    token, h index of its first chunk, carry row to load or -1, carry row to store or -1);
+    carry: [NC, HV, K, V] fp32 (V contiguous).
 
     w, kg, qg: [T, HV, K] and aqk: [T, HV, 64] in the operand dtype (fp32 or fp16: the
     products cast S and v_new to it); u, v_new: [T, HV, V] and gexp: [NT, HV, K] fp32; o: [T, HV, V] in v's dtype (FUSE_OUT) ; v_new written unless FUSE_OUT;
@@ -41,40 +43,47 @@ def chunk_state_kernel(
     i_nh = tl.program_id(0) // NV
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    seq = tl.load(seqs + i_n * 4)
-    bos = tl.load(seqs + i_n * 4 + 1)
-    eos = tl.load(seqs + i_n * 4 + 2)
-    hoff = tl.load(seqs + i_n * 4 + 3)
+    seq = tl.load(segs + i_n * 6)
+    bos = tl.load(segs + i_n * 6 + 1)
+    eos = tl.load(segs + i_n * 6 + 2)
+    hoff = tl.load(segs + i_n * 6 + 3)
+    load_carry = tl.load(segs + i_n * 6 + 4)
+    store_carry = tl.load(segs + i_n * 6 + 5)
     slot = tl.load(indices + seq)
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_pool = pool + slot * s_slot + i_hv * s_head + o_k[:, None] * s_pk + o_v[None, :] * s_pv
-    m_live = m_kv & (slot + o_k * 0 >= 0)[:, None]  # slot -1: zeros, no write
-    b_h = tl.load(p_pool, mask=m_live, other=0.0).to(tl.float32)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    if load_carry >= 0:
+        b_h = tl.load(carry + (load_carry * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :]),
+                      mask=m_kv, other=0.0)
+    else:  # slot -1: zeros
+        p_pool = pool + slot * s_slot + i_hv * s_head + (o_k[:, None] * s_pk + o_v[None, :] * s_pv)
+        b_h = tl.load(p_pool, mask=m_kv & (slot + o_k * 0 >= 0)[:, None], other=0.0).to(tl.float32)
 
     o_t = tl.arange(0, 64)
+    m_k = o_k < K
+    m_v = o_v < V
     for i_t in range(tl.cdiv(eos - bos, 64)):
-        rows = bos + i_t * 64 + o_t
-        m_t = rows < eos
+        t0 = bos + i_t * 64
+        m_t = o_t < eos - t0
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         i_g = hoff + i_t
         if STORE_H:
-            p_h = h + (i_g * HV + i_hv) * (K * V) + o_k[:, None] * s_hk + o_v[None, :] * s_hv
+            p_h = h + (i_g * HV + i_hv) * (K * V) + (o_k[:, None] * s_hk + o_v[None, :] * s_hv)
             tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
 
-        p_tk = rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-        p_tv = rows[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        # one 64-bit scalar base per tile, int32 in-tile offsets
+        p_tk = (t0 * HV + i_hv) * K + (o_t[:, None] * (HV * K) + o_k[None, :])
+        p_tv = (t0 * HV + i_hv) * V + (o_t[:, None] * (HV * V) + o_v[None, :])
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
         b_v = tl.load(u + p_tv, mask=m_tv, other=0.0)
         b_v -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
         if FUSE_OUT:
             b_q = tl.load(qg + p_tk, mask=m_tk, other=0.0)
-            b_a = tl.load(aqk + rows[:, None] * (HV * 64) + i_hv * 64 + o_t[None, :], mask=m_t[:, None], other=0.0)
+            p_ta = (t0 * HV + i_hv) * 64 + (o_t[:, None] * (HV * 64) + o_t[None, :])
+            b_a = tl.load(aqk + p_ta, mask=m_t[:, None], other=0.0)
             b_o = tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PREC)
             b_o = tl.dot(b_a, b_v.to(b_a.dtype), b_o, input_precision=DOT_PREC)
             tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
@@ -85,4 +94,8 @@ def chunk_state_kernel(
         b_k = tl.load(kg + p_tk, mask=m_tk, other=0.0)
         b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PREC)
 
-    tl.store(p_pool, b_h.to(pool.dtype.element_ty), mask=m_live)
+    if store_carry >= 0:
+        tl.store(carry + (store_carry * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :]), b_h, mask=m_kv)
+    else:  # slot -1: no write
+        p_pool = pool + slot * s_slot + i_hv * s_head + (o_k[:, None] * s_pk + o_v[None, :] * s_pv)
+        tl.store(p_pool, b_h.to(pool.dtype.element_ty), mask=m_kv & (slot + o_k * 0 >= 0)[:, None])

@@ -1,0 +1,118 @@
+"""Host-side launch tables of the Triton backend: chunks, state-pass segments and pieces.
+
+A batch's chunks (64 tokens of one sequence, for every sequence of two or more tokens) are
+cut, in order, into *pieces* of at most ``piece_chunks`` chunks. The parallel stages (intra,
+WY) run piece by piece; the sequential state pass of piece p runs on a second stream as
+soon as piece p's WY factors exist, so it overlaps the parallel stages of pieces p+1, ...
+instead of following all of them (the state pass alone keeps a GPU mostly idle: one
+program per (sequence, head, V block), each a chain of dependent chunk steps).
+
+A sequence cut by a piece boundary becomes several *segments*, one per piece. Its state
+travels between them through a carry buffer row: the first segment starts from the pool
+row (or zeros for index -1), the middle ones read and write the carry row, and the last one
+writes the pool row (nothing for -1). Segments of one sequence run in piece order because
+the state passes run in order on one stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .problem import CHUNK_SIZE
+
+# Columns of the segment table.
+SEG_COLS = 6  # sequence id, first token, end token, h index of first chunk, load carry, store carry
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Row ranges of one piece in the chunk table [c0, c1) and the segment table [s0, s1)."""
+
+    c0: int
+    c1: int
+    s0: int
+    s1: int
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Device index tables for one varlen layout (int64).
+
+    chunks: [NTc, 3] (first token, end token, h index) for each chunk of each sequence of
+    >= 2 tokens; segs: [Ns, 6] state-pass segments (sequence id, first token, end token,
+    h index of its first chunk, carry row to load or -1 (then the pool row), carry row to
+    store or -1 (then the pool row)); decs: [N1, 3] (sequence id, token, h index) for the
+    single-token sequences. pieces: the cut of both tables; num_carry: carry rows needed;
+    num_chunks: NT over all sequences (a 1-token sequence counts one).
+    """
+
+    chunks: torch.Tensor
+    segs: torch.Tensor
+    decs: torch.Tensor
+    pieces: tuple[Piece, ...]
+    num_carry: int
+    num_chunks: int
+
+
+def piece_rows(bounds: tuple[int, ...], piece_chunks: int) -> tuple[list[int], list[int], list[int], list[Piece], int, int]:
+    """The flat host tables of `LaunchPlan` (chunks, segs, decs as flat int lists), the
+    pieces, the carry rows and NT, for packed sequences with offsets ``bounds``.
+    ``piece_chunks`` <= 0 means one piece."""
+    limit = piece_chunks if piece_chunks > 0 else 1 << 62
+    chunks: list[int] = []
+    segs: list[int] = []
+    decs: list[int] = []
+    pieces: list[Piece] = []
+    hoff = num_carry = 0
+    c0 = s0 = 0
+
+    def close() -> None:
+        nonlocal c0, s0
+        nc, ns = len(chunks) // 3, len(segs) // SEG_COLS
+        if nc > c0:
+            pieces.append(Piece(c0, nc, s0, ns))
+        c0, s0 = nc, ns
+
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if b - a == 1:
+            decs += [n, a, hoff]
+            hoff += 1
+            continue
+        n_chunks = -(-(b - a) // CHUNK_SIZE)
+        done, carry, load = 0, -1, -1
+        while done < n_chunks:
+            room = limit - (len(chunks) // 3 - c0)
+            take = min(n_chunks - done, room)
+            if done + take < n_chunks and carry < 0:
+                carry, num_carry = num_carry, num_carry + 1
+            store = carry if done + take < n_chunks else -1
+            first = a + done * CHUNK_SIZE
+            for t in range(first, first + take * CHUNK_SIZE, CHUNK_SIZE):
+                chunks += [t, min(t + CHUNK_SIZE, b), hoff + (t - a) // CHUNK_SIZE]
+            segs += [n, first, min(first + take * CHUNK_SIZE, b), hoff + done, load, store]
+            load = store
+            done += take
+            if len(chunks) // 3 - c0 >= limit:
+                close()
+        hoff += n_chunks
+    close()
+    return chunks, segs, decs, pieces, num_carry, hoff
+
+
+@lru_cache(maxsize=64)
+def launch_plan(bounds: tuple[int, ...], piece_chunks: int, device: torch.device) -> LaunchPlan:
+    """The tables for ``bounds``, built on the host and copied to ``device`` once (cached:
+    serving repeats layouts)."""
+    chunks, segs, decs, pieces, num_carry, num_chunks = piece_rows(bounds, piece_chunks)
+    packed = torch.tensor(chunks + segs + decs, dtype=torch.int64).to(device)
+    nc, ns = len(chunks), len(segs)
+    return LaunchPlan(
+        chunks=packed[:nc].view(-1, 3),
+        segs=packed[nc:nc + ns].view(-1, SEG_COLS),
+        decs=packed[nc + ns:].view(-1, 3),
+        pieces=tuple(pieces),
+        num_carry=num_carry,
+        num_chunks=num_chunks,
+    )
