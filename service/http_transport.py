@@ -6,7 +6,10 @@ before sending it, and reads a response through h11's receive buffer in 64 KiB p
 (two more copies of every byte). Here each request chunk (the client's memoryviews of
 tensors) goes to the socket as it is (``sendall``), and a response with a Content-Length
 is read with ``readinto`` straight into one buffer of that size, handed to httpx as one
-bytearray chunk (`service.wire.body.BodyBuffer` takes it over without a copy).
+bytearray chunk (`service.wire.body.BodyBuffer` takes it over without a copy). Buffers of
+large responses are reused once nothing references them any more (`service.wire.warm`:
+the transport keeps the last two), so a response of the size before it lands in memory
+already paged in.
 
 httpx stays the API: base URL, default headers (the API key), ``timeout`` (connect, write
 and read, applied to the socket per phase), streaming responses, status codes; socket and
@@ -28,6 +31,8 @@ from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import httpx
+
+from .wire.warm import WarmBuffers
 
 _Key = tuple[str, int]
 MAX_IDLE = 8
@@ -82,13 +87,16 @@ class _ResponseBody(httpx.SyncByteStream):
                     yield chunk
 
     def _whole(self, length: int) -> bytearray:
-        buf = bytearray(length)
-        view, got = memoryview(buf), 0
-        while got < length:
-            n = self._response.readinto(view[got:])
-            if not n:
-                raise http.client.IncompleteRead(bytes(0), length - got)
-            got += n
+        warm = self._transport.warm
+        buf = warm.take(length) or bytearray(length)
+        with memoryview(buf) as view:
+            got = 0
+            while got < length:
+                n = self._response.readinto(view[got:])
+                if not n:
+                    raise http.client.IncompleteRead(bytes(0), length - got)
+                got += n
+        warm.keep(buf)
         return buf
 
     def close(self) -> None:
@@ -106,6 +114,7 @@ class StdlibTransport(httpx.BaseTransport):
         self._max_idle = max_idle
         self._idle: dict[_Key, list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
+        self.warm = WarmBuffers()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":

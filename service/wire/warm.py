@@ -14,6 +14,7 @@ own free lists, already warm.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Optional
 
 MIN_BYTES = 1 << 20
@@ -21,11 +22,12 @@ MIN_BYTES = 1 << 20
 
 
 class WarmBuffers:
-    """Up to ``keep`` buffers, the most recently kept last."""
+    """Up to ``keep`` buffers, the most recently kept last. Thread-safe."""
 
     def __init__(self, keep: int = 2) -> None:
         self._keep = keep
         self._held: list[bytearray] = []
+        self._lock = threading.Lock()  # two takers must never both see a buffer unused
 
     def take(self, size: int) -> Optional[bytearray]:
         """A kept buffer no one else references, resized to ``size`` bytes without moving
@@ -33,23 +35,26 @@ class WarmBuffers:
         bytes are whatever it held before."""
         if size < MIN_BYTES:
             return None
-        for i in range(len(self._held) - 1, -1, -1):
-            if self._unused(i) and self._fits(self._held[i], size):
-                buf = self._held[i]
-                if size < len(buf):
-                    del buf[size:]
-                elif size > len(buf):
-                    buf += bytes(size - len(buf))
-                return buf
+        with self._lock:
+            for i in range(len(self._held) - 1, -1, -1):
+                if self._unused(i) and self._fits(self._held[i], size):
+                    buf = self._held[i]
+                    if size < len(buf):
+                        del buf[size:]
+                    elif size > len(buf):
+                        buf += bytes(size - len(buf))
+                    return buf
         return None
 
     def keep(self, buf: bytearray) -> None:
         """Hold ``buf`` (just handed to a reader) for a later `take`; the oldest is let go
         past ``keep`` buffers."""
-        if len(buf) < MIN_BYTES or any(held is buf for held in self._held):
+        if len(buf) < MIN_BYTES:
             return
-        self._held.append(buf)
-        del self._held[:-self._keep]
+        with self._lock:
+            if not any(held is buf for held in self._held):
+                self._held.append(buf)
+                del self._held[:-self._keep]
 
     def _unused(self, i: int) -> bool:
         return sys.getrefcount(self._held[i]) == 2  # the list's reference and getrefcount's argument

@@ -137,6 +137,23 @@ def test_a_response_is_read_whole(client, path):
         assert len(chunks) == 1 and isinstance(chunks[0], bytearray)
 
 
+def test_a_response_buffer_is_reused_only_once_let_go(client):
+    """Large responses land in a kept buffer again once nothing references it: never in
+    one still held, whose bytes stay as they were."""
+    def read() -> bytearray:
+        with client.stream("GET", "/big") as r:
+            (chunk,) = list(r.iter_bytes())
+        return chunk
+
+    first = read()
+    address = id(first)
+    second = read()
+    assert id(second) != address and first == BIG and second == BIG  # first is still held
+    del first
+    third = read()
+    assert id(third) == address and third == BIG and second == BIG
+
+
 def test_a_slow_answer_is_a_read_timeout(client):
     with pytest.raises(httpx.ReadTimeout):
         client.get("/slow", timeout=0.5)

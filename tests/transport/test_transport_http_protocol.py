@@ -45,11 +45,13 @@ async def report_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if message["type"] == "http.disconnect":
             return
         messages += 1
-        empty += not message["body"]
-        parts.append(message["body"])
+        if message["body"]:
+            parts.append(message["body"])
+        else:
+            empty += 1
         if not message.get("more_body", False):
             break
-    body = parts[0] if len(parts) == 1 else b"".join(parts)
+    body = parts[0] if len(parts) == 1 else b"".join(parts)  # one part: the buffer itself
     report = {"length": len(body), "sha256": hashlib.sha256(body).hexdigest(), "messages": messages,
               "empty": empty, "address": id(body), "type": type(body).__name__}
     if scope["path"] == "/hold":
