@@ -47,7 +47,7 @@ from .shm_prefill import (
 )
 from .wire.body import BodyBuffer
 from .wire.media import ENCODINGS, JSON, PROBLEM, SAFETENSORS, negotiate, request_encoding
-from .wire.prefill import decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, encode_prefill_safetensors
+from .wire.prefill import decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, prefill_safetensors_pieces
 from .wire.schema import (
     AllocRequest, Forked, Info, PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, Problem, SlotMetadata,
     SlotsCreated, StateJSON,
@@ -104,29 +104,46 @@ async def _client_gone(receive: Receive) -> bool:
     return False
 
 
-class DeliveryGuard(Response):
-    """A response that hands its body to the server in pieces of ``PIECE`` bytes and, when
-    the client is gone before the last piece is handed over, awaits ``on_abandoned`` (which
-    frees the slots whose ids only this body carries) and stops. Once the last piece is
-    handed over the server cannot tell delivery from loss; idle expiry (--slot-ttl-s)
-    reclaims a slot whose id never arrived."""
+class PiecesResponse(Response):
+    """A response whose body is ``pieces`` sent one after another, never joined (a
+    safetensors reply: its header, then views of the result tensors' own bytes)."""
+
+    def __init__(self, pieces: Sequence[memoryview], media_type: str, headers: dict[str, str]) -> None:
+        self.pieces = [piece.cast("B") for piece in pieces]
+        length = sum(piece.nbytes for piece in self.pieces)
+        super().__init__(b"", media_type=media_type, headers={**headers, "content-length": str(length)})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for i, piece in enumerate(self.pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": i < len(self.pieces) - 1})
+        if not self.pieces:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class DeliveryGuard(PiecesResponse):
+    """A response that hands its body to the server in pieces of at most ``PIECE`` bytes
+    and, when the client is gone before the last piece is handed over, awaits
+    ``on_abandoned`` (which frees the slots whose ids only this body carries) and stops.
+    Once the last piece is handed over the server cannot tell delivery from loss; idle
+    expiry (--slot-ttl-s) reclaims a slot whose id never arrived."""
 
     PIECE = 1 << 20
 
-    def __init__(self, content: bytes | memoryview, media_type: str,
+    def __init__(self, pieces: Sequence[memoryview], media_type: str,
                  on_abandoned: Callable[[], Awaitable[None]], headers: dict[str, str]) -> None:
-        super().__init__(content, media_type=media_type, headers=headers)
+        super().__init__(pieces, media_type, headers)
         self._on_abandoned = on_abandoned
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        body = memoryview(self.body)
-        for start in range(0, max(len(body), 1), self.PIECE):
+        slices = [piece[start:start + self.PIECE] for piece in self.pieces
+                  for start in range(0, len(piece), self.PIECE)] or [memoryview(b"")]
+        for i, body in enumerate(slices):
             if await _client_gone(receive):
                 await self._on_abandoned()
                 return
-            end = start + self.PIECE
-            await send({"type": "http.response.body", "body": body[start:end], "more_body": end < len(body)})
+            await send({"type": "http.response.body", "body": body, "more_body": i < len(slices) - 1})
 
 
 def _server_timing(**phases_s: float) -> dict[str, str]:
@@ -285,15 +302,17 @@ def create_app(settings: Settings) -> FastAPI:
         result = await core.prefill(inputs)
         if result.allocated and (gone := await abandoned(request, result.allocated)):
             return gone
-        encode = encode_prefill_json if reply == JSON else encode_prefill_safetensors
         size = result.o.numel() * result.o.element_size()
         start = time.perf_counter()
-        payload = _payload(await run_cpu(encode, result, nbytes=size))
+        if reply == JSON:
+            pieces = [memoryview(await run_cpu(encode_prefill_json, result, nbytes=size))]
+        else:
+            pieces = prefill_safetensors_pieces(result)
         timing = _server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
                                 encode=time.perf_counter() - start)
         if result.allocated:
-            return DeliveryGuard(payload, reply, lambda: release(result.allocated), timing)
-        return Response(payload, media_type=reply, headers=timing)
+            return DeliveryGuard(pieces, reply, lambda: release(result.allocated), timing)
+        return PiecesResponse(pieces, reply, timing)
 
     async def prefill_shm(request: Request) -> Response:
         """/prefill with tensors in shared memory (`service.shm_prefill`): the regions stay

@@ -18,7 +18,7 @@ import torch
 from ..errors import MalformedBody, SchemaError
 from ..inputs import PrefillInputs, PrefillResult
 from .media import JSON
-from .safetensors_codec import encode_safetensors, parse_safetensors
+from .safetensors_codec import encode_safetensors, parse_safetensors, safetensors_pieces
 from .schema import PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, parse_model
 from .tensors import tensor_to_json
 
@@ -83,6 +83,15 @@ def encode_prefill_safetensors(result: PrefillResult) -> bytearray:
     if result.final_state is not None:
         tensors["final_state"] = result.final_state
     return encode_safetensors(tensors, {"response": json.dumps({"slots": result.slots})})
+
+
+def prefill_safetensors_pieces(result: PrefillResult) -> list[memoryview]:
+    """`encode_prefill_safetensors`'s body as pieces to send one after another: the header,
+    then views of o's and final_state's own bytes (no copy of the outputs)."""
+    tensors = {"o": result.o}
+    if result.final_state is not None:
+        tensors["final_state"] = result.final_state
+    return safetensors_pieces(tensors, {"response": json.dumps({"slots": result.slots})})
 
 
 def decode_prefill_response(body: bytearray, media: str) -> tuple[list[str], torch.Tensor, Optional[torch.Tensor]]:
