@@ -46,10 +46,10 @@ CASES = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (64, 512), (256, 128)]
 DECODE = (256, 1)
 # variants of our launch config timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
-    "one-piece": dict(piece_chunk_heads=0),
-    "previous (one piece, state 8 warps)": dict(piece_chunk_heads=0, state_warps=8),
-    "state-bv32": dict(state_bv=32),
-    "intra-s2": dict(intra_stages=2),
+    "one piece": dict(piece_chunk_heads=0),
+    "tf32 solve": dict(fp16_solve=False),
+    "64-row scans": dict(wy_block_scan=False),
+    "state 8 warps, 2 stages": dict(state_warps=8, state_stages=2),
 }
 
 

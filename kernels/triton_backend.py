@@ -112,6 +112,9 @@ def run_triton(
     fp32_inputs = f32 in (q.dtype, k.dtype, v.dtype)
     dot_prec = "ieee" if fp32_inputs else "tf32"
     mat = torch.float16 if cfg.fp16_operands and not fp32_inputs else f32
+    # bounded entries (see intra._solve_unit_lower): unit-norm keys, sigmoid betas, decays <= 1
+    fp16_solve = (mat == torch.float16 and cfg.fp16_solve and p.use_qk_l2norm and p.use_beta_sigmoid
+                  and gate != GATE_GIVEN)
     flags = dict(
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         USE_L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, NEG_EIGVAL=p.allow_neg_eigval,
@@ -128,7 +131,7 @@ def run_triton(
     if plan.chunks.shape[0] == 0:
         return o, h
 
-    tb = torch.empty(T, HV, CHUNK_SIZE, dtype=f32, device=device)
+    tb = torch.empty(T, HV, CHUNK_SIZE, dtype=torch.float16 if fp16_solve else f32, device=device)
     aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=mat, device=device)
     rqk = torch.empty(T, HV, 2, dtype=f32, device=device)
     w = torch.empty(T, HV, K, dtype=mat, device=device)
@@ -145,21 +148,22 @@ def run_triton(
             states, hk, hv = torch.empty(NT, HV, K, V, dtype=f32, device=device), V, 1
         else:
             states, hk, hv = h, s_hk, s_hv
-    state_bv, state_warps = state_launch(cfg, n_multi * HV, len(plan.pieces) > 1, K, V)
+    state_bv, state_warps = state_launch(cfg, n_multi * HV, K, V)
 
     def parallel(c0: int, c1: int) -> None:
         chunks = plan.chunks[c0:c1]
         chunk_intra_kernel[(c1 - c0, HV)](
             q, k, g, beta, a_log, dt_bias, tb, aqk, rqk, chunks, p.scale, lower_bound,
             H=H, HV=HV, K=K, BK=cfg.intra_bk, BKD=cfg.intra_bkd, **flags,
-            SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR,
+            SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, FP16_SOLVE=fp16_solve,
             num_warps=cfg.intra_warps, num_stages=cfg.intra_stages,
         )
         chunk_wy_kernel[(c1 - c0, HV)](
             q, k, v, g, a_log, dt_bias, tb, rqk, w, u, kg, qg, gexp, chunks, lower_bound,
             H=H, HV=HV, K=K, V=V, BK=cfg.wy_bk, BV=cfg.wy_bv, GATE=gate,
             HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
-            DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, num_warps=cfg.wy_warps, num_stages=cfg.wy_stages,
+            DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, BLOCK_SCAN=cfg.wy_block_scan,
+            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages,
         )
 
     def sequential(c0: int, c1: int, s0: int, s1: int) -> None:

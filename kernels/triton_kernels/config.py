@@ -24,6 +24,7 @@ class LaunchConfig:
     wy_bv: int
     wy_warps: int
     wy_stages: int
+    wy_block_scan: bool
     state_bv: int | None  # None: decided by shape (`state_launch`)
     state_warps: int | None  # None: decided by shape (`state_launch`)
     state_stages: int
@@ -41,6 +42,9 @@ class LaunchConfig:
     # 16-bit inputs: store w, kg, qg, A_qk in fp16 and multiply in fp16 (10-bit mantissa, as
     # tf32) instead of fp32 + tf32; fp32 inputs always keep fp32 and full-precision products.
     fp16_operands: bool = False
+    # ... and, with unit-norm keys and sigmoid betas (bounded entries, see
+    # `intra._solve_unit_lower`), run the triangular solve and T diag(beta) in fp16 too.
+    fp16_solve: bool = False
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)
@@ -51,17 +55,21 @@ class LaunchConfig:
 # (H=32, K=V=128, bf16): fusing wins at every grid case, one 65536-token sequence included
 # (12.4 vs 13.3 ms), as it skips the h / v_new round trip through memory.
 FUSE_MIN_SEQ_HEADS = 0
-# Batches of at least this many (sequence, head) pairs fill the GPU with the state pass
-# alone, which then runs after all the parallel stages. Below it the batch is cut into
-# pieces whose state passes overlap the next pieces' parallel stages (a side stream). H200,
-# H=32, K=V=128, bf16, same run (2026-11-30; state pass 4 warps, BV 32 in both): 1x65536
-# 8.38 ms in pieces vs 9.18 in one,
-# 1x16384 2.22 vs 2.34; on 8x4096 pieces cost 4.51 vs 4.36 (the overlapped state pass takes
-# SM room from the parallel kernels, and the GPU is full anyway).
+# Batches of fewer (sequence, head) pairs than this leave the GPU mostly idle during the
+# state pass (one program per (sequence, head, V block), each a chain of dependent chunk
+# steps), so they are cut into pieces whose state passes overlap the next pieces' parallel
+# stages (a side stream). H200, H=32, K=V=128, bf16, same run (2026-11-30): 1x65536 7.37 ms
+# in pieces vs 7.68 in one (8.44 vs 7.28 with a 2-stage state kernel). Wider batches keep
+# one piece: the state pass fills the GPU by itself, and overlapping it takes SM room from
+# the parallel kernels (8x4096 3.72 vs 3.65, 256x128 4.31 vs 4.22 in pieces).
 WIDE_STATE_MIN_SEQ_HEADS = 128
 # Programs per parallel launch of one piece: 4096 (chunk, head) programs are ~15 waves of
 # the intra kernel on an H200 (132 SMs, two programs each).
 PIECE_CHUNK_HEADS = 4096
+
+
+# The triangular solve in fp16 where its entries are bounded (`LaunchConfig.fp16_solve`).
+FP16_SOLVE = True
 
 
 def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
@@ -84,14 +92,13 @@ def piece_chunks(cfg: LaunchConfig, HV: int, num_seqs: int) -> int:
     return max(1, -(-target // HV)) if target > 0 else 0
 
 
-def state_launch(cfg: LaunchConfig, num_seq_heads: int, pieced: bool, K: int, V: int) -> tuple[int, int]:
-    """(BV, warps) of the state pass: the config's, else 4 warps (measured on an H200: they
-    share an SM with the parallel kernels, and beat 8 warps even alone: 4.20 vs 4.36 ms on
-    8x4096) and BV = 64, except BV = 32 where one piece of few (sequence, head) pairs needs
-    more programs to spread over the GPU (1x4096: 0.62 vs 0.65 ms) or K > 128 (the [K, BV]
-    state and the [64, K] tiles crowd the registers)."""
-    narrow = not _wide(num_seq_heads) and not pieced
-    bv = cfg.state_bv or min(_pow2(V), 32 if narrow or K > 128 else 64)
+def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int) -> tuple[int, int]:
+    """(BV, warps) of the state pass: the config's, else 4 warps (they share an SM with the
+    parallel kernels, and beat 8 warps even alone: 4.20 vs 4.36 ms on 8x4096, H200) and
+    BV = 64 for wide batches, 32 for narrow ones (more programs to spread over the GPU:
+    1x16384 1.89 vs 1.96 ms) or K > 128 (the [K, BV] state and the [64, K] tiles crowd the
+    registers)."""
+    bv = cfg.state_bv or min(_pow2(V), 64 if _wide(num_seq_heads) and K <= 128 else 32)
     return bv, cfg.state_warps or 4
 
 
@@ -105,14 +112,14 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
     if interpret:  # numpy per program: fewer, wider steps are faster; warps mean nothing
         return LaunchConfig(
             intra_bk=bk, intra_bkd=bk, intra_warps=4, intra_stages=1, wy_bk=bk, wy_bv=bv, wy_warps=4,
-            wy_stages=1, state_bv=bv, state_warps=4, state_stages=1,
+            wy_stages=1, wy_block_scan=True, state_bv=bv, state_warps=4, state_stages=1,
             out_bk=bk, out_bv=bv, out_warps=4, out_stages=1,
-            rec_bv=bv, rec_warps=4, fp16_operands=True, piece_chunk_heads=PIECE_CHUNK_HEADS,
+            rec_bv=bv, rec_warps=4, fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=PIECE_CHUNK_HEADS,
         )
     return LaunchConfig(
         intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, intra_stages=3, wy_bk=min(bk, 32), wy_bv=min(bv, 64),
-        wy_warps=4, wy_stages=3, state_bv=None, state_warps=None, state_stages=2 if bk <= 128 else 1,
+        wy_warps=4, wy_stages=3, wy_block_scan=True, state_bv=None, state_warps=None, state_stages=3 if bk <= 128 else 1,
         out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
-        fp16_operands=True, piece_chunk_heads=None,
+        fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=None,
     )

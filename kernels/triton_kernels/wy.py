@@ -19,7 +19,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gate import decay_tile, gate_params, load_rows
+from .gate import block_sums, decay_tile, gate_params, load_rows
+
+
+@triton.jit
+def chunk_cumsums(gt, BK: tl.constexpr, BLOCK_SCAN: tl.constexpr):
+    """(G, G_last - G, G_last) of a [64, BK] tile of clamped log decays: the inclusive
+    prefix, the exclusive suffix [64, BK], and the chunk total [BK].
+
+    BLOCK_SCAN: from 16-row block sums (scans inside blocks, then four block totals), as
+    the intra kernel builds them; else by two 64-row scans. Either way the suffix cancels
+    only against block- or token-sized sums (|.| <= 480), never against G itself.
+    """
+    if BLOCK_SCAN:
+        F3, Tot, R3 = block_sums(gt, BK)
+        o_b = tl.arange(0, 4)
+        before = (o_b[None, :] < o_b[:, None])[:, :, None]  # [b, m, 1]: block m before b
+        off = tl.sum(tl.where(before, Tot[None, :, :], 0.0), axis=1)
+        later = tl.sum(tl.where(tl.permute(before, (1, 0, 2)), Tot[None, :, :], 0.0), axis=1)
+        G = tl.reshape(F3 + off[:, None, :], [64, BK])
+        Gs = tl.reshape(R3 + later[:, None, :], [64, BK])
+        total = tl.sum(Tot, axis=0)
+    else:
+        G = tl.cumsum(gt, axis=0)
+        Gs = tl.cumsum(gt, axis=0, reverse=True) - gt
+        total = tl.sum(gt, axis=0)
+    return G, Gs, total
 
 
 @triton.jit
@@ -30,12 +55,12 @@ def chunk_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    DOT_PREC: tl.constexpr, FLOOR: tl.constexpr,
+    DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, BLOCK_SCAN: tl.constexpr,
 ):
     """Grid (NTc, HV). chunks: [NTc, 3] int64 (first token, end token, h index).
 
-    q, k: [T, H, K]; v: [T, HV, V]; g: [T, HV, K] (any float dtype); tb: [T, HV, 64] and
-    rqk: [T, HV, 2] fp32 from `intra`; outputs as in the module docstring.
+    q, k: [T, H, K]; v: [T, HV, V]; g: [T, HV, K] (any float dtype); tb: [T, HV, 64] (fp16
+    or fp32) and rqk: [T, HV, 2] fp32 from `intra`; outputs as in the module docstring.
     """
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -60,17 +85,21 @@ def chunk_wy_kernel(
         m_c = cols < K
         bias, a = gate_params(a_log, dt_bias, i_hv, cols, m_c, K, HAS_A_LOG, HAS_DT_BIAS)
         gt = decay_tile(g_c, a, bias, lower_bound, o_t, m_t, cols, m_c, HV * K, GATE, FLOOR)
-        eG = tl.exp(tl.cumsum(gt, axis=0))
-        eK = tl.exp(tl.cumsum(gt, axis=0, reverse=True) - gt)
+        G, Gs, total = chunk_cumsums(gt, BK, BLOCK_SCAN)
+        eG = tl.exp(G)
+        eK = tl.exp(Gs)
         kt = load_rows(k_c, o_t, m_t, H * K, cols, m_c) * rk[:, None]
         qt = load_rows(q_c, o_t, m_t, H * K, cols, m_c) * rq[:, None]
-        wt = tl.dot(Tb, kt * eG, input_precision=DOT_PREC)
+        if tb.dtype.element_ty == tl.float16:  # bounded operands (see intra): fp16 products
+            wt = tl.dot(Tb.to(tl.float16), (kt * eG).to(tl.float16))
+        else:
+            wt = tl.dot(Tb, kt * eG, input_precision=DOT_PREC)
         p = o_t[:, None] * (HV * K) + cols[None, :]
         m = m_t[:, None] & m_c[None, :]
         tl.store(w + tk + p, wt.to(w.dtype.element_ty), mask=m)
         tl.store(kg + tk + p, (kt * eK).to(kg.dtype.element_ty), mask=m)
         tl.store(qg + tk + p, (qt * eG).to(qg.dtype.element_ty), mask=m)
-        tl.store(gexp + (i_g * HV + i_hv) * K + cols, tl.exp(tl.sum(gt, axis=0)), mask=m_c)
+        tl.store(gexp + (i_g * HV + i_hv) * K + cols, tl.exp(total), mask=m_c)
 
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
