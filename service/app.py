@@ -53,6 +53,7 @@ from .wire.schema import (
     SlotsCreated, StateJSON,
 )
 from .wire.state import decode_state_json, decode_state_safetensors, encode_state_json
+from .wire.warm import WarmBuffers
 from .worker import run_cpu
 
 log = logging.getLogger("kda_serve.app")
@@ -158,6 +159,7 @@ def create_app(settings: Settings) -> FastAPI:
     idle slots when a ttl is set, and closes the core (snapshot) at shutdown."""
     core = ServerCore(settings)
     registry = ShmRegistry()
+    shm_inputs = WarmBuffers()  # host buffers shared memory inputs are copied out into
     ready = asyncio.Event()
 
     async def warm() -> None:
@@ -322,7 +324,7 @@ def create_app(settings: Settings) -> FastAPI:
         with registry.lease(region_names(parsed)) as regions:
             start = time.perf_counter()
             size = sum(t.shm.byte_size for t in (parsed.q, parsed.k, parsed.v, parsed.g, parsed.beta))
-            plan = await run_cpu(read_request, parsed, regions, core, nbytes=size)
+            plan = await run_cpu(read_request, parsed, regions, core, shm_inputs, nbytes=size)
             decode_s = time.perf_counter() - start
             result = await core.prefill(plan.inputs)
             if result.allocated and (gone := await abandoned(request, result.allocated)):

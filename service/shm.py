@@ -72,6 +72,11 @@ class _Region(ABC):
         """A private copy of the tensor stored at ``offset`` (bounds checked by the caller)."""
 
     @abstractmethod
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        """Copy the ``dest.nbytes`` bytes at ``offset`` into host memory ``dest`` (bounds
+        checked by the caller)."""
+
+    @abstractmethod
     def write(self, offset: int, t: torch.Tensor) -> None:
         """Store ``t``'s bytes at ``offset`` (bounds checked by the caller)."""
 
@@ -117,6 +122,11 @@ class SystemRegion(_Region):
             copy = bytearray(part)
         return view_tensor(copy, 0, dtype, shape)
 
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        begin = self._base + offset
+        with memoryview(self._map) as whole:
+            dest[:] = whole[begin:begin + dest.nbytes]
+
     def write(self, offset: int, t: torch.Tensor) -> None:
         data = tensor_bytes(t)
         begin = self._base + offset
@@ -146,6 +156,10 @@ class CudaRegion(_Region):
         here could not share a launch with a host one."""
         nbytes = math.prod(shape) * dtype.itemsize
         return self._memory.tensor[offset:offset + nbytes].cpu().view(dtype).view(shape)
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        if dest.nbytes:
+            torch.frombuffer(dest, dtype=torch.uint8).copy_(self._memory.tensor[offset:offset + dest.nbytes])
 
     def write(self, offset: int, t: torch.Tensor) -> None:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8)

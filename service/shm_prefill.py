@@ -12,8 +12,9 @@ Every reference is checked before anything runs: the region is registered, the b
 inside it, ``byte_size`` equals dtype x shape for inputs and holds the result for outputs
 (o: T x HV x V in v's dtype; final_state: N x HV x V x K in the pool dtype). A failure is a
 400 problem and changes no slot. Inputs are copied out of the region once (the kernels
-never see memory the client may change), decoded into `PrefillInputs` and go through the
-same validation, per-slot ordering and batching as every transport. Outputs are written
+never see memory the client may change) into one host buffer, reused by a later request
+once nothing references it, decoded into `PrefillInputs` and go through the same
+validation, per-slot ordering and batching as every transport. Outputs are written
 into the named bytes before the response (`PrefillShmResponse`, JSON) says where they are.
 """
 from __future__ import annotations
@@ -30,9 +31,11 @@ from .inputs import PrefillInputs, PrefillResult
 from .shm import Region
 from .wire.prefill import OPTIONAL_TENSORS, REQUIRED_TENSORS
 from .wire.schema import PrefillOptions, parse_model
-from .wire.tensors import JSON_DTYPES, JSON_NAMES, nbytes
+from .wire.tensors import JSON_DTYPES, JSON_NAMES, nbytes, view_tensor
+from .wire.warm import WarmBuffers
 
 SHM_JSON = "application/vnd.kda.shm+json"
+_ALIGN = 64  # where each copied-out input starts in the host buffer
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _NAME = Annotated[str, Field(min_length=1, max_length=255)]
 
@@ -142,10 +145,30 @@ def _room(regions: dict[str, Region], ref: ShmRef, need: int, field: str) -> Non
                              field=field)
 
 
-def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: ServerCore) -> ShmPlan:
+def _copy_out(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: WarmBuffers) -> dict[str, torch.Tensor]:
+    """Every input copied out of shared memory into one host buffer, each tensor a view of
+    it at a 64-byte aligned offset. The buffer comes from ``warm`` when one of the size is
+    free (its pages already mapped: fresh pages cost ~8x the copy), and is kept there for
+    the next request of the size once this one lets go of its tensors."""
+    offsets, total = {}, 0
+    for name, t in tensors.items():
+        offsets[name] = total
+        total += -(-t.shm.byte_size // _ALIGN) * _ALIGN
+    buf = warm.take(total) or bytearray(total)
+    warm.keep(buf)
+    with memoryview(buf) as view:
+        for name, t in tensors.items():
+            start = offsets[name]
+            regions[t.shm.region].read_into(t.shm.offset, view[start:start + t.shm.byte_size])
+    return {name: view_tensor(buf, offsets[name], JSON_DTYPES[t.dtype], t.shape) for name, t in tensors.items()}
+
+
+def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: ServerCore,
+                 warm: WarmBuffers) -> ShmPlan:
     """Check every reference against ``regions`` (leased by the caller) and the output room
-    against ``core``'s geometry, then copy the inputs out: a `ShmPlan`. InvalidRequest (400)
-    naming the field on any violation, before anything is copied."""
+    against ``core``'s geometry, then copy the inputs out (into a buffer from ``warm``): a
+    `ShmPlan`. InvalidRequest (400) naming the field on any violation, before anything is
+    copied."""
     tensors = _tensors(request)
     for name, t in tensors.items():
         want = nbytes(t.shape, JSON_DTYPES[t.dtype])
@@ -164,8 +187,7 @@ def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: S
                                  field="outputs.final_state")
         _room(regions, final, N * g.num_heads * g.head_v_dim * g.head_k_dim * g.dtype.itemsize,
               "outputs.final_state")
-    loaded = {name: regions[t.shm.region].read(t.shm.offset, JSON_DTYPES[t.dtype], t.shape)
-              for name, t in tensors.items()}
+    loaded = _copy_out(tensors, regions, warm)
     inputs = PrefillInputs(
         layer=request.layer, slots=[s.slot for s in request.sequences], lengths=[s.length for s in request.sequences],
         **{name: loaded[name] for name in REQUIRED_TENSORS}, A_log=loaded.get("A_log"),

@@ -217,3 +217,20 @@ def test_shm_rejected_client_side_errors(server: Server, gen: torch.Generator) -
             binary.prefill(0, [(None, *seq)])
     assert a.value.problem["detail"] == b.value.problem["detail"]
     assert a.value.problem["field"] == b.value.problem["field"]
+
+
+def test_large_inputs_copied_out_into_a_reused_buffer_are_each_their_own(server: Server, gen: torch.Generator) -> None:
+    """Inputs of 2 MB and more are copied out into a host buffer the server reuses once the
+    request before has let go of it: three prefills of one size, each its reference (none
+    sees the bytes of the one before), and equal to the binary path."""
+    seqs = [make_sequence(2000, gen) for _ in range(3)]
+    with KDAClient(server.url, transport="shm") as shm, KDAClient(server.url) as binary:
+        slots = shm.alloc(6)
+        outs = [shm.prefill(0, [(slot, *seq)]) for slot, seq in zip(slots[:3], seqs)]
+        again = [binary.prefill(0, [(slot, *seq)]) for slot, seq in zip(slots[3:], seqs)]
+        for out, same, seq in zip(outs, again, seqs):
+            o, final = reference([seq])
+            assert rel(out.o_packed, o) < TOL and rel(out.final_state, final) < TOL
+            assert torch.equal(out.o_packed, same.o_packed)
+        for slot in slots:
+            shm.free(slot)
