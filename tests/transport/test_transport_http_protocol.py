@@ -1,6 +1,6 @@
 """`service.http_protocol.KDAHttpProtocol` and `service.wire.warm.WarmBuffers`.
 
-The protocol is served here by uvicorn (uvloop, as ``kda-serve`` runs it) in a thread, in
+The protocol is served here by uvicorn (loop "auto", as ``kda-serve`` runs it) in a thread, in
 front of a small ASGI app that reports what it received: the body's length and SHA-256,
 how many ``http.request`` messages carried it, and the buffer's address (to see warm reuse).
 The real server's side (framing errors as problems, a client leaving mid-body) is in
@@ -68,7 +68,7 @@ def url() -> Iterator[str]:
     """`report_app` behind uvicorn with `KDAHttpProtocol`, in a thread, keep-alive 1 s."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(report_app, host="127.0.0.1", port=port, http=KDAHttpProtocol,
-                                           loop="uvloop", log_level="warning", timeout_keep_alive=1))
+                                           loop="auto", log_level="warning", timeout_keep_alive=1))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
