@@ -18,7 +18,9 @@ Durability (with ``snapshot_path``; `state_store.Persistence`): the start restor
 snapshot and applies its journal; every in-place state change (launch, state upload) and
 every free is journaled and fsynced on the device thread before it runs; a snapshot is
 written every ``snapshot_interval_s`` when anything changed (on the device thread, so
-between launches) and at close.
+between launches) and at close. Callbacks registered with `on_checkpoint` run after each
+snapshot is written, so state kept beside the pool (the KServe sequence table) is saved at
+the same points and restores consistent with it.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import logging
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -80,6 +82,7 @@ class ServerCore:
         self.persistence = Persistence(self.pool, settings.snapshot_path) if settings.snapshot_path else None
         self.metrics = Metrics(free_slots=lambda: self.pool.stats().free)
         self._snapshot_task: Optional[asyncio.Task[None]] = None
+        self._checkpoint_hooks: list[Callable[[], None]] = []
         self.ordering = SlotOrdering()
         self.worker = DeviceWorker(self.geometry.device)
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
@@ -121,6 +124,11 @@ class ServerCore:
             self.persistence.close()
         self.worker.close()
 
+    def on_checkpoint(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` in the serving loop after every snapshot written from now on (a hook
+        that raises is logged; the snapshot stands)."""
+        self._checkpoint_hooks.append(hook)
+
     async def checkpoint(self, force: bool = False) -> Optional[int]:
         """Write the next snapshot (on the device thread, between launches) when anything
         changed since the last one, or always with ``force``; returns its generation, or
@@ -138,6 +146,11 @@ class ServerCore:
         self.metrics.snapshot_generation.set(generation)
         log.info("wrote snapshot generation %d of %d slot(s) to %s", generation, self.pool.stats().used,
                  persistence.path)
+        for hook in self._checkpoint_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("a checkpoint callback failed after snapshot generation %d", generation)
         return generation
 
     async def _snapshot_every(self, period: float) -> None:

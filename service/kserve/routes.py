@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
@@ -44,7 +43,6 @@ from .protocol import CudaShmRegister, SystemShmRegister
 from .sequences import SUFFIX, SequenceTable
 from ..shm import CUDA, SYSTEM, ShmRegistry
 
-log = logging.getLogger("kda_serve.kserve")
 MODEL, VERSION, PLATFORM = "kda", "1", "kda-serve"
 OCTET = "application/octet-stream"
 _INFER_BODY = {"requestBody": {"required": True, "content": {
@@ -101,13 +99,10 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
     @asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
         table.load(core.pool.contains)
-        try:
-            yield
-        finally:
-            try:
-                table.save()
-            except OSError:
-                log.exception("could not save the sequence table to %s; its sequences are lost", table.path)
+        yield
+
+    if table.path is not None:  # saved with every pool snapshot, periodic and at shutdown
+        core.on_checkpoint(table.save)
 
     router = APIRouter(lifespan=lifespan, tags=["Open Inference Protocol (KServe v2)"])
 

@@ -6,11 +6,13 @@ one with ``sequence_end`` frees it after the request. Requests of one sequence r
 time, in arrival order (`hold`), so a START is bound before the next request of its
 sequence looks it up.
 
-The table is in memory. With a snapshot path it is saved next to the pool snapshot at
-shutdown (``<snapshot>.kserve-sequences.json``, written atomically) and loaded at start,
-keeping only the entries whose slot the restored pool still holds; without one, or when
-the server dies without a clean shutdown, sequences in flight are lost and their next
-request is refused as one that must specify START.
+The table is in memory. With a snapshot path it is saved next to the pool snapshot each
+time one is written, periodic ones and the one at shutdown
+(``<snapshot>.kserve-sequences.json``, atomically), and loaded at start, keeping only the
+entries whose slot the restored pool still holds. So after a ``kill -9`` the sequences
+bound at the last snapshot come back with it (a slot that advanced after it answers 409
+``state_lost``, as through REST); one started after it is unknown, and its next request is
+refused as one that must specify START. Without a snapshot path, a restart loses them all.
 """
 from __future__ import annotations
 
