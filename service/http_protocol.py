@@ -12,9 +12,11 @@ one ``http.request`` message whose ``body`` is that buffer (a bytearray, handed 
 copied). While the body arrives the app is woken every `PROGRESS_S` with an empty
 ``more_body`` message, so a deadline on the next bytes (``--body-timeout-s``) still tells
 a slow upload from a stalled one. A client that announces a large body and sends a few
-bytes still costs a few bytes: the buffer grows as bytes arrive. Each connection keeps
-the buffers of its last large bodies (`service.wire.warm`): the next body of that size is
-read into memory already paged in (page faults on fresh memory cost ~8x the copy here).
+bytes still costs a few bytes: the buffer grows as bytes arrive. The server keeps the
+buffers of its last two large bodies, whichever connections they came on
+(`service.wire.warm`, in uvicorn's per-server ``app_state``): the next body of that size is
+read into memory already paged in (page faults on fresh memory cost ~8x the copy here),
+and idle keep-alive connections hold no body memory.
 
 Requests without Content-Length (chunked), bodies the app does not read, pipelined
 requests waiting their turn, keep-alive, disconnects and shutdown are uvicorn's own.
@@ -47,6 +49,10 @@ from .wire.warm import WarmBuffers
 
 PROGRESS_S = 0.1
 """How often the app is woken, with no bytes, while a whole body is being collected."""
+
+
+WARM_STATE_KEY = "kda_serve.warm_bodies"
+"""Where the server's `WarmBuffers` lives in uvicorn's per-server lifespan state."""
 
 
 def declared_length(headers: list[tuple[bytes, bytes]]) -> Optional[int]:
@@ -120,13 +126,13 @@ class _Collect:
 
 
 class KDAHttpProtocol(HttpToolsProtocol):
-    """See the module docstring. One instance per connection, as uvicorn's; its warm
-    buffers (`service.wire.warm`) live as long as the connection."""
+    """See the module docstring. One instance per connection, as uvicorn's; the warm
+    buffers (`service.wire.warm`) are the server's, shared by its connections."""
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self._warm = WarmBuffers()
+        self._warm: WarmBuffers = app_state.setdefault(WARM_STATE_KEY, WarmBuffers())
         self._whole: Optional[_Collect] = None  # the body being collected whole, if any
         self._woken = 0.0  # when its reader was last woken (time.monotonic)
 

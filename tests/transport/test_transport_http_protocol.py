@@ -119,6 +119,18 @@ def test_one_connection_reuses_its_warm_buffer_and_never_shows_old_bytes(url):
     assert len({r["address"] for r in reports[1:]}) == 1 and all(r["type"] == "bytearray" for r in reports)
 
 
+def test_connections_share_the_servers_warm_buffers(url):
+    """The warm buffers are the server's, not a connection's: a body on a new connection
+    lands in the buffer a closed one used (so idle connections hold no body memory)."""
+    n = 6 * MIN_BYTES
+    reports = []
+    for seed in range(3):
+        with _connect(url) as s:
+            reports.append(_post(s, "/", _body(n, seed)))
+    assert [r["sha256"] for r in reports] == [hashlib.sha256(_body(n, seed)).hexdigest() for seed in range(3)]
+    assert len({r["address"] for r in reports[1:]}) == 1
+
+
 def test_a_body_still_referenced_is_never_reused(url):
     """The app keeps each body: the next one goes elsewhere and the kept ones never change."""
     n = 4 * MIN_BYTES
