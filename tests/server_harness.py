@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import httpx
 import pytest
@@ -85,6 +85,22 @@ def start_server(args: Sequence[str], log: Path, env: Optional[dict[str, str]] =
         time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"kda-serve not ready after {timeout}s:\n{server.log_text()}")
+
+
+def kill_9(server: Server) -> None:
+    """SIGKILL the server process (no shutdown, no snapshot) and reap it."""
+    server.process.send_signal(signal.SIGKILL)
+    assert server.process.wait(30) == -signal.SIGKILL
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, period: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(period)
+    return predicate()
 
 
 def make_sequence(T: int, gen: torch.Generator, *, heads: int = H, raw_gate: bool = False,

@@ -9,15 +9,15 @@ from __future__ import annotations
 import importlib.util
 import socket
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 from urllib.parse import urlsplit
 
 import httpx
 from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
-    GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, metric, random_state, reference, rel, start_server,
+    GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, kill_9, make_sequence, metric, random_state, reference, rel,
+    start_server, wait_for,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,14 +94,6 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, period: float = 0.05) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; its last answer."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(period)
-    return predicate()
 
 
 def connect(url: str, timeout: float = 10.0, rcvbuf: Optional[int] = None) -> socket.socket:

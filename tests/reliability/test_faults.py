@@ -17,7 +17,7 @@ import pytest
 import torch
 from reliability_helpers import (
     GEOMETRY_ARGS, HV, K, LAYERS, PROBLEM, SLOTS, ST, TOL, V, Server, WholePool, connect, make_sequence, metric, random_state,
-    read_response, reference, rel, request_head, start_server, wait_for,
+    kill_9, read_response, reference, rel, request_head, start_server, wait_for,
 )
 
 from service.client import KDAClient, SlotNotFound
@@ -46,11 +46,6 @@ def scrape(url: str) -> str:
 
 def prefill_count(url: str, status: str) -> float:
     return metric(scrape(url), "kda_http_requests_total", route="/prefill", method="POST", status=status)
-
-
-def kill_9(server: Server) -> None:
-    server.process.send_signal(signal.SIGKILL)
-    assert server.process.wait(30) == -signal.SIGKILL
 
 
 # -- clients that vanish ---------------------------------------------------------------

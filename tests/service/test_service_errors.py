@@ -2,11 +2,9 @@
 and the pool unchanged (each live slot's export bit for bit, and the free-slot count)."""
 from __future__ import annotations
 
-import base64
 import json
 import socket
 import struct
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
@@ -15,7 +13,7 @@ import httpx
 import pytest
 import torch
 from server_harness import (
-    MAX_BODY_MB, H, HV, K, LAYERS, SLOTS, V, make_sequence, metric, pool_image, random_state,
+    MAX_BODY_MB, H, HV, K, LAYERS, SLOTS, V, make_sequence, metric, pool_image, random_state, wait_for,
 )
 
 from service.client import KDAClient, PoolFullError
@@ -340,15 +338,6 @@ def _send_and_hang_up(server, head: str, body: bytes) -> None:
         s.sendall(head.encode() + body)
 
 
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def _prefill_count(server, status: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
     return metric(text, "kda_http_requests_total", route="/prefill", method="POST", status=status)
@@ -361,7 +350,7 @@ def test_client_gone_mid_upload_changes_nothing(server, victims, gen):
     head = (f"POST /prefill HTTP/1.1\r\nHost: x\r\nContent-Type: {ST}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n")
     _send_and_hang_up(server, head, body[: len(body) // 2])
-    assert _wait_for(lambda: _prefill_count(server, "400") == seen + 1)  # the server saw it go
+    assert wait_for(lambda: _prefill_count(server, "400") == seen + 1)  # the server saw it go
     assert pool_image(server.url, victims[:3]) == before
 
 
@@ -374,5 +363,5 @@ def test_client_gone_before_the_response_frees_the_slots_it_allocated(server, vi
             f"Content-Length: {len(body)}\r\n\r\n")
     seen = _prefill_count(server, "499")
     _send_and_hang_up(server, head, body)
-    assert _wait_for(lambda: _prefill_count(server, "499") == seen + 1)
+    assert wait_for(lambda: _prefill_count(server, "499") == seen + 1)
     assert pool_image(server.url, [])["free_slots"] == free
