@@ -45,7 +45,7 @@ from .shm_prefill import (
     SHM_JSON, PrefillShmRequest, PrefillShmResponse, RegionRegister, RegionStatus, parse_shm_request, read_request,
     region_names, write_result,
 )
-from .wire.body import BodyBuffer
+from .wire.body import read_body
 from .wire.media import ENCODINGS, JSON, PROBLEM, SAFETENSORS, negotiate, request_encoding
 from .wire.prefill import decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, prefill_safetensors_pieces
 from .wire.schema import (
@@ -80,16 +80,6 @@ _PREFILL_BINARY = ("safetensors with tensors q [T,H,K], k [T,H,K], v [T,HV,V], g
                    "(optional A_log [HV], dt_bias [HV,K]) and __metadata__.request = PrefillOptions as JSON")
 _STATE_BINARY = "safetensors with tensor state [L,HV,V,K] in the pool dtype"
 _REGION_EXPIRY_S = 1.0  # how often leased shared memory regions are checked for expiry
-
-
-async def read_body(request: Request) -> bytearray:
-    """The whole body in one writable buffer (tensors are viewed over it). The size limit
-    is enforced by `BodyLimitMiddleware` as the bytes arrive."""
-    length = request.headers.get("content-length")
-    buf = BodyBuffer(int(length) if length is not None else None)
-    async for chunk in request.stream():
-        buf.add(chunk)
-    return buf.finish()
 
 
 def _payload(data: bytes | bytearray) -> bytes | memoryview:

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request, Response
 
 from ..core import ServerCore
 from ..errors import InvalidRequest, UnsupportedMediaType
-from ..wire.body import BodyBuffer
+from ..wire.body import read_body
 from ..wire.media import JSON
 from ..wire.schema import parse_model
 from ..worker import run_cpu
@@ -52,15 +52,6 @@ _INFER_BODY = {"requestBody": {"required": True, "content": {
         "bytes in input order")}},
 }}}
 Status = list[dict[str, Union[str, int]]]
-
-
-async def _read_body(request: Request) -> bytearray:
-    """The whole body in one writable buffer (binary inputs are viewed over it)."""
-    length = request.headers.get("content-length")
-    buf = BodyBuffer(int(length) if length is not None else None)
-    async for chunk in request.stream():
-        buf.add(chunk)
-    return buf.finish()
 
 
 def _check_model(model: str, version: Optional[str]) -> None:
@@ -143,7 +134,7 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
         if encoding != "identity":
             raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed",
                                        field="Content-Encoding")
-        body = await _read_body(request)
+        body = await read_body(request)
         json_end = header_end(len(body), request.headers.get(HEADER_LENGTH))
         parsed = await run_cpu(parse_request, body, json_end, nbytes=json_end)
         g = core.geometry
@@ -177,7 +168,7 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
 
     @router.post("/v2/systemsharedmemory/region/{name}/register", summary="Register a POSIX shared memory region")
     async def system_register(name: str, request: Request) -> dict[str, Any]:
-        body = parse_model(SystemShmRegister, await _read_body(request))
+        body = parse_model(SystemShmRegister, await read_body(request))
         registry.register_system(name, body.key, body.offset, body.byte_size)
         return {}
 
@@ -200,7 +191,7 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
     @router.post("/v2/cudasharedmemory/region/{name}/register", summary="Register a CUDA IPC memory region")
     async def cuda_register(name: str, request: Request) -> dict[str, Any]:
         registry.require_cuda()
-        body = parse_model(CudaShmRegister, await _read_body(request))
+        body = parse_model(CudaShmRegister, await read_body(request))
         try:
             raw = base64.b64decode(body.raw_handle.b64, validate=True)
         except (binascii.Error, ValueError):

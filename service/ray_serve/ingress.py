@@ -21,13 +21,13 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.app import read_body
 from service.config import Settings
 from service.errors import NotReady
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.metrics import Metrics
 from service.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from service.problems import install_problem_handlers
+from service.wire.body import read_body
 from service.wire.media import ENCODINGS, JSON, SAFETENSORS, negotiate, request_encoding
 from service.wire.prefill import (
     decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, encode_prefill_safetensors,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from starlette.requests import Request
+
 from ..errors import MalformedBody
 
 
@@ -31,3 +33,13 @@ class BodyBuffer:
         if self._expected is not None and len(self._buf) != self._expected:
             raise MalformedBody(f"body ended after {len(self._buf)} of its {self._expected} bytes (Content-Length)")
         return self._buf
+
+
+async def read_body(request: Request) -> bytearray:
+    """The whole body of ``request`` in one writable buffer (tensors are viewed over it). A
+    size limit is the app's middleware's to enforce as the bytes arrive."""
+    length = request.headers.get("content-length")
+    buf = BodyBuffer(int(length) if length is not None else None)
+    async for chunk in request.stream():
+        buf.add(chunk)
+    return buf.finish()
