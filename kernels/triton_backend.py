@@ -2,15 +2,18 @@
 
 Sequences of two or more tokens take the chunked path: the intra-chunk kernel (A and the
 solve), the WY kernel, then the state pass, which also computes o (or, by config, leaves
-that to a separate parallel output kernel). Large batches run in pieces (`triton_plan`):
-on CUDA the state pass of each piece runs on a high-priority side stream while the
-parallel stages of the next pieces run on the caller's stream. Single-token sequences take the recurrent
-decode kernel. Both paths read initial states from, and write final states to, the pool
-rows named by ``p.indices`` inside the kernels themselves.
+that to a separate parallel output kernel). Batches of few sequence-heads run in pieces
+(`triton_plan`): on CUDA the state pass of each piece runs on a high-priority side stream
+while the parallel stages of the next pieces run on the caller's stream. Single-token
+sequences take the recurrent decode kernel. Both paths read initial states from, and write
+final states to, the pool rows named by ``p.indices`` inside the kernels themselves.
 
-Intermediates are fp32 whatever the input dtype: each bf16 rounding on the way to o costs
-about as much error as rounding o itself, which would break the 5e-3 accuracy target.
-Products run in tf32 for 16-bit inputs and in full fp32 ("ieee") for fp32 inputs.
+Precision: no intermediate is bf16 (each bf16 rounding on the way to o costs about as much
+error as rounding o itself, which would break the 5e-3 accuracy target). States, u and the
+gate sums are fp32. For 16-bit inputs w, kg, qg and A_qk are stored in fp16 (an 11-bit
+significand, as tf32's) and multiplied in fp16, and so are the triangular solve and
+T diag(beta) where their entries are provably bounded (`LaunchConfig.fp16_solve`); other
+products run in tf32. fp32 inputs keep fp32 throughout, with full-precision ("ieee") products.
 """
 from __future__ import annotations
 
