@@ -31,8 +31,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from state_store import UnknownSlot
-
+from .abandon import Abandonment
 from .config import Settings
 from .core import ServerCore
 from .errors import NotReady
@@ -208,27 +207,13 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(ProtocolErrors)  # outermost: {"error": ...} bodies under /v2, from every layer
     app.include_router(kserve_router(core, ready.is_set, registry))  # Open Inference Protocol (KServe v2), /v2/...
 
-    async def release(created: Sequence[str]) -> None:
-        """Free the slots made for a client that left before learning their ids."""
-        for slot_id in created:
-            with suppress(UnknownSlot):
-                await core.free(slot_id)
-        core.metrics.abandoned.inc()
-        log.info("client gone before its response; freed the %d slot(s) made for it", len(created))
-
-    async def abandoned(request: Request, created: Sequence[str]) -> Optional[Response]:
-        """A 499 (nginx's "client closed request", seen only in metrics) when the client has
-        left, after freeing ``created``; None when it is still there."""
-        if not await request.is_disconnected():
-            return None
-        await release(created)
-        return Response(status_code=499)
+    left = Abandonment(core.free, core.metrics.abandoned)
 
     @app.post("/slots", status_code=201, response_model=SlotsCreated, responses=_errors(400, 408, 413, 422, 503),
               summary="Allocate slots (zero state), all or none")
     async def alloc(request: Request, body: Optional[AllocRequest] = None) -> Any:
         slots = await core.alloc(body.count if body is not None else 1)
-        return await abandoned(request, slots) or {"slots": slots}
+        return await left.check(request, slots) or {"slots": slots}
 
     @app.get("/slots/{slot_id}", response_model=SlotMetadata, responses=_errors(404), summary="Slot metadata")
     async def slot_info(slot_id: str) -> dict[str, Any]:
@@ -245,7 +230,7 @@ def create_app(settings: Settings) -> FastAPI:
               summary="Copy a slot's state into a new slot (prefix reuse)")
     async def fork(slot_id: str, request: Request) -> Any:
         child = await core.fork(slot_id)
-        return await abandoned(request, [child]) or {"slot": child}
+        return await left.check(request, [child]) or {"slot": child}
 
     @app.get("/slots/{slot_id}/state", responses={
         200: {"description": "the state, [L, HV, V, K] (safetensors unless Accept asks for JSON)",
@@ -292,7 +277,7 @@ def create_app(settings: Settings) -> FastAPI:
         inputs = await run_cpu(decode, body, nbytes=len(body))
         decode_s = time.perf_counter() - start
         result = await core.prefill(inputs)
-        if result.allocated and (gone := await abandoned(request, result.allocated)):
+        if result.allocated and (gone := await left.check(request, result.allocated)):
             return gone
         size = result.o.numel() * result.o.element_size()
         start = time.perf_counter()
@@ -303,7 +288,7 @@ def create_app(settings: Settings) -> FastAPI:
         timing = _server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
                                 encode=time.perf_counter() - start)
         if result.allocated:
-            return DeliveryGuard(pieces, reply, lambda: release(result.allocated), timing)
+            return DeliveryGuard(pieces, reply, lambda: left.release(result.allocated), timing)
         return PiecesResponse(pieces, reply, timing)
 
     async def prefill_shm(request: Request) -> Response:
@@ -317,7 +302,7 @@ def create_app(settings: Settings) -> FastAPI:
             plan = await run_cpu(read_request, parsed, regions, core, shm_inputs, nbytes=size)
             decode_s = time.perf_counter() - start
             result = await core.prefill(plan.inputs)
-            if result.allocated and (gone := await abandoned(request, result.allocated)):
+            if result.allocated and (gone := await left.check(request, result.allocated)):
                 return gone
             start = time.perf_counter()
             doc = await run_cpu(write_result, plan, result, regions,

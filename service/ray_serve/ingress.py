@@ -2,8 +2,10 @@
 `ShardedCore`, plus the routes of a sharded deployment.
 
 Same routes, bodies, media negotiation, errors (problem+json, via the single server's
-handlers) and middleware (API key, body limit, per-route metrics) as `service.app`, so
-`service.client` works unchanged. Added:
+handlers), middleware (API key, body limit, per-route metrics) and freeing of the slots
+made for a client that left before learning their ids (`service.abandon`, 499; and, as
+Serve cancels the request of a client that left, after a cancellation too) as
+`service.app`, so `service.client` works unchanged. Added:
 
 - ``POST /slots/{id}/move`` ``{"shard": name | null}``: move the slot (null: to the
   emptiest other shard); its id keeps working. 200 ``{"slot", "shard"}``.
@@ -15,12 +17,12 @@ No Ray in here: `service.ray_serve.deploy` mounts this app in the ingress deploy
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.abandon import Abandonment
 from service.config import Settings
 from service.errors import NotReady
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -35,11 +37,11 @@ from service.wire.prefill import (
 from service.wire.schema import AllocRequest, Forked, Info, SlotMetadata, SlotsCreated
 from service.wire.state import decode_state_json, decode_state_safetensors, encode_state_json
 from service.worker import run_cpu
+from state_store import UnknownSlot
 
+from .errors import SlotGone
 from .metrics import merge_metrics
 from .router import ShardedCore
-
-log = logging.getLogger("kda_serve.ray.ingress")
 
 
 class MoveRequest(BaseModel):
@@ -70,10 +72,12 @@ def create_ingress_app(core: ShardedCore, settings: Settings) -> FastAPI:
     if settings.api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: metrics)
+    left = Abandonment(core.free, metrics.abandoned, missing=(UnknownSlot, SlotGone))
 
     @app.post("/slots", status_code=201, response_model=SlotsCreated, summary="Allocate slots on the emptiest shards")
-    async def alloc(body: Optional[AllocRequest] = None) -> dict[str, list[str]]:
-        return {"slots": await core.alloc(body.count if body is not None else 1)}
+    async def alloc(request: Request, body: Optional[AllocRequest] = None) -> Any:
+        slots = await left.made(core.alloc(body.count if body is not None else 1), list)
+        return await left.check(request, slots) or {"slots": slots}
 
     @app.get("/slots/{slot_id}", response_model=SlotMetadata, summary="Slot metadata")
     async def slot_info(slot_id: str) -> dict[str, Any]:
@@ -88,8 +92,9 @@ def create_ingress_app(core: ShardedCore, settings: Settings) -> FastAPI:
 
     @app.post("/slots/{slot_id}/fork", status_code=201, response_model=Forked,
               summary="Copy a slot's state into a new slot on its shard")
-    async def fork(slot_id: str) -> dict[str, str]:
-        return {"slot": await core.fork(slot_id)}
+    async def fork(slot_id: str, request: Request) -> Any:
+        child = await left.made(core.fork(slot_id), lambda made: [made])
+        return await left.check(request, [child]) or {"slot": child}
 
     @app.get("/slots/{slot_id}/state", summary="Export a slot's state")
     async def get_state(slot_id: str, request: Request) -> Response:
@@ -121,12 +126,10 @@ def create_ingress_app(core: ShardedCore, settings: Settings) -> FastAPI:
         reply = negotiate(request.headers.get("accept"), ENCODINGS, default=encoding)
         body = await read_body(request)
         decode = decode_prefill_json if encoding == JSON else decode_prefill_safetensors
-        result = await core.prefill(await run_cpu(decode, body, nbytes=len(body)))
-        if result.allocated and await request.is_disconnected():
-            for slot_id in result.allocated:  # nobody will learn their ids
-                await core.free(slot_id)
-            log.info("client gone before the response; freed the %d slot(s) it allocated", len(result.allocated))
-            return Response(status_code=499)
+        inputs = await run_cpu(decode, body, nbytes=len(body))
+        result = await left.made(core.prefill(inputs), lambda made: made.allocated)
+        if result.allocated and (gone := await left.check(request, result.allocated)):
+            return gone
         encode = encode_prefill_json if reply == JSON else encode_prefill_safetensors
         size = result.o.numel() * result.o.element_size()
         return Response(_payload(await run_cpu(encode, result, nbytes=size)), media_type=reply)

@@ -365,3 +365,21 @@ def test_client_gone_before_the_response_frees_the_slots_it_allocated(server, vi
     _send_and_hang_up(server, head, body)
     assert wait_for(lambda: _prefill_count(server, "499") == seen + 1)
     assert pool_image(server.url, [])["free_slots"] == free
+
+
+def _abandoned(server) -> float:
+    return metric(httpx.get(f"{server.url}/metrics").text, "kda_responses_abandoned_total")
+
+
+@pytest.mark.parametrize("route", ["/slots", "/slots/{victim}/fork"])
+def test_client_gone_before_new_slot_ids_arrive_frees_them(server, victims, route):
+    """POST /slots (three slots) and a fork, each sent whole and the connection closed at
+    once: the slots made for them are freed again (499), as nobody can ever name them."""
+    free = pool_image(server.url, [])["free_slots"]
+    gone = _abandoned(server)
+    body = json.dumps({"count": 3}).encode() if route == "/slots" else b""
+    head = (f"POST {route.format(victim=victims[0])} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    _send_and_hang_up(server, head, body)
+    assert wait_for(lambda: _abandoned(server) == gone + 1)
+    assert pool_image(server.url, [])["free_slots"] == free
