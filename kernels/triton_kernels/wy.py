@@ -11,8 +11,8 @@ per key slice:
     gexp = exp(G_last) per chunk            [NT, HV, K] fp32
 
 G is the chunk-inclusive prefix of the clamped decays (a prefix sum of non-positive terms:
-no cancellation); G_last - G_t is the exclusive suffix sum, taken as the reverse inclusive
-cumsum minus the token's own decay, so it cancels only against |g_t| <= 30.
+no cancellation); G_last - G_t is the exclusive suffix sum, never G_last - G itself (see
+`chunk_cumsums`: by 16-row blocks, as intra builds them, or by two 64-row scans).
 """
 from __future__ import annotations
 
