@@ -7,8 +7,10 @@ new bytes in ``receive()``: a 100 MB body is ~1600 ``receive()`` round trips thr
 middleware, and each byte is copied once more than needed. Here, once the app asks for the
 body of a request framed by Content-Length (asking means accepting that size: kda-serve's
 body limit refuses a larger Content-Length before the first ``receive()``), reading no
-longer pauses, the pieces are appended to one buffer, and the app gets the whole body in
-one ``http.request`` message whose ``body`` is that buffer (a bytearray, handed over, not
+longer pauses, the bytes still to come are copied from each read straight into one buffer
+(past the HTTP parser, which would first copy them into new bytes; it is replaced by a
+fresh one once the body is complete), and the app gets the whole body in one
+``http.request`` message whose ``body`` is that buffer (a bytearray, handed over, not
 copied). While the body arrives the app is woken every `PROGRESS_S` with an empty
 ``more_body`` message, so a deadline on the next bytes (``--body-timeout-s``) still tells
 a slow upload from a stalled one. A client that announces a large body and sends a few
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import suppress
 from typing import Any, Optional
 
 import httptools
@@ -97,12 +100,17 @@ class _Collect:
         self._into = warm.take(length)
         self._view: Optional[memoryview] = None
         self._filled = 0
+        self.remaining = length - len(cycle.body)  # body bytes not seen yet
         if self._into is not None:
             self._view = memoryview(self._into)
-            self.add(cycle.body)  # what arrived before the app asked for the body
+            self._filled = len(cycle.body)
+            self._view[:self._filled] = cycle.body  # what arrived before the app asked for the body
             cycle.body = bytearray()
 
-    def add(self, data: bytes | bytearray) -> None:
+    def add(self, data: bytes | bytearray | memoryview) -> None:
+        self.remaining -= len(data)
+        if self.cycle.response_complete:  # answered without its body: the rest is dropped
+            return
         if self._view is None:
             self.cycle.body += data
             return
@@ -138,6 +146,23 @@ class KDAHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
+        whole = self._whole
+        if whole is not None and whole.cycle is self.cycle and whole.remaining > 0:
+            # The body's bytes go straight into its buffer, past the parser (which would
+            # copy each piece into new bytes first). The parser, still expecting them, is
+            # replaced once the body is complete; it sees whatever follows (a pipelined
+            # request) from a clean state.
+            n = min(len(data), whole.remaining)
+            with memoryview(data) as view:
+                whole.add(view[:n])
+            self._progress(whole)
+            if whole.remaining > 0:
+                return
+            self._fresh_parser()
+            self.on_message_complete()
+            data = data[n:]
+            if not data:
+                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -151,16 +176,25 @@ class KDAHttpProtocol(HttpToolsProtocol):
             self.transport.write(response)
             self.transport.close()
 
+    def _fresh_parser(self) -> None:
+        """A parser in its initial state, set up as uvicorn sets up its own."""
+        self.parser = httptools.HttpRequestParser(self)
+        with suppress(AttributeError):  # httptools < 0.6.3
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+
     def on_body(self, body: bytes) -> None:
         whole = self._whole
         if whole is None or whole.cycle is not self.cycle:
             super().on_body(body)
             return
-        if whole.cycle.response_complete:
-            return
         whole.add(body)
+        self._progress(whole)
+
+    def _progress(self, whole: _Collect) -> None:
+        """Wake the body's reader every PROGRESS_S while bytes arrive (its deadline on the
+        next bytes must see them)."""
         now = time.monotonic()
-        if now - self._woken >= PROGRESS_S:
+        if now - self._woken >= PROGRESS_S and not whole.cycle.response_complete:
             self._woken = now
             whole.cycle.message_event.set()
 

@@ -183,6 +183,18 @@ def test_keep_alive_pipelining_and_chunked_bodies_behave_as_uvicorns(url):
     assert [r["sha256"] for r in replies] == [hashlib.sha256(b).hexdigest() for b in (first, second, b"abcdefgh")]
 
 
+def test_a_request_right_behind_a_whole_body_is_parsed_from_a_clean_state(url):
+    """A large body (its bytes copied past the parser) with the next request in the same
+    writes, then a third one later: each is answered with exactly its own bytes."""
+    first, second, third = _body(3_000_001, 21), _body(17, 22), _body(2_000_000, 23)
+    with _connect(url) as s:
+        s.sendall(request_head("POST", "/", [("Content-Length", str(len(first)))]) + first
+                  + request_head("POST", "/", [("Content-Length", str(len(second)))]) + second)
+        replies = [json.loads(read_response(s)[2]) for _ in range(2)]
+        replies.append(_post(s, "/", third))
+    assert [r["sha256"] for r in replies] == [hashlib.sha256(b).hexdigest() for b in (first, second, third)]
+
+
 def test_an_idle_connection_closes_after_the_keep_alive_timeout(url):
     with _connect(url) as s:
         _post(s, "/", b"x")
