@@ -1,4 +1,4 @@
-"""``kda-serve``: start the server (uvicorn with httptools, through `KDAHttpProtocol`) from flags or
+"""``kda-serve``: start the server (uvicorn with httptools, through `KDAHttpConnection`) from flags or
 KDA_* variables.
 
     kda-serve --num-slots 256 --head-dim 128 --port 8000
@@ -15,7 +15,7 @@ import uvicorn
 
 from .app import create_app
 from .config import parse_settings
-from .http_protocol import KDAHttpProtocol
+from .http_protocol import KDAHttpConnection
 
 
 def _exit_cleanly(signum: int, frame: object) -> NoReturn:
@@ -39,7 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         flush=True,
     )
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(app, host=settings.host, port=settings.port, http=KDAHttpProtocol, log_level=settings.log_level,
+    uvicorn.run(app, host=settings.host, port=settings.port, http=KDAHttpConnection, log_level=settings.log_level,
                 timeout_graceful_shutdown=30)
     return 0
 

@@ -1,5 +1,6 @@
 """`KDAHttpProtocol`: uvicorn's httptools protocol, with large request bodies collected whole
-and HTTP framing errors answered as problem+json.
+and HTTP framing errors answered as problem+json; `KDAHttpConnection`, the buffered
+protocol around it that uvicorn is given.
 
 uvicorn hands a body to the app in the pieces it reads (64 KiB or so), pauses reading
 whenever 64 KiB wait unread (``flow_control.HIGH_WATER_LIMIT``), and copies each piece into
@@ -9,9 +10,10 @@ body of a request framed by Content-Length (asking means accepting that size: kd
 body limit refuses a larger Content-Length before the first ``receive()``), reading no
 longer pauses, the bytes still to come are copied from each read straight into one buffer
 (past the HTTP parser, which would first copy them into new bytes; it is replaced by a
-fresh one once the body is complete), and the app gets the whole body in one
-``http.request`` message whose ``body`` is that buffer (a bytearray, handed over, not
-copied). While the body arrives the app is woken every `PROGRESS_S` with an empty
+fresh one once the body is complete; uvicorn is given `KDAHttpConnection`, a buffered
+protocol, so that once the body's warm buffer is known the reads land in it with no copy at
+all), and the app gets the whole body in one ``http.request`` message whose ``body`` is
+that buffer (a bytearray, handed over, not copied). While the body arrives the app is woken every `PROGRESS_S` with an empty
 ``more_body`` message, so a deadline on the next bytes (``--body-timeout-s``) still tells
 a slow upload from a stalled one. A client that announces a large body and sends a few
 bytes still costs a few bytes: the buffer grows as bytes arrive. The server keeps the
@@ -28,7 +30,7 @@ with an RFC 9457 problem (``bad-content-length`` for a malformed Content-Length 
 framing the body twice, 413 ``payload-too-large`` for one beyond 64 bits, ``bad-request``
 otherwise), and closes the connection, as uvicorn does.
 
-    uvicorn.run(app, http=KDAHttpProtocol)
+    uvicorn.run(app, http=KDAHttpConnection)
 
 It overrides hooks of uvicorn's ``HttpToolsProtocol`` that are not public API
 (``_start_asgi_task``, the cycle's fields), as of uvicorn 0.54: pyproject.toml holds that
@@ -117,6 +119,18 @@ class _Collect:
         self._view[self._filled:self._filled + len(data)] = data
         self._filled += len(data)
 
+    def target(self) -> Optional[memoryview]:
+        """The rest of the warm buffer, for a read to land in directly (then `advance`);
+        None when the body grows in ``cycle.body`` or its answer has gone out already."""
+        if self._view is None or self.cycle.response_complete or self.remaining <= 0:
+            return None
+        return self._view[self._filled:self._filled + self.remaining]
+
+    def advance(self, n: int) -> None:
+        """``n`` bytes were read into `target`."""
+        self._filled += n
+        self.remaining -= n
+
     def finish(self) -> bytearray:
         """The whole body, handed over (the parser has seen exactly Content-Length bytes)."""
         self.release()
@@ -155,11 +169,7 @@ class KDAHttpProtocol(HttpToolsProtocol):
             n = min(len(data), whole.remaining)
             with memoryview(data) as view:
                 whole.add(view[:n])
-            self._progress(whole)
-            if whole.remaining > 0:
-                return
-            self._fresh_parser()
-            self.on_message_complete()
+            self._body_progress(whole)
             data = data[n:]
             if not data:
                 return
@@ -175,6 +185,29 @@ class KDAHttpProtocol(HttpToolsProtocol):
             self.logger.warning("Invalid HTTP request received (%s): %d", e, status)
             self.transport.write(response)
             self.transport.close()
+
+    def body_target(self) -> Optional[memoryview]:
+        """Where the next read may land directly (`KDAHttpConnection`): the rest of the
+        whole body being collected, in its warm buffer; None when there is no such place."""
+        whole = self._whole
+        if whole is None or whole.cycle is not self.cycle:
+            return None
+        return whole.target()
+
+    def body_arrived(self, n: int) -> None:
+        """``n`` bytes were read into `body_target`'s memory."""
+        self._unset_keepalive_if_required()
+        assert self._whole is not None
+        self._whole.advance(n)
+        self._body_progress(self._whole)
+
+    def _body_progress(self, whole: _Collect) -> None:
+        """After bytes of ``whole`` arrived past the parser: wake its reader now and then,
+        and once it is complete, end the message with a fresh parser."""
+        self._progress(whole)
+        if whole.remaining == 0:
+            self._fresh_parser()
+            self.on_message_complete()
 
     def _fresh_parser(self) -> None:
         """A parser in its initial state, set up as uvicorn sets up its own."""
@@ -242,3 +275,47 @@ class KDAHttpProtocol(HttpToolsProtocol):
             await app(scope, receive, send)
 
         return whole_body_app
+
+
+class KDAHttpConnection(asyncio.BufferedProtocol):
+    """What uvicorn is given (``http=KDAHttpConnection``): a `KDAHttpProtocol` behind
+    asyncio's buffered-protocol interface, so that reads of a whole body land in its buffer
+    with no copy in between. uvloop (like asyncio) reads straight into the memory a
+    buffered protocol hands it, but into its own buffer, then new bytes, for an
+    ``asyncio.Protocol`` such as uvicorn's. Everything else is read into a scratch buffer
+    and handed to the wrapped protocol's ``data_received`` as bytes, as before.
+    """
+
+    READ_SIZE = 256 * 1024  # uvloop's own read buffer size
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        self.http = KDAHttpProtocol(config, server_state, app_state, _loop)
+        self._scratch = memoryview(bytearray(self.READ_SIZE))
+        self._into_body = False  # whether the last buffer handed out was the body's
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.http.connection_made(transport)  # type: ignore[arg-type]
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.http.connection_lost(exc)
+
+    def eof_received(self) -> Optional[bool]:
+        return self.http.eof_received()
+
+    def pause_writing(self) -> None:
+        self.http.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.http.resume_writing()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        target = self.http.body_target()
+        self._into_body = target is not None
+        return target if target is not None else self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._into_body:
+            self.http.body_arrived(nbytes)
+        else:
+            self.http.data_received(bytes(self._scratch[:nbytes]))

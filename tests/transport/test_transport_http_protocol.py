@@ -1,4 +1,4 @@
-"""`service.http_protocol.KDAHttpProtocol` and `service.wire.warm.WarmBuffers`.
+"""`service.http_protocol.KDAHttpConnection` (and the `KDAHttpProtocol` it wraps) and `service.wire.warm.WarmBuffers`.
 
 The protocol is served here by uvicorn (loop "auto", as ``kda-serve`` runs it) in a thread, in
 front of a small ASGI app that reports what it received: the body's length and SHA-256,
@@ -20,7 +20,7 @@ import uvicorn
 from transport_helpers import read_response, request_head
 
 from server_harness import free_port
-from service.http_protocol import PROGRESS_S, KDAHttpProtocol, declared_length
+from service.http_protocol import PROGRESS_S, KDAHttpConnection, declared_length
 from service.wire.warm import MIN_BYTES, WarmBuffers
 
 HELD: list[Any] = []  # bodies the /hold route keeps referenced; cleared by the fixture
@@ -65,9 +65,9 @@ async def report_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    """`report_app` behind uvicorn with `KDAHttpProtocol`, in a thread, keep-alive 1 s."""
+    """`report_app` behind uvicorn with `KDAHttpConnection`, in a thread, keep-alive 1 s."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(report_app, host="127.0.0.1", port=port, http=KDAHttpProtocol,
+    server = uvicorn.Server(uvicorn.Config(report_app, host="127.0.0.1", port=port, http=KDAHttpConnection,
                                            loop="auto", log_level="warning", timeout_keep_alive=1))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

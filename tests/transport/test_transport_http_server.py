@@ -1,4 +1,4 @@
-"""kda-serve's HTTP framing through `service.http_protocol.KDAHttpProtocol`: framing the
+"""kda-serve's HTTP framing through `service.http_protocol.KDAHttpConnection`: framing the
 parser refuses is an RFC 9457 problem on a closed connection, a client that leaves mid-body
 changes nothing, and large prefills on one keep-alive connection (warm buffers reused)
 give the reference's results every time."""
