@@ -121,6 +121,21 @@ def random_state(gen: torch.Generator, n: int = 1) -> torch.Tensor:
     return torch.randn(n, LAYERS, HV, V, K, generator=gen) * 0.3
 
 
+def make_victims(url: str, gen: torch.Generator, layer: int) -> list[str]:
+    """Four new slots: three live with random states (the first advanced 5 tokens on
+    ``layer``, so token counts are recorded too), the fourth freed again (a freed id must be
+    refused like an unknown one)."""
+    from service.client import KDAClient
+
+    with KDAClient(url) as c:
+        slots = c.alloc(4)
+        for slot, state in zip(slots, random_state(gen, 4)):
+            c.put_state(slot, state)
+        c.prefill(layer, [(slots[0], *make_sequence(5, gen))])
+        c.free(slots[3])
+    return slots
+
+
 def reference(seqs: Sequence[tuple[torch.Tensor, ...]], initial: Optional[torch.Tensor] = None,
               **options) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 per-token reference over packed ``seqs``: (o [T, HV, V], final [N, HV, V, K])."""

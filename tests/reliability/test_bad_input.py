@@ -17,10 +17,10 @@ import pytest
 import torch
 from reliability_helpers import (
     GEOMETRY_ARGS, HV, JSON, K, LAYERS, PROBLEM, ROOT, ST, V, WholePool, assert_problem, connect, load_module,
-    make_sequence, random_state, read_response, request_head, rss_bytes, start_server,
+    random_state, read_response, request_head, rss_bytes, start_server,
 )
+from server_harness import make_victims
 
-from service.client import KDAClient
 from service.wire.safetensors_codec import MAX_HEADER_BYTES, encode_safetensors
 from service.wire.tensors import tensor_to_json
 
@@ -54,13 +54,7 @@ def pool(server: Any) -> Iterator[WholePool]:
 def victims(server: Any, pool: WholePool) -> list[str]:
     """Three live slots with random state and recorded tokens, then a fourth freed again:
     the slots `Ctx` expects (a freed id must be refused like an unknown one)."""
-    gen = torch.Generator().manual_seed(8)
-    with KDAClient(server.url) as c:
-        slots = c.alloc(4)
-        for slot, state in zip(slots, random_state(gen, 4)):
-            c.put_state(slot, state)
-        c.prefill(1, [(slots[0], *make_sequence(5, gen))])
-        c.free(slots[3])
+    slots = make_victims(server.url, torch.Generator().manual_seed(8), layer=1)
     pool.add(*slots[:3])
     return slots
 

@@ -13,7 +13,8 @@ import httpx
 import pytest
 import torch
 from server_harness import (
-    MAX_BODY_MB, H, HV, K, LAYERS, SLOTS, V, make_sequence, metric, pool_image, random_state, wait_for,
+    MAX_BODY_MB, H, HV, K, LAYERS, SLOTS, V, make_sequence, make_victims, metric, pool_image, random_state,
+    wait_for,
 )
 
 from service.client import KDAClient, PoolFullError
@@ -28,14 +29,7 @@ JSON = "application/json"
 def victims(server) -> list[str]:
     """Three live slots with random state and recorded tokens; the last one is freed again
     (a freed id must be refused like an unknown one)."""
-    gen = torch.Generator().manual_seed(7)
-    with KDAClient(server.url) as c:
-        slots = c.alloc(4)
-        for slot, state in zip(slots, random_state(gen, 4)):
-            c.put_state(slot, state)
-        c.prefill(0, [(slots[0], *make_sequence(5, gen))])
-        c.free(slots[3])
-    return slots
+    return make_victims(server.url, torch.Generator().manual_seed(7), layer=0)
 
 
 @dataclass
