@@ -115,6 +115,7 @@ class ShardedCore:
         self._moved: dict[str, str] = {}  # public token -> current id: a cache of the directory
         self._free: dict[str, int] = {}  # placement figures, refreshed every status_max_age_s
         self._free_at = -float("inf")
+        self._draining_seen: set[str] = set()  # the directory's draining set at the last placement
 
     # -- routing -----------------------------------------------------------------------
 
@@ -216,18 +217,21 @@ class ShardedCore:
         return out
 
     async def _free_slots(self) -> dict[str, int]:
-        """Free slots of the shards that take new slots (up, not draining); at most
-        status_max_age_s old."""
+        """Free slots of the shards that take new slots: up, with figures at most
+        status_max_age_s old, and not draining. The draining set is asked of the directory
+        every time, so a drain run through another ingress replica holds at once."""
         if time.monotonic() - self._free_at > self._status_max_age_s:
             statuses, draining = await asyncio.gather(self.statuses(), self.directory.draining())
-            self._free = {name: s.free for name, s in statuses.items()
-                          if isinstance(s, ShardStatus) and name not in draining}
+            self._free = {name: s.free for name, s in statuses.items() if isinstance(s, ShardStatus)}
             self._free_at = time.monotonic()
-        return dict(self._free)
+        else:
+            draining = await self.directory.draining()
+        self._draining_seen = set(draining)
+        return {name: n for name, n in self._free.items() if name not in draining}
 
     def free_slots_seen(self) -> float:
         """Free slots over the shards taking new slots, as of the last placement figures."""
-        return float(sum(self._free.values()))
+        return float(sum(n for name, n in self._free.items() if name not in self._draining_seen))
 
     def _placed(self, shard: str, count: int) -> None:
         """Count ``count`` slots placed on ``shard`` until the next refresh."""

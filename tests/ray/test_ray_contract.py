@@ -162,7 +162,9 @@ def test_drain_moves_every_slot_and_resume(cluster: Cluster, client: KDAClient, 
     assert rows[source]["used_slots"] == 0 and rows[source]["draining"]
     for s in slots:
         assert torch.equal(client.get_state(s), states[s])
-    placed = client.alloc(2)
+    # one at a time, so that both ingress replicas place some: each must see the drain
+    # the other ran, even with placement figures it fetched just before it
+    placed = [client.alloc(1)[0] for _ in range(6)]
     assert {shard_of(s) for s in placed} == {target}
     assert httpx.post(f"{cluster.url}/shards/{source}/resume").status_code == 204
     for s in slots + placed:
