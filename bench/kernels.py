@@ -17,6 +17,7 @@ also checks our o and final states against fla's on the same inputs (relative L2
 
 Usage (GPU machine, fla-core on PYTHONPATH, FLA_FLASH_KDA=0):
     python bench/kernels.py [--sweep] [--no-fla] [--json PATH]
+    ncu -k regex:chunk_prep --launch-skip 2 --launch-count 1 python bench/kernels.py --profile 8x4096
 """
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ CASES = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (64, 512), (256, 128)]
 DECODE = (256, 1)
 # variants of our launch config timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
-    "one piece": dict(piece_chunk_heads=0),
-    "tf32 solve": dict(fp16_solve=False),
-    "64-row scans": dict(wy_block_scan=False),
-    "state 8 warps, 2 stages": dict(state_warps=8, state_stages=2),
+    "fused prep": dict(fuse_prep=True),
+    "fused prep, WY slices 64": dict(fuse_prep=True, wy_bk=64),
+    "fused prep, 8 warps": dict(fuse_prep=True, intra_warps=8),
+    "solve diag16": dict(solve_diag16=True),
+    "fused prep + diag16": dict(fuse_prep=True, solve_diag16=True),
 }
 
 
@@ -146,8 +148,8 @@ def compiled_resources() -> list[str]:
     from kernels import triton_kernels as tk
 
     lines = []
-    for name in ("chunk_intra_kernel", "chunk_wy_kernel", "chunk_state_kernel", "chunk_output_kernel",
-                 "recurrent_step_kernel"):
+    for name in ("chunk_prep_kernel", "chunk_intra_kernel", "chunk_wy_kernel", "chunk_state_kernel",
+                 "chunk_output_kernel", "recurrent_step_kernel"):
         fn = getattr(tk, name)
         caches = getattr(fn, "device_caches", None) or {}
         for dev_cache in caches.values():
@@ -224,7 +226,16 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the config variants")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core")
     ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--profile", metavar="NxL", help="only run ours on this case a few times (under ncu) and exit")
     args = ap.parse_args()
+    if args.profile:
+        n_seq, length = (int(x) for x in args.profile.split("x"))
+        c = make_case(n_seq, length)
+        fn = ours_fn(c, c["pool"].clone())
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return
     with_fla = not args.no_fla
     if with_fla:
         try:

@@ -1,7 +1,8 @@
 """The Triton backend: runs a `PrefillProblem` on CUDA (or the Triton interpreter).
 
-Sequences of two or more tokens take the chunked path: the intra-chunk kernel (A and the
-solve), the WY kernel, then the state pass, which also computes o (or, by config, leaves
+Sequences of two or more tokens take the chunked path: the intra-chunk matrices, the
+solve and the WY factors (the `intra` and `wy` kernels, or by config one fused kernel,
+`prep`), then the state pass, which also computes o (or, by config, leaves
 that to a separate parallel output kernel). Batches of few sequence-heads run in pieces
 (`triton_plan`): on CUDA the state pass of each piece runs on a high-priority side stream
 while the parallel stages of the next pieces run on the caller's stream. Single-token
@@ -28,6 +29,7 @@ from .triton_kernels import (
     LaunchConfig,
     chunk_intra_kernel,
     chunk_output_kernel,
+    chunk_prep_kernel,
     chunk_state_kernel,
     chunk_wy_kernel,
     recurrent_step_kernel,
@@ -115,7 +117,7 @@ def run_triton(
     fp32_inputs = f32 in (q.dtype, k.dtype, v.dtype)
     dot_prec = "ieee" if fp32_inputs else "tf32"
     mat = torch.float16 if cfg.fp16_operands and not fp32_inputs else f32
-    # bounded entries (see intra._solve_unit_lower): unit-norm keys, sigmoid betas, decays <= 1
+    # bounded entries (see intra.solve_unit_lower): unit-norm keys, sigmoid betas, decays <= 1
     fp16_solve = (mat == torch.float16 and cfg.fp16_solve and p.use_qk_l2norm and p.use_beta_sigmoid
                   and gate != GATE_GIVEN)
     flags = dict(
@@ -134,9 +136,10 @@ def run_triton(
     if plan.chunks.shape[0] == 0:
         return o, h
 
-    tb = torch.empty(T, HV, CHUNK_SIZE, dtype=torch.float16 if fp16_solve else f32, device=device)
     aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=mat, device=device)
-    rqk = torch.empty(T, HV, 2, dtype=f32, device=device)
+    if not cfg.fuse_prep:
+        tb = torch.empty(T, HV, CHUNK_SIZE, dtype=torch.float16 if fp16_solve else f32, device=device)
+        rqk = torch.empty(T, HV, 2, dtype=f32, device=device)
     w = torch.empty(T, HV, K, dtype=mat, device=device)
     kg, qg = torch.empty_like(w), torch.empty_like(w)
     u = torch.empty(T, HV, V, dtype=f32, device=device)
@@ -155,11 +158,17 @@ def run_triton(
 
     def parallel(c0: int, c1: int) -> None:
         chunks = plan.chunks[c0:c1]
+        intra = dict(BK=cfg.intra_bk, BKD=cfg.intra_bkd, **flags, SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec,
+                     FLOOR=LOG_DECAY_FLOOR, FP16_SOLVE=fp16_solve, DIAG16=cfg.solve_diag16, num_warps=cfg.intra_warps,
+                     num_stages=cfg.intra_stages)
+        if cfg.fuse_prep:
+            chunk_prep_kernel[(c1 - c0, HV)](
+                q, k, v, g, beta, a_log, dt_bias, aqk, w, u, kg, qg, gexp, chunks, p.scale, lower_bound,
+                H=H, HV=HV, K=K, V=V, BKW=cfg.wy_bk, BV=cfg.wy_bv, BLOCK_SCAN=cfg.wy_block_scan, **intra,
+            )
+            return
         chunk_intra_kernel[(c1 - c0, HV)](
-            q, k, g, beta, a_log, dt_bias, tb, aqk, rqk, chunks, p.scale, lower_bound,
-            H=H, HV=HV, K=K, BK=cfg.intra_bk, BKD=cfg.intra_bkd, **flags,
-            SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, FP16_SOLVE=fp16_solve,
-            num_warps=cfg.intra_warps, num_stages=cfg.intra_stages,
+            q, k, g, beta, a_log, dt_bias, tb, aqk, rqk, chunks, p.scale, lower_bound, H=H, HV=HV, K=K, **intra,
         )
         chunk_wy_kernel[(c1 - c0, HV)](
             q, k, v, g, a_log, dt_bias, tb, rqk, w, u, kg, qg, gexp, chunks, lower_bound,

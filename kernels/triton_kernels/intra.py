@@ -66,7 +66,21 @@ def _diag_pairwise(q_c, k_c, g_c, a_log, dt_bias, lower_bound, rows, m_rows, rq,
 
 
 @triton.jit
-def _solve_unit_lower(L, DOT_PREC: tl.constexpr, FP16: tl.constexpr):
+def _doubling_level(L, X, r, c, k: tl.constexpr, DOT_PREC: tl.constexpr, FP16: tl.constexpr):
+    """X_(k+1) from X_k (see `solve_unit_lower`); r, c broadcast to L's and X's shape, whose
+    last two dims are the rows and columns (2D, or 3D: a batch of diagonal blocks)."""
+    sel = ((r >> k) == (c >> k) + 1) & ((r >> (k + 1)) == (c >> (k + 1)))
+    if FP16:
+        BX = tl.dot(tl.where(sel, L, 0.0).to(tl.float16), X.to(tl.float16))
+        X = X - tl.dot(X.to(tl.float16), BX.to(tl.float16))
+    else:
+        BX = tl.dot(tl.where(sel, L, 0.0), X, input_precision=DOT_PREC)
+        X = X - tl.dot(X, BX, input_precision=DOT_PREC)
+    return X
+
+
+@triton.jit
+def solve_unit_lower(L, DOT_PREC: tl.constexpr, FP16: tl.constexpr, DIAG16: tl.constexpr):
     """T = (I + L)^-1 for a strictly lower-triangular [BT, BT] fp32 L, by block doubling.
 
     FP16: the products take fp16 operands (fp32 accumulation; the same 11-bit significand
@@ -82,56 +96,57 @@ def _solve_unit_lower(L, DOT_PREC: tl.constexpr, FP16: tl.constexpr):
     X_(k+1) = X_k - X_k B_k X_k with B_k the entries of L in the lower-left quarter of every
     2^(k+1) block. Six levels reach 64; all work is in tensor-core products (no sequential
     row steps), and every level is an exact block inversion (no Neumann-series cancellation).
+
+    DIAG16: the levels inside 16-row blocks (sizes 2 to 16) run on the four diagonal
+    blocks alone, as [4, 16, 16] batched products (1/16 of the multiply-adds of full
+    [64, 64] products that are mostly zeros); the last two levels on [64, 64].
     """
     o_t = tl.arange(0, 64)
     r = o_t[:, None]
     c = o_t[None, :]
-    X = (r == c).to(tl.float32) - tl.where((r == c + 1) & (r % 2 == 1), L, 0.0)  # level 1: X_0 = I
-    for k in tl.static_range(1, 6):
-        sel = ((r >> k) == (c >> k) + 1) & ((r >> (k + 1)) == (c >> (k + 1)))
-        if FP16:
-            BX = tl.dot(tl.where(sel, L, 0.0).to(tl.float16), X.to(tl.float16))
-            X = X - tl.dot(X.to(tl.float16), BX.to(tl.float16))
-        else:
-            BX = tl.dot(tl.where(sel, L, 0.0), X, input_precision=DOT_PREC)
-            X = X - tl.dot(X, BX, input_precision=DOT_PREC)
+    if DIAG16:
+        o_b = tl.arange(0, 4)
+        o_s = tl.arange(0, 16)
+        same = o_b[:, None, None, None] == o_b[None, None, :, None]  # [4, 1, 4, 1]
+        D = tl.sum(tl.where(same, tl.reshape(L, [4, 16, 4, 16]), 0.0), axis=2)  # [4, 16, 16]
+        r3 = o_s[None, :, None]
+        c3 = o_s[None, None, :]
+        X3 = (r3 == c3).to(tl.float32) - tl.where((r3 == c3 + 1) & (r3 % 2 == 1), D, 0.0)
+        for k in tl.static_range(1, 4):
+            X3 = _doubling_level(D, X3, r3, c3, k, DOT_PREC, FP16)
+        X = tl.reshape(tl.where(same, X3[:, :, None, :], 0.0), [64, 64])
+        for k in tl.static_range(4, 6):
+            X = _doubling_level(L, X, r, c, k, DOT_PREC, FP16)
+    else:
+        X = (r == c).to(tl.float32) - tl.where((r == c + 1) & (r % 2 == 1), L, 0.0)  # level 1: X_0 = I
+        for k in tl.static_range(1, 6):
+            X = _doubling_level(L, X, r, c, k, DOT_PREC, FP16)
     return X
 
 
 @triton.jit
-def chunk_intra_kernel(
-    q, k, g, beta, a_log, dt_bias,
-    tb, aqk, rqk,
-    chunks,
-    scale, lower_bound,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    BK: tl.constexpr, BKD: tl.constexpr,
+def chunk_matrices(
+    q_c, k_c, g_c, beta_c, a_log, dt_bias, scale, lower_bound, n_t, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    SAFE: tl.constexpr, DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, FP16_SOLVE: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, USE_L2NORM: tl.constexpr,
+    SAFE: tl.constexpr, DOT_PREC: tl.constexpr, FLOOR: tl.constexpr,
 ):
-    """Grid (NTc, HV). chunks: [NTc, 3] int64 (first token, end token, h index).
+    """One chunk's intra-chunk matrices, from its first rows: q_c, k_c [.., H, K], g_c
+    [.., HV, K] and beta_c [.., HV] point at the chunk's first token and head; n_t <= 64
+    tokens are valid.
 
-    q, k: [T, H, K]; g: [T, HV, K]; beta: [T, HV] (any float dtype). Writes
-    tb = T diag(beta) [T, HV, 64] (fp16 with FP16_SOLVE, else fp32), aqk = A_qk [T, HV, 64] (operand dtype) and
-    rqk [T, HV, 2] fp32: (scale / |q_t|, 1 / |k_t|) (scale, 1 without L2 norm).
+    Returns (A_qk [64, 64] fp32 with s <= t, L [64, 64] fp32 = diag(beta) A_kk strictly
+    lower, beta [64] activated, rq [64] = scale / |q_t|, rk [64] = 1 / |k_t|); rows and
+    columns past n_t are zero.
     """
-    i_c = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    t0 = tl.load(chunks + i_c * 3)
-    t1 = tl.load(chunks + i_c * 3 + 1)
-
     o_t = tl.arange(0, 64)
-    m_t = o_t < t1 - t0
-    q_c = q + t0 * (H * K) + i_h * K  # chunk bases: 64-bit scalars, 32-bit in-tile offsets
-    k_c = k + t0 * (H * K) + i_h * K
-    g_c = g + t0 * (HV * K) + i_hv * K
+    m_t = o_t < n_t
     o_b = tl.arange(0, 4)
     blk_t = o_t // 16
 
     before = o_b[None, :] < o_b[:, None]  # [NB(b), NB(m)]: m < b
-    b = tl.load(beta + t0 * HV + i_hv + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+    b = tl.load(beta_c + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     b = tl.where(m_t, activate_beta(b, BETA_SIGMOID, NEG_EIGVAL), 0.0)
 
     # ---- A_qk, A_kk: one batched product per key slice over row blocks i -------------
@@ -186,7 +201,43 @@ def chunk_intra_kernel(
     valid = m_t[:, None] & m_t[None, :]
     A_qk = tl.where(valid & (o_t[:, None] >= o_t[None, :]), A_qk, 0.0)
     L = tl.where(valid & (o_t[:, None] > o_t[None, :]), A_kk * b[:, None], 0.0)
-    Tm = _solve_unit_lower(L, DOT_PREC, FP16_SOLVE)
+    return A_qk, L, b, rq, rk
+
+
+@triton.jit
+def chunk_intra_kernel(
+    q, k, g, beta, a_log, dt_bias,
+    tb, aqk, rqk,
+    chunks,
+    scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BK: tl.constexpr, BKD: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    SAFE: tl.constexpr, DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, FP16_SOLVE: tl.constexpr,
+    DIAG16: tl.constexpr,
+):
+    """Grid (NTc, HV). chunks: [NTc, 3] int64 (first token, end token, h index).
+
+    q, k: [T, H, K]; g: [T, HV, K]; beta: [T, HV] (any float dtype). Writes
+    tb = T diag(beta) [T, HV, 64] (fp16 with FP16_SOLVE, else fp32), aqk = A_qk [T, HV, 64] (operand dtype) and
+    rqk [T, HV, 2] fp32: (scale / |q_t|, 1 / |k_t|) (scale, 1 without L2 norm).
+    """
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0 = tl.load(chunks + i_c * 3)
+    t1 = tl.load(chunks + i_c * 3 + 1)
+    o_t = tl.arange(0, 64)
+    m_t = o_t < t1 - t0
+    # chunk bases: 64-bit scalars, 32-bit in-tile offsets
+    A_qk, L, b, rq, rk = chunk_matrices(
+        q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, g + t0 * (HV * K) + i_hv * K,
+        beta + t0 * HV + i_hv, a_log, dt_bias, scale, lower_bound, t1 - t0, i_hv,
+        H, HV, K, BK, BKD, GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID, NEG_EIGVAL, USE_L2NORM,
+        SAFE, DOT_PREC, FLOOR,
+    )
+    Tm = solve_unit_lower(L, DOT_PREC, FP16_SOLVE, DIAG16)
 
     o_r = o_t[:, None] * (HV * 64) + o_t[None, :]
     tl.store(tb + (t0 * HV + i_hv) * 64 + o_r, (Tm * b[None, :]).to(tb.dtype.element_ty), mask=m_t[:, None])

@@ -48,6 +48,49 @@ def chunk_cumsums(gt, BK: tl.constexpr, BLOCK_SCAN: tl.constexpr):
 
 
 @triton.jit
+def store_wy_factors(
+    Tb, rq, rk, q_c, k_c, g_c, v_c, w_c, kg_c, qg_c, u_c, gexp_c, a_log, dt_bias, lower_bound, n_t, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, BLOCK_SCAN: tl.constexpr, TB_FP16: tl.constexpr,
+):
+    """One chunk's WY factors from Tb = T diag(beta) [64, 64] fp32 (with TB_FP16 its values
+    are fp16's, bounded as `intra.solve_unit_lower` shows, and w is an fp16 product) and the norm
+    factors rq, rk [64]. The ``*_c`` pointers are at the chunk's first token and head
+    (gexp_c at its chunk row); n_t <= 64 tokens are valid. Stores w, kg, qg, u and gexp as
+    in the module docstring."""
+    o_t = tl.arange(0, 64)
+    m_t = o_t < n_t
+    for i_k in range(tl.cdiv(K, BK)):
+        cols = i_k * BK + tl.arange(0, BK)
+        m_c = cols < K
+        bias, a = gate_params(a_log, dt_bias, i_hv, cols, m_c, K, HAS_A_LOG, HAS_DT_BIAS)
+        gt = decay_tile(g_c, a, bias, lower_bound, o_t, m_t, cols, m_c, HV * K, GATE, FLOOR)
+        G, Gs, total = chunk_cumsums(gt, BK, BLOCK_SCAN)
+        eG = tl.exp(G)
+        eK = tl.exp(Gs)
+        kt = load_rows(k_c, o_t, m_t, H * K, cols, m_c) * rk[:, None]
+        qt = load_rows(q_c, o_t, m_t, H * K, cols, m_c) * rq[:, None]
+        if TB_FP16:
+            wt = tl.dot(Tb.to(tl.float16), (kt * eG).to(tl.float16))
+        else:
+            wt = tl.dot(Tb, kt * eG, input_precision=DOT_PREC)
+        p = o_t[:, None] * (HV * K) + cols[None, :]
+        m = m_t[:, None] & m_c[None, :]
+        tl.store(w_c + p, wt.to(w_c.dtype.element_ty), mask=m)
+        tl.store(kg_c + p, (kt * eK).to(kg_c.dtype.element_ty), mask=m)
+        tl.store(qg_c + p, (qt * eG).to(qg_c.dtype.element_ty), mask=m)
+        tl.store(gexp_c + cols, tl.exp(total), mask=m_c)
+
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        vt = load_rows(v_c, o_t, m_t, HV * V, cv, m_v)
+        ut = tl.dot(Tb, vt, input_precision=DOT_PREC)
+        tl.store(u_c + (o_t[:, None] * (HV * V) + cv[None, :]), ut, mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
 def chunk_wy_kernel(
     q, k, v, g, a_log, dt_bias, tb, rqk,
     w, u, kg, qg, gexp,
@@ -70,41 +113,14 @@ def chunk_wy_kernel(
     i_g = tl.load(chunks + i_c * 3 + 2)
     o_t = tl.arange(0, 64)
     m_t = o_t < t1 - t0
-    q_c = q + t0 * (H * K) + i_h * K  # chunk bases: 64-bit scalars, 32-bit in-tile offsets
-    k_c = k + t0 * (H * K) + i_h * K
-    g_c = g + t0 * (HV * K) + i_hv * K
-    tk = (t0 * HV + i_hv) * K
-
     Tb = load_rows(tb + (t0 * HV + i_hv) * 64, o_t, m_t, HV * 64, o_t, o_t < 64)
     r_c = rqk + (t0 * HV + i_hv) * 2
     rq = tl.load(r_c + o_t * (HV * 2), mask=m_t, other=0.0)
     rk = tl.load(r_c + o_t * (HV * 2) + 1, mask=m_t, other=0.0)
-
-    for i_k in range(tl.cdiv(K, BK)):
-        cols = i_k * BK + tl.arange(0, BK)
-        m_c = cols < K
-        bias, a = gate_params(a_log, dt_bias, i_hv, cols, m_c, K, HAS_A_LOG, HAS_DT_BIAS)
-        gt = decay_tile(g_c, a, bias, lower_bound, o_t, m_t, cols, m_c, HV * K, GATE, FLOOR)
-        G, Gs, total = chunk_cumsums(gt, BK, BLOCK_SCAN)
-        eG = tl.exp(G)
-        eK = tl.exp(Gs)
-        kt = load_rows(k_c, o_t, m_t, H * K, cols, m_c) * rk[:, None]
-        qt = load_rows(q_c, o_t, m_t, H * K, cols, m_c) * rq[:, None]
-        if tb.dtype.element_ty == tl.float16:  # bounded operands (see intra): fp16 products
-            wt = tl.dot(Tb.to(tl.float16), (kt * eG).to(tl.float16))
-        else:
-            wt = tl.dot(Tb, kt * eG, input_precision=DOT_PREC)
-        p = o_t[:, None] * (HV * K) + cols[None, :]
-        m = m_t[:, None] & m_c[None, :]
-        tl.store(w + tk + p, wt.to(w.dtype.element_ty), mask=m)
-        tl.store(kg + tk + p, (kt * eK).to(kg.dtype.element_ty), mask=m)
-        tl.store(qg + tk + p, (qt * eG).to(qg.dtype.element_ty), mask=m)
-        tl.store(gexp + (i_g * HV + i_hv) * K + cols, tl.exp(total), mask=m_c)
-
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
-        m_v = cv < V
-        v_c = (t0 * HV + i_hv) * V
-        vt = load_rows(v + v_c, o_t, m_t, HV * V, cv, m_v)
-        ut = tl.dot(Tb, vt, input_precision=DOT_PREC)
-        tl.store(u + v_c + (o_t[:, None] * (HV * V) + cv[None, :]), ut, mask=m_t[:, None] & m_v[None, :])
+    tk = (t0 * HV + i_hv) * K  # chunk bases: 64-bit scalars, 32-bit in-tile offsets
+    store_wy_factors(
+        Tb, rq, rk, q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, g + t0 * (HV * K) + i_hv * K,
+        v + (t0 * HV + i_hv) * V, w + tk, kg + tk, qg + tk, u + (t0 * HV + i_hv) * V, gexp + (i_g * HV + i_hv) * K,
+        a_log, dt_bias, lower_bound, t1 - t0, i_hv, H, HV, K, V, BK, BV, GATE, HAS_A_LOG, HAS_DT_BIAS,
+        DOT_PREC, FLOOR, BLOCK_SCAN, tb.dtype.element_ty == tl.float16,
+    )

@@ -33,3 +33,20 @@ def test_fp16_solve_as_accurate_as_tf32(device: str, monkeypatch: pytest.MonkeyP
     for name in fast:
         assert fast[name] <= 5e-3, (name, fast, exact)
         assert fast[name] <= 1.5 * exact[name] + 2e-4, (name, fast, exact)
+
+
+@pytest.mark.parametrize("fp16_solve", [True, False], ids=["fp16", "tf32"])
+def test_diagonal_block_levels_equal_full_levels(device: str, monkeypatch: pytest.MonkeyPatch,
+                                                  fp16_solve: bool) -> None:
+    """The solve's first three levels on the [4, 16, 16] diagonal blocks alone give the
+    full [64, 64] levels' result, and both meet the reference."""
+    monkeypatch.setattr(config, "FP16_SOLVE", fp16_solve)
+    outs = {}
+    for diag16 in (False, True):
+        monkeypatch.setattr(config, "SOLVE_DIAG16", diag16)
+        inp = make_inputs(CASE, device, seed=4)
+        ref_o, _, _ = reference(inp, CASE)
+        o, _ = run_triton(CASE, inp)
+        assert rel_err(o[0], ref_o) <= 5e-3
+        outs[diag16] = o.float()
+    assert rel_err(outs[True], outs[False]) < 1e-4
