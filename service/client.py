@@ -17,7 +17,10 @@ POSIX shared memory region instead of the HTTP body (`service.shm_client`): the 
 creates and registers it on first use, grows it as needed and unregisters it on close.
 Its results are copies unless ``shm_views=True`` (views of the region, valid until the
 next prefill on this client). One region per client: its shared memory prefills run one
-at a time (use one client per concurrent stream)::
+at a time (use one client per concurrent stream). ``transport="cuda"`` does the same with
+a region of this process's GPU memory shared by CUDA IPC (`service.shm_client.CudaArena`):
+for a client whose tensors are already on the server's GPU; the server copies them device
+to device and its results arrive as tensors on that GPU::
 
     with KDAClient("http://127.0.0.1:8000") as kda:
         out = kda.prefill(0, [(None, q, k, v, g, beta)])      # None: allocate a slot
@@ -40,7 +43,9 @@ import httpx
 import torch
 
 from .http_transport import StdlibTransport
-from .shm_client import SHM_JSON, Geometry, Placed, ShmArena, is_unknown_region, split_sequences
+from .shm_client import (
+    SHM_JSON, Arena, CudaArena, Geometry, Placed, Registration, ShmArena, is_unknown_region, split_sequences,
+)
 from .wire.body import BodyBuffer
 from .wire.media import JSON, PROBLEM, SAFETENSORS, media_type
 from .wire.prefill import REQUIRED_TENSORS, decode_prefill_response
@@ -54,7 +59,7 @@ __all__ = [
 ]
 
 Encoding = Literal["safetensors", "json"]
-Transport = Literal["http", "shm"]
+Transport = Literal["http", "shm", "cuda"]
 SequenceInput = tuple[Optional[str], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """One sequence of a prefill: (slot id or None, q [T,H,K], k [T,H,K], v [T,HV,V], g [T,HV,K], beta [T,HV])."""
 _T = TypeVar("_T")
@@ -235,7 +240,7 @@ class _ShmPrefill:
     options: dict[str, Any]
     lengths: list[int]
 
-    def call(self, arena: ShmArena) -> _Call[PrefillOutput]:
+    def call(self, arena: Arena) -> _Call[PrefillOutput]:
         """Copy the inputs in and build the request (after the region is large enough)."""
         body = arena.fill(self.tensors, self.places, self.options)
 
@@ -250,7 +255,7 @@ class _ShmPrefill:
 
 
 def _shm_prefill(
-    arena: ShmArena, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor],
+    arena: Arena, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor],
     dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
     allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
 ) -> _ShmPrefill:
@@ -316,11 +321,12 @@ class _Calls:
     def prefill(self, layer: int, sequences: Sequence[SequenceInput], **options: Any) -> _Call[PrefillOutput]:
         return _prefill_call(self.media, layer, sequences, **options)
 
-    def register_region(self, registration: dict[str, Any]) -> _Call[None]:
-        return _Call("POST", "/shm/regions", _nothing, json.dumps(registration).encode())
+    def register_region(self, registration: Registration) -> _Call[None]:
+        return _Call("POST", registration.path, _nothing, json.dumps(registration.body).encode())
 
-    def unregister_region(self, name: str) -> _Call[None]:
-        return _Call("DELETE", f"/shm/regions/{_q(name)}", _nothing)
+    def unregister_region(self, arena: Arena, name: str) -> _Call[None]:
+        method, path = arena.unregistration(name)
+        return _Call(method, path, _nothing)
 
 
 _SEND_CHUNK = 1 << 20
@@ -346,18 +352,23 @@ def _client_headers(api_key: Optional[str]) -> dict[str, str]:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _arena(transport: Transport, ttl_s: float, views: bool) -> Optional[ShmArena]:
-    if transport not in ("http", "shm"):
-        raise ValueError(f"transport must be 'http' or 'shm', got {transport!r}")
-    return ShmArena(ttl_s, views) if transport == "shm" else None
+def _arena(transport: Transport, ttl_s: float, views: bool) -> Optional[Arena]:
+    if transport == "shm":
+        return ShmArena(ttl_s, views)
+    if transport == "cuda":
+        return CudaArena(ttl_s, views)
+    if transport != "http":
+        raise ValueError(f"transport must be 'http', 'shm' or 'cuda', got {transport!r}")
+    return None
 
 
 class KDAClient:
     """Synchronous client. ``base_url`` of the server; ``api_key`` when it has one;
     ``encoding`` of request and response bodies; ``timeout`` in seconds per request.
     ``transport="shm"``: prefill tensors through shared memory (same host only), the
-    region leased for ``shm_ttl_s`` seconds past its last use; ``shm_views``: results
-    view the region (valid until the next prefill) instead of being copies."""
+    region leased for ``shm_ttl_s`` seconds past its last use; ``transport="cuda"``: the
+    same through GPU memory shared by CUDA IPC (same GPU; results on it); ``shm_views``:
+    results view the region (valid until the next prefill) instead of being copies."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: Optional[str] = None,
                  encoding: Encoding = "safetensors", timeout: float = 300.0, transport: Transport = "http",
@@ -443,7 +454,7 @@ class KDAClient:
             self._register(arena, plan.need)
             return self._run(plan.call(arena))
 
-    def _register(self, arena: ShmArena, need: int) -> None:
+    def _register(self, arena: Arena, need: int) -> None:
         registration = arena.create(need)
         try:
             self._run(self._calls.register_region(registration))
@@ -452,7 +463,7 @@ class KDAClient:
             raise
         old = arena.registered()
         if old is not None:
-            self._run(self._calls.unregister_region(old))
+            self._run(self._calls.unregister_region(arena, old))
 
     def close(self) -> None:
         """Unregister the shared memory region (if any) and close the connection."""
@@ -460,7 +471,7 @@ class KDAClient:
             name = self._arena.close() if self._arena is not None else None
             if name is not None:
                 with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
-                    self._run(self._calls.unregister_region(name))
+                    self._run(self._calls.unregister_region(self._arena, name))
         finally:
             self._http.close()
 
@@ -547,7 +558,7 @@ class AsyncKDAClient:
             await self._register(arena, plan.need)
             return await self._run(plan.call(arena))
 
-    async def _register(self, arena: ShmArena, need: int) -> None:
+    async def _register(self, arena: Arena, need: int) -> None:
         registration = arena.create(need)
         try:
             await self._run(self._calls.register_region(registration))
@@ -556,7 +567,7 @@ class AsyncKDAClient:
             raise
         old = arena.registered()
         if old is not None:
-            await self._run(self._calls.unregister_region(old))
+            await self._run(self._calls.unregister_region(arena, old))
 
     async def aclose(self) -> None:
         """Unregister the shared memory region (if any) and close the connection."""
@@ -564,7 +575,7 @@ class AsyncKDAClient:
             name = self._arena.close() if self._arena is not None else None
             if name is not None:
                 with suppress(httpx.TransportError, KDAError):
-                    await self._run(self._calls.unregister_region(name))
+                    await self._run(self._calls.unregister_region(self._arena, name))
         finally:
             await self._http.aclose()
 

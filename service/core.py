@@ -352,7 +352,11 @@ class ServerCore:
 
         def packed(name: str) -> torch.Tensor:
             parts = [getattr(job.valid.inputs, name) for job in jobs]
-            return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)[None]
+            if len(parts) == 1:
+                return parts[0].to(device)[None]
+            if any(p.device != parts[0].device for p in parts):  # host bodies merged with CUDA shared memory
+                parts = [p.to(device) for p in parts]
+            return torch.cat(parts).to(device)[None]
 
         lengths = [n for job in jobs for n in job.valid.inputs.lengths]
         cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, device=device)
@@ -369,13 +373,18 @@ class ServerCore:
                 dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device),
                 lower_bound=gate.lower_bound, use_beta_sigmoid_in_kernel=x.use_beta_sigmoid,
                 allow_neg_eigval=x.allow_neg_eigval, backend=self.backend,
-            )[0].cpu()
+            )[0]
         except Exception:
             self.pool.mark_lost(slots)
             log.error("launch failed; marked %d slot(s) state_lost: %s", len(slots), slots)
             raise
         wants_final = any(job.valid.inputs.return_final_state for job in jobs)
-        finals = pool_layer.index_select(0, indices).cpu() if wants_final else None
+        finals = pool_layer.index_select(0, indices) if wants_final else None
+        to_host = any(not job.valid.inputs.device_outputs for job in jobs)
+        o_host = o.cpu() if to_host else None
+        finals_host = finals.cpu() if to_host and finals is not None else None
+        if device.type == "cuda" and not to_host:
+            torch.cuda.current_stream(device).synchronize()  # results complete before any response
         kernel_s = time.perf_counter() - start
         for slot_id, n in zip(slots, lengths):
             self.pool.record_tokens(slot_id, layer, n)
@@ -388,7 +397,8 @@ class ServerCore:
         for job in jobs:
             job_lengths = job.valid.inputs.lengths
             t1, n1 = t0 + sum(job_lengths), n0 + len(job_lengths)
-            final = finals[n0:n1] if finals is not None and job.valid.inputs.return_final_state else None
-            results.append(PrefillResult(job.slots, list(job_lengths), o[t0:t1], final, job.allocated, kernel_s))
+            o_all, final_all = (o, finals) if job.valid.inputs.device_outputs else (o_host, finals_host)
+            final = final_all[n0:n1] if final_all is not None and job.valid.inputs.return_final_state else None
+            results.append(PrefillResult(job.slots, list(job_lengths), o_all[t0:t1], final, job.allocated, kernel_s))
             t0, n0 = t1, n1
         return results

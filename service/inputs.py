@@ -20,8 +20,11 @@ class PrefillInputs:
     q, k: [T, H, K]; v: [T, HV, V]; g: [T, HV, K] (the log decay, or the raw gate when a
     gate is fused: A_log or lower_bound given, or server gate parameters for the layer);
     beta: [T, HV] (logits with ``use_beta_sigmoid``) -- float32, bfloat16 or float16,
-    typically CPU views over the request body. A_log: [HV]; dt_bias: [HV, K] or [HV * K].
+    typically CPU views over the request body (on the pool's GPU when they came from CUDA
+    shared memory). A_log: [HV]; dt_bias: [HV, K] or [HV * K] (on the host).
     ``slots[n]`` is sequence n's slot id, or None to allocate a new slot for it.
+    ``device_outputs``: o and final_state stay on the pool's device (results written into
+    CUDA shared memory) instead of coming to the host.
     Nothing here is checked yet: see `service.validation`.
     """
 
@@ -41,11 +44,13 @@ class PrefillInputs:
     use_beta_sigmoid: bool = False
     allow_neg_eigval: bool = False
     return_final_state: bool = True
+    device_outputs: bool = False
 
 
 @dataclass
 class PrefillResult:
-    """The outcome of one `PrefillInputs`, on the host (CPU).
+    """The outcome of one `PrefillInputs`, on the host (CPU), or on the pool's device
+    with ``device_outputs``.
 
     slots: each sequence's slot id, in order (new ids where the request had None);
     lengths: tokens per sequence; o: [T, HV, V] in v's dtype; final_state: [N, HV, V, K] in

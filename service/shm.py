@@ -5,8 +5,9 @@ namespace of region names.
 
 A request names a region, an offset and a byte size for each tensor it passes this way;
 every such reference is bounds-checked against the region here. Inputs are copied out of
-a region once, into host memory (as every transport's inputs are), so nothing the kernels
-see can change or vanish under them; outputs are copied in after the launch.
+a region once (into host memory, or from CUDA regions into the server's GPU memory), so
+nothing the kernels see can change or vanish under them; outputs are copied in after the
+launch.
 
 A request holds a `lease` on the regions it names from decoding to its response, so an
 unregister arriving meanwhile takes the name away at once but unmaps the memory only
@@ -161,6 +162,12 @@ class CudaRegion(_Region):
         if dest.nbytes:
             torch.frombuffer(dest, dtype=torch.uint8).copy_(self._memory.tensor[offset:offset + dest.nbytes])
 
+    def read_into_tensor(self, offset: int, dest: torch.Tensor) -> None:
+        """Copy the ``dest.numel()`` bytes at ``offset`` into the uint8 tensor ``dest`` on
+        any device (bounds checked by the caller); the copy may be in flight on return."""
+        if dest.numel():
+            dest.copy_(self._memory.tensor[offset:offset + dest.numel()])
+
     def write(self, offset: int, t: torch.Tensor) -> None:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8)
         self._memory.tensor[offset:offset + data.numel()].copy_(data)
@@ -209,10 +216,15 @@ class ShmRegistry:
                  byte_size)
         return region
 
-    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int,
+                      ttl_s: Optional[float] = None) -> None:
+        """Open the CUDA IPC memory ``raw_handle`` names as region ``name``; with ``ttl_s``
+        it is unregistered after that long unused (see `expire`)."""
         self.require_cuda()
         self._free_name(name)
-        self._regions[name] = CudaRegion(name, raw_handle, device_id, byte_size)
+        region = CudaRegion(name, raw_handle, device_id, byte_size)
+        region.ttl_s = ttl_s
+        self._regions[name] = region
         log.info("registered CUDA shared memory region %r (device %d, %d bytes)", name, device_id, byte_size)
 
     def require_cuda(self) -> None:

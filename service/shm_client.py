@@ -1,4 +1,5 @@
-"""The client side of the shared memory transport (``KDAClient(url, transport="shm")``).
+"""The client side of the shared memory transports (``KDAClient(url, transport="shm")``,
+and ``transport="cuda"``: `CudaArena`).
 
 `ShmArena` owns one POSIX shared memory region per client: it is created under
 ``/dev/shm``, mapped here as a torch uint8 tensor, registered with the server (``POST
@@ -15,12 +16,14 @@ only until the next prefill on the same client overwrites it.
 """
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
+from urllib.parse import quote
 
 import torch
 
@@ -30,6 +33,7 @@ SHM_JSON = "application/vnd.kda.shm+json"
 SHM_DIR = "/dev/shm"
 ALIGN = 64
 UNKNOWN_REGION = "unknown-shared-memory-region"
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
 
 def _aligned(n: int) -> int:
@@ -62,8 +66,16 @@ class Placed:
     def nbytes(self) -> int:
         return _aligned(math.prod(self.shape) * self.dtype.itemsize)
 
-    def ref(self, region: str, nbytes: int) -> dict[str, Any]:
-        return {"region": region, "offset": self.offset, "byte_size": nbytes}
+    def ref(self, region: str, base: int, nbytes: int) -> dict[str, Any]:
+        return {"region": region, "offset": base + self.offset, "byte_size": nbytes}
+
+
+@dataclass(frozen=True)
+class Registration:
+    """How to register a created region: POST ``body`` (JSON) to ``path``."""
+
+    path: str
+    body: dict[str, Any]
 
 
 @dataclass
@@ -78,8 +90,9 @@ class _Mapped:
         return self.memory.numel()
 
 
-class ShmArena:
-    """One client's region and the requests that use it; see the module docstring.
+class _Arena:
+    """One client's region and the requests that use it: the layout, the copy in and the
+    reading of results, shared by `ShmArena` (POSIX) and `CudaArena` (GPU memory).
 
     The methods build what to send; the client sends it (`KDAClient` and
     `AsyncKDAClient` drive the same arena). ``ttl_s``: the lease the server keeps the
@@ -91,51 +104,27 @@ class ShmArena:
         self.geometry: Optional[Geometry] = None
         self._region: Optional[_Mapped] = None
         self._pending: Optional[_Mapped] = None
-
-    # -- the region ----------------------------------------------------------------------
+        self._base = 0  # where the region's memory starts in what the server maps (CUDA: its block)
 
     def fits(self, nbytes: int) -> bool:
         return self._region is not None and self._region.size >= nbytes
-
-    def create(self, nbytes: int) -> dict[str, Any]:
-        """Create and map a region of at least ``nbytes`` (1.25x headroom); the JSON body of
-        its registration, to POST to /shm/regions before `registered`."""
-        size = max(_aligned(nbytes + nbytes // 4), 1 << 20)
-        name = f"kda-{os.getpid()}-{secrets.token_hex(6)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        try:
-            memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        except BaseException:
-            os.unlink(path)
-            raise
-        self._pending = _Mapped(name, memory)
-        return {"name": name, "key": "/" + name, "byte_size": size, "ttl_s": self.ttl_s}
-
-    def registered(self) -> Optional[str]:
-        """The pending region is registered: unlink its name (the two mappings keep the
-        memory) and make it current. Returns the name of the region it replaces, to
-        unregister, or None."""
-        pending, self._pending = self._pending, None
-        assert pending is not None, "registered() without create()"
-        os.unlink(os.path.join(SHM_DIR, pending.name))
-        old, self._region = self._region, pending
-        return None if old is None else old.name
-
-    def abandon(self) -> None:
-        """Registration failed: drop the pending region (unlinked, unmapped when unreferenced)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            os.unlink(os.path.join(SHM_DIR, pending.name))
 
     def forget(self) -> None:
         """The server no longer knows the region (restarted, or its lease ran out): the
         next request registers a new one."""
         self._region = None
+
+    def registered(self) -> Optional[str]:
+        """The pending region is registered: make it current. Returns the name of the
+        region it replaces, to unregister, or None."""
+        pending, self._pending = self._pending, None
+        assert pending is not None, "registered() without create()"
+        old, self._region = self._region, pending
+        return None if old is None else old.name
+
+    def abandon(self) -> None:
+        """Registration failed: drop the pending region."""
+        self._pending = None
 
     def close(self) -> Optional[str]:
         """Drop the region (its memory goes when no view of it is left); its name, to unregister."""
@@ -167,7 +156,8 @@ class ShmArena:
 
     def fill(self, tensors: dict[str, Sequence[torch.Tensor]], places: dict[str, Placed],
              options: dict[str, Any]) -> bytes:
-        """Copy the inputs into the region (one copy each); the request body naming them."""
+        """Copy the inputs into the region (one copy each, from the host or any device); the
+        request body naming them."""
         assert self._region is not None, "fill() without a region"
         memory, name = self._region.memory, self._region.name
         doc = dict(options)
@@ -180,10 +170,17 @@ class ShmArena:
                     memory[offset:offset + n].view(place.dtype).view(part.shape).copy_(part)
                 offset += n
             size = offset - place.offset
-            doc[key] = {"dtype": JSON_NAMES[place.dtype], "shape": place.shape, "shm": place.ref(name, size)}
-        outputs = {key: places[key].ref(name, places[key].nbytes) for key in ("o", "final_state") if key in places}
+            doc[key] = {"dtype": JSON_NAMES[place.dtype], "shape": place.shape,
+                        "shm": place.ref(name, self._base, size)}
+        self._written()
+        outputs = {key: places[key].ref(name, self._base, places[key].nbytes)
+                   for key in ("o", "final_state") if key in places}
         doc["outputs"] = outputs
         return json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+    def _written(self) -> None:
+        """The inputs' bytes are in the region, readable by the server (nothing to wait
+        for in host memory)."""
 
     def result(self, doc: dict[str, Any], key: str) -> Optional[torch.Tensor]:
         """Output ``key`` of a response document, read from the region (a copy unless ``views``)."""
@@ -194,9 +191,108 @@ class ShmArena:
         ref, dtype = spec["shm"], JSON_DTYPES[spec["dtype"]]
         if ref["region"] != self._region.name:
             raise ValueError(f"the server wrote {key} into region {ref['region']!r}, not this client's")
-        start = ref["offset"]
+        start = ref["offset"] - self._base
         t = self._region.memory[start:start + ref["byte_size"]].view(dtype).view(spec["shape"])
         return t if self.views else t.clone()
+
+
+class ShmArena(_Arena):
+    """A POSIX shared memory region: created under /dev/shm, mapped here, registered with
+    ``POST /shm/regions`` and unlinked at once (see the module docstring)."""
+
+    def create(self, nbytes: int) -> Registration:
+        """Create and map a region of at least ``nbytes`` (1.25x headroom); its
+        registration, to send before `registered`."""
+        size = _region_size(nbytes)
+        name = f"kda-{os.getpid()}-{secrets.token_hex(6)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        try:
+            memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        except BaseException:
+            os.unlink(path)
+            raise
+        self._pending = _Mapped(name, memory)
+        return Registration("/shm/regions", {"name": name, "key": "/" + name, "byte_size": size, "ttl_s": self.ttl_s})
+
+    @staticmethod
+    def unregistration(name: str) -> tuple[str, str]:
+        """(method, path) that unregisters region ``name``."""
+        return "DELETE", f"/shm/regions/{quote(name, safe='')}"
+
+    def registered(self) -> Optional[str]:
+        """As `_Arena.registered`, and the region's name is unlinked (the two mappings keep
+        the memory)."""
+        assert self._pending is not None, "registered() without create()"
+        os.unlink(os.path.join(SHM_DIR, self._pending.name))
+        return super().registered()
+
+    def abandon(self) -> None:
+        """Registration failed: drop the pending region (unlinked, unmapped when unreferenced)."""
+        if self._pending is not None:
+            os.unlink(os.path.join(SHM_DIR, self._pending.name))
+        super().abandon()
+
+
+class CudaArena(_Arena):
+    """A region of this process's GPU memory (``KDAClient(url, transport="cuda")``),
+    shared through a CUDA IPC handle and registered with the KServe v2 CUDA shared memory
+    extension (``POST /v2/cudasharedmemory/region/{name}/register``, with this server's
+    ``ttl_s`` lease). Inputs may be host or device tensors; the server copies them out
+    device to device, and writes o and final_state into the region from its own GPU, so
+    results arrive as tensors on this GPU.
+
+    The memory is a torch allocation on ``device`` (the current CUDA device when None); its
+    IPC handle is torch's own (the one torch.multiprocessing sends), so the server maps the
+    allocator's whole block and offsets count from the block's start. The server must see
+    the same GPU under the same device id. torch keeps a shared block until process exit,
+    so a region replaced by a larger one stays allocated: size the first request large.
+    Not with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torch then shares
+    another kind of handle)."""
+
+    def __init__(self, ttl_s: float, views: bool, device: Optional[torch.device] = None) -> None:
+        super().__init__(ttl_s, views)
+        self.device = device
+        self._pending_base = 0
+
+    def create(self, nbytes: int) -> Registration:
+        """Allocate a region of at least ``nbytes`` (1.25x headroom) on the GPU; its
+        registration, to send before `registered`."""
+        device = self.device or torch.device("cuda", torch.cuda.current_device())
+        size = _region_size(nbytes)
+        memory = torch.empty(size, dtype=torch.uint8, device=device)
+        _, handle, _, base, *_ = memory.untyped_storage()._share_cuda_()
+        if len(handle) != CUDA_IPC_HANDLE_BYTES:
+            raise RuntimeError(f"torch shared this memory with a {len(handle)}-byte handle, not a cudaIpcMemHandle_t "
+                               "(is PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set? unset it for transport='cuda')")
+        name = f"kda-cuda-{os.getpid()}-{secrets.token_hex(6)}"
+        self._pending = _Mapped(name, memory)
+        self._pending_base = base
+        return Registration(f"/v2/cudasharedmemory/region/{quote(name, safe='')}/register", {
+            "raw_handle": {"b64": base64.b64encode(handle).decode("ascii")}, "device_id": device.index,
+            "byte_size": base + size, "ttl_s": self.ttl_s})
+
+    @staticmethod
+    def unregistration(name: str) -> tuple[str, str]:
+        """(method, path) that unregisters region ``name``."""
+        return "POST", f"/v2/cudasharedmemory/region/{quote(name, safe='')}/unregister"
+
+    def registered(self) -> Optional[str]:
+        self._base = self._pending_base
+        return super().registered()
+
+    def _written(self) -> None:
+        """The copies in are asynchronous: the server must not read before they are done."""
+        assert self._region is not None
+        torch.cuda.synchronize(self._region.memory.device)
+
+
+def _region_size(nbytes: int) -> int:
+    return max(_aligned(nbytes + nbytes // 4), 1 << 20)
 
 
 def split_sequences(sequences: Sequence[Sequence[Any]], names: Sequence[str]
@@ -211,6 +307,9 @@ def split_sequences(sequences: Sequence[Sequence[Any]], names: Sequence[str]
         for name, t in zip(names, seq[1:]):
             parts[name].append(t)
     return slots, parts
+
+
+Arena = Union[ShmArena, CudaArena]
 
 
 def is_unknown_region(problem: dict[str, Any]) -> bool:

@@ -12,10 +12,13 @@ Every reference is checked before anything runs: the region is registered, the b
 inside it, ``byte_size`` equals dtype x shape for inputs and holds the result for outputs
 (o: T x HV x V in v's dtype; final_state: N x HV x V x K in the pool dtype). A failure is a
 400 problem and changes no slot. Inputs are copied out of the region once (the kernels
-never see memory the client may change) into one host buffer, reused by a later request
-once nothing references it, decoded into `PrefillInputs` and go through the same
-validation, per-slot ordering and batching as every transport. Outputs are written
-into the named bytes before the response (`PrefillShmResponse`, JSON) says where they are.
+never see memory the client may change), decoded into `PrefillInputs` and go through the
+same validation, per-slot ordering and batching as every transport: from system regions
+into one host buffer, reused by a later request once nothing references it; from CUDA
+regions, on a GPU server, into device memory (device to device, no trip through the
+host). Outputs are written into the named bytes before the response
+(`PrefillShmResponse`, JSON) says where they are; when every output region is CUDA
+memory they go there from the device directly.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .core import ServerCore
 from .errors import InvalidRequest
 from .inputs import PrefillInputs, PrefillResult
-from .shm import Region
+from .shm import CudaRegion, Region
 from .wire.prefill import OPTIONAL_TENSORS, REQUIRED_TENSORS
 from .wire.schema import PrefillOptions, parse_model
 from .wire.tensors import JSON_DTYPES, JSON_NAMES, nbytes, view_tensor
@@ -145,15 +148,45 @@ def _room(regions: dict[str, Region], ref: ShmRef, need: int, field: str) -> Non
                              field=field)
 
 
-def _copy_out(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: WarmBuffers) -> dict[str, torch.Tensor]:
-    """Every input copied out of shared memory into one host buffer, each tensor a view of
-    it at a 64-byte aligned offset. The buffer comes from ``warm`` when one of the size is
-    free (its pages already mapped: fresh pages cost ~8x the copy), and is kept there for
-    the next request of the size once this one lets go of its tensors."""
+def _copy_out(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: WarmBuffers,
+              device: torch.device) -> dict[str, torch.Tensor]:
+    """Every input copied out of shared memory once: q, k, v, g and beta from CUDA regions
+    into one buffer on ``device`` when it is a GPU (a device-to-device copy; the launch then
+    moves nothing), the rest into one host buffer (`_copy_to_host`)."""
+    cuda = {name: region for name, t in tensors.items()
+            if isinstance(region := regions[t.shm.region], CudaRegion) and name in REQUIRED_TENSORS}
+    on_device = {name: t for name, t in tensors.items() if device.type == "cuda" and name in cuda}
+    loaded = _copy_to_host({n: t for n, t in tensors.items() if n not in on_device}, regions, warm)
+    if on_device:
+        offsets, total = _packed_offsets(on_device)
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        for name, t in on_device.items():
+            start = offsets[name]
+            cuda[name].read_into_tensor(t.shm.offset, buf[start:start + t.shm.byte_size])
+        torch.cuda.current_stream(device).synchronize()  # copied before the client may reuse its memory
+        loaded.update({name: buf[offsets[name]:offsets[name] + t.shm.byte_size].view(JSON_DTYPES[t.dtype])
+                       .view(t.shape) for name, t in on_device.items()})
+    return loaded
+
+
+def _packed_offsets(tensors: dict[str, ShmTensor]) -> tuple[dict[str, int], int]:
+    """Each tensor's offset in one buffer holding them all, 64-byte aligned; its size."""
     offsets, total = {}, 0
     for name, t in tensors.items():
         offsets[name] = total
         total += -(-t.shm.byte_size // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def _copy_to_host(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: WarmBuffers
+                  ) -> dict[str, torch.Tensor]:
+    """``tensors`` copied into one host buffer, each a view of it at a 64-byte aligned
+    offset. The buffer comes from ``warm`` when one of the size is free (its pages already
+    mapped: fresh pages cost ~8x the copy), and is kept there for the next request of the
+    size once this one lets go of its tensors."""
+    if not tensors:
+        return {}
+    offsets, total = _packed_offsets(tensors)
     buf = warm.take(total) or bytearray(total)
     warm.keep(buf)
     with memoryview(buf) as view:
@@ -187,13 +220,16 @@ def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: S
                                  field="outputs.final_state")
         _room(regions, final, N * g.num_heads * g.head_v_dim * g.head_k_dim * g.dtype.itemsize,
               "outputs.final_state")
-    loaded = _copy_out(tensors, regions, warm)
+    loaded = _copy_out(tensors, regions, warm, g.device)
+    device_outputs = g.device.type == "cuda" and all(isinstance(regions[ref.region], CudaRegion)
+                                                     for ref in (request.outputs.o, final) if ref is not None)
     inputs = PrefillInputs(
         layer=request.layer, slots=[s.slot for s in request.sequences], lengths=[s.length for s in request.sequences],
         **{name: loaded[name] for name in REQUIRED_TENSORS}, A_log=loaded.get("A_log"),
         dt_bias=loaded.get("dt_bias"), lower_bound=request.lower_bound, scale=request.scale,
         use_qk_l2norm=request.use_qk_l2norm, use_beta_sigmoid=request.use_beta_sigmoid,
         allow_neg_eigval=request.allow_neg_eigval, return_final_state=request.return_final_state,
+        device_outputs=device_outputs,
     )
     return ShmPlan(inputs, request.outputs.o, o_dtype, final)
 

@@ -76,3 +76,6 @@ class CudaShmRegister(BaseModel):
     raw_handle: RawHandle
     device_id: Annotated[int, Field(ge=0)]
     byte_size: Annotated[int, Field(ge=1)]
+    ttl_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description=(
+        "kda-serve's extension: a lease, unregistered after this many seconds without a request using it "
+        "(a client that died leaves no mapping behind); none: until unregistered"))

@@ -196,7 +196,7 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
             raw = base64.b64decode(body.raw_handle.b64, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidRequest("raw_handle.b64 is not valid base64", field="raw_handle") from None
-        registry.register_cuda(name, raw, body.device_id, body.byte_size)
+        registry.register_cuda(name, raw, body.device_id, body.byte_size, body.ttl_s)
         return {}
 
     @router.post("/v2/cudasharedmemory/unregister", summary="Unregister every CUDA shared memory region")

@@ -55,3 +55,46 @@ def test_cuda_ipc_prefill_equals_binary(server: Server, gen: torch.Generator) ->
             binary.free(r.json()["slots"][0])
     finally:
         httpx.post(f"{server.url}/v2/cudasharedmemory/region/kda-cuda/unregister")
+
+
+def _cuda_regions(server: Server) -> list[dict]:
+    return httpx.get(f"{server.url}/v2/cudasharedmemory/status").json()
+
+
+def test_client_cuda_transport_equals_binary(server: Server, gen: torch.Generator) -> None:
+    """KDAClient(transport="cuda"): device inputs, device results, the same numbers as the
+    binary path; a continuation on the same slots; one region while open, none after."""
+    first = [make_sequence(70, gen), make_sequence(1, gen), make_sequence(130, gen)]
+    second = [make_sequence(40, gen), make_sequence(65, gen), make_sequence(3, gen)]
+    before = {r["name"] for r in _cuda_regions(server)}
+    with KDAClient(server.url) as binary, KDAClient(server.url, transport="cuda") as cuda:
+        outs = []
+        for client, dev in ((binary, "cpu"), (cuda, "cuda")):
+            a = client.prefill(0, [(None, *(t.to(dev) for t in s)) for s in first], use_qk_l2norm=True)
+            b = client.prefill(0, [(slot, *(t.to(dev) for t in s)) for slot, s in zip(a.slots, second)],
+                               use_qk_l2norm=True)
+            outs.append((a, b))
+        assert len({r["name"] for r in _cuda_regions(server)} - before) == 1
+        for x, y in zip(outs[0], outs[1]):
+            assert y.o_packed.device.type == "cuda" and y.final_state.device.type == "cuda"
+            assert torch.equal(x.o_packed, y.o_packed.cpu()) and torch.equal(x.final_state, y.final_state.cpu())
+        for slot in outs[0][0].slots + outs[1][0].slots:
+            binary.free(slot)
+    assert {r["name"] for r in _cuda_regions(server)} == before
+
+
+def test_client_cuda_transport_grows_and_keeps_host_inputs_working(server: Server, gen: torch.Generator) -> None:
+    """Host tensors through transport="cuda" (copied in by the client); a larger request
+    replaces the region (the old one unregistered, not added to)."""
+    small, large = make_sequence(5, gen), make_sequence(3000, gen, dtype=torch.bfloat16)
+    with KDAClient(server.url, transport="cuda") as cuda, KDAClient(server.url) as binary:
+        a = cuda.prefill(0, [(None, *small)])
+        names = {r["name"] for r in _cuda_regions(server)}
+        b = cuda.prefill(0, [(None, *large)], return_final_state=False)
+        after = {r["name"] for r in _cuda_regions(server)}
+        assert len(after) == len(names) and after != names
+        assert b.o_packed.dtype == torch.bfloat16 and b.final_state is None
+        want = binary.prefill(0, [(None, *small)])
+        assert torch.equal(a.o_packed.cpu(), want.o_packed)
+        for slot in a.slots + b.slots + want.slots:
+            binary.free(slot)
