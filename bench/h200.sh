@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Everything the GPU machine is for, in two device calls (each at most 10 minutes):
+#   run(command="bash bench/h200.sh gpu-tests kernels", carry=[".whl", ".srvwhl"])
+#   run(command="bash bench/h200.sh cuda-ipc transport", carry=[".whl", ".srvwhl"])
+# .whl holds fla-core 0.6.0 and einops, .srvwhl the server's wheels (fastapi, starlette,
+# pydantic, pydantic-core, uvicorn, httptools, ...), all cp312, downloaded as
+# /work/.library/device/README.md says (git-ignored). Figures land under $OUT; record them in
+# bench/RESULTS.md with the commit.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl .srvwhl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD FLA_FLASH_KDA=0 TRITON_DEFAULT_FP_FUSION=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+git log --oneline -1 2>/dev/null
+wanted=" ${*:-gpu-tests kernels cuda-ipc transport} "
+step() {  # name, time limit (s), command...
+    local name=$1 limit=$2; shift 2
+    [[ $wanted == *" $name "* ]] || return 0
+    echo "== $name"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "exit $? ($name)"; tail -n 25 "$OUT/$name.log"
+}
+step gpu-tests 180 python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport
+step kernels 400 python3 bench/kernels.py --sweep --json "$OUT/kernels.json"
+step cuda-ipc 300 python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json"
+step transport 240 python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3
