@@ -46,9 +46,7 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +61,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.server_process import start_server  # noqa: E402
 from kernels import chunk_kda  # noqa: E402
 from service.client import _server_timing  # noqa: E402
 from service.cuda_ipc import unavailable_reason  # noqa: E402
@@ -216,61 +215,6 @@ def median_phases(timings: Sequence[dict[str, float]]) -> dict[str, float]:
     """Per phase, the median over the responses that carry it (ms)."""
     names = {name for t in timings for name in t}
     return {name: statistics.median(t[name] for t in timings if name in t) for name in sorted(names)}
-
-
-# -- the server ---------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    """A running ``python -m service.cli`` and the file its output goes to."""
-
-    url: str
-    process: subprocess.Popen
-    log: Path
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-chars:]
-
-    def stop(self) -> int:
-        """SIGTERM (drain, exit), SIGKILL after 60 s; the exit status."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(30)
-        return self.process.returncode
-
-
-def start_server(args: Sequence[str], log: Path, timeout_s: float) -> Server:
-    """kda-serve on a free loopback port, once ``/health/ready`` (kernels warm) says 200;
-    its stdout and stderr go to ``log`` (shown when it fails to come up)."""
-    port = free_port()
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port),
-                                    "--log-level", "warning", *args], cwd=ROOT,
-                                   env={**os.environ, "PYTHONPATH": path}, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"kda-serve exited with {process.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.url}/health/ready", timeout=2, trust_env=False).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"kda-serve not ready after {timeout_s:.0f} s:\n{server.log_tail()}")
 
 
 # -- one case on the GPU ----------------------------------------------------------------------------

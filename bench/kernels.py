@@ -288,7 +288,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=rows, accuracy=acc, resources=res), f, indent=1)
 
-    print(f"\n| case | tokens | ours ms | fla-core ms | speed-up | o vs fla | state vs fla |")
+    print("\n| case | tokens | ours ms | fla-core ms | speed-up | o vs fla | state vs fla |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['case']} | {r['tokens']} | {r['ours_ms']:.3f} | {r.get('fla_ms', float('nan')):.3f} | "

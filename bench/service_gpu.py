@@ -12,19 +12,16 @@ of HTTP and transfer in a request shows.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.server_process import start_server  # noqa: E402
 from kernels import chunk_kda  # noqa: E402
 from service.client import KDAClient  # noqa: E402
 
@@ -32,29 +29,9 @@ H, K = 32, 128
 CASES = [(1, 4096), (8, 512), (64, 128), (4, 4096)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, slots: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port), "--device", "cuda",
-           "--backend", "triton", "--num-layers", "1", "--num-slots", str(slots), "--num-heads", str(H),
-           "--head-dim", str(K), "--max-body-mb", "2048", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kda-serve exited {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("kda-serve not ready")
+def server_args(slots: int) -> list[str]:
+    return ["--device", "cuda", "--backend", "triton", "--num-layers", "1", "--num-slots", str(slots),
+            "--num-heads", str(H), "--head-dim", str(K), "--max-body-mb", "2048"]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,14 +43,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    port = free_port()
-    proc = start_server(port, slots=max(n for n, _ in CASES) * (args.repeats + 1))
+    server = start_server(server_args(max(n for n, _ in CASES) * (args.repeats + 1)), Path("kda-serve-gpu.log"))
     gen = torch.Generator().manual_seed(0)
     A_log, dt_bias = torch.rand(H, generator=gen), torch.randn(H, K, generator=gen)
     opts = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
     print(f"{'case':>10} {'MB in':>7} {'wall ms':>8} {'kernel ms':>9} {'MB/s':>7} {'rel o':>9} {'rel state':>9}")
     try:
-        with KDAClient(f"http://127.0.0.1:{port}", timeout=300) as client:
+        with KDAClient(server.url, timeout=300) as client:
             for n, length in CASES:
                 seqs = []
                 for _ in range(n):
@@ -99,8 +75,7 @@ def main() -> None:
                 print(f"{n:>4}x{length:<5} {mb:7.1f} {best * 1e3:8.2f} {min(kernel):9.3f} {mb / best:7.0f} "
                       f"{rel(out.o_packed.cuda(), o_ref[0]):9.2e} {rel(out.final_state.cuda(), pool):9.2e}")
     finally:
-        proc.terminate()
-        print(f"kda-serve exit status on SIGTERM: {proc.wait(60)}")
+        print(f"kda-serve exit status on SIGTERM: {server.stop()}")
 
 
 if __name__ == "__main__":

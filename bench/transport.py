@@ -29,62 +29,22 @@ import asyncio
 import multiprocessing as mp
 import os
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.server_process import start_server  # noqa: E402
 from service.client import AsyncKDAClient, KDAClient  # noqa: E402
 
 # Request geometry: bytes per token-head high, so 100 MB is few tokens (a short kernel).
 HV, K, V = 32, 128, 128
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-
-
-def start_server(args: Sequence[str]) -> Server:
-    """``python -m service.cli`` on a free port, ready (kernels warm)."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-         *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
-                return Server(url, process)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server not ready")
 
 
 # -- (a) raw socket -------------------------------------------------------------------------
