@@ -21,15 +21,20 @@ case (``--cases`` x ``--dtypes``):
 4. checks that the o and final states the server wrote into the region equal what that
    in-process ``chunk_kda`` gives from zero states (relative L2 < 1e-2).
 
+5. client e2e: the product path, ``KDAClient(url, transport="cuda")`` on the same device
+   tensors (the client copies them into its own CUDA region; results come back as device
+   tensors), median of ``--repeats``.
+
 Serving config of TARGETS.md: lower_bound gate (-5) with A_log and dt_bias, q/k l2norm,
-beta sigmoid. Columns: ``e2e ms`` (2), ``kernel ms`` (3), ``kernel/e2e``, ``overhead ms``
-(e2e - kernel), then the server's own phases from its ``Server-Timing`` header (medians,
-ms): ``decode`` (bounds checks, and the copy of the inputs out of the region into host
-memory), ``validate`` (the NaN/Inf scan), ``kernel`` (inputs to the device, the
-launch, o and final states back to the host), ``encode`` (o and final states written into
-the region, device synchronized); ``rest`` = e2e - the four (HTTP, the JSON documents, the
-batcher's queue). The server's batch window is 0 unless ``--batch-window-ms`` says otherwise (its
-default, 1 ms, would add up to that much waiting to a lone request).
+beta sigmoid. Columns: ``e2e ms`` (2), ``client e2e ms`` (5), ``kernel ms`` (3),
+``kernel/e2e``, ``overhead ms`` (e2e - kernel), then the server's own phases from its
+``Server-Timing`` header (medians, ms): ``decode`` (bounds checks, and the copy of q, k, v,
+g, beta out of the region into the server's GPU memory, device to device), ``validate``
+(the NaN/Inf scan, on the GPU), ``kernel`` (the launch; o and final states stay on the
+device), ``encode`` (o and final states written into the region, device synchronized);
+``rest`` = e2e - the four (HTTP, the JSON documents, the batcher's queue). The server's
+batch window is 0 unless ``--batch-window-ms`` says otherwise (its default, 1 ms, would add
+up to that much waiting to a lone request).
 
 On the GPU machine, from the repository root (the script puts the repository first on
 its own and the server's path, keeping PYTHONPATH; exit status 1 when a check fails, 2
@@ -63,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.server_process import start_server  # noqa: E402
 from kernels import chunk_kda  # noqa: E402
-from service.client import _server_timing  # noqa: E402
+from service.client import KDAClient, _server_timing  # noqa: E402
 from service.cuda_ipc import unavailable_reason  # noqa: E402
 from service.shm_prefill import SHM_JSON  # noqa: E402
 from service.wire.tensors import JSON_NAMES  # noqa: E402
@@ -233,6 +238,7 @@ class Result:
     server_ms: dict[str, float]
     rel_o: float
     rel_final_state: float
+    client_ms: float = float("nan")  # KDAClient(transport="cuda") on the same device tensors, median
     e2e_all_ms: list[float] = field(default_factory=list)
 
     @property
@@ -295,7 +301,26 @@ def kernel_ms(call: Callable[[], torch.Tensor], rep_ms: int) -> float:
     return float(do_bench(call, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
 
 
-def run_case(http: httpx.Client, case: Case, index: int, args: argparse.Namespace) -> Result:
+def client_seconds(client: KDAClient, inputs: dict[str, torch.Tensor], case: Case, repeats: int) -> float:
+    """Median wall seconds of ``client.prefill`` (the product path: the client copies the
+    device tensors into its own CUDA region, the results come back as device tensors) on
+    the case's sequences, each on a new slot, freed outside the timing."""
+    seqs = [(None, *(inputs[name][i * case.length:(i + 1) * case.length] for name in INPUTS[:5]))
+            for i in range(case.sequences)]
+    options = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=LOWER_BOUND,
+                   use_qk_l2norm=True, use_beta_sigmoid=True)
+    walls = []
+    for i in range(repeats + 1):  # the first sizes the client's region
+        t0 = time.perf_counter()
+        out = client.prefill(0, seqs, **options)
+        if i:
+            walls.append(time.perf_counter() - t0)
+        for slot in out.slots:
+            client.free(slot)
+    return statistics.median(walls)
+
+
+def run_case(http: httpx.Client, client: KDAClient, case: Case, index: int, args: argparse.Namespace) -> Result:
     """Buffer, registration, e2e timing, correctness, kernel timing of one case."""
     device = torch.device("cuda", 0)
     layout = make_layout(case)
@@ -325,20 +350,21 @@ def run_case(http: httpx.Client, case: Case, index: int, args: argparse.Namespac
     rel_o, rel_final = rel(o_got, o_want), rel(final_got, pool)
     return Result(case.name, case.sequences, case.length, JSON_NAMES[case.dtype], case.tokens,
                   statistics.median(walls) * 1e3, kernel_ms(call, args.kernel_rep_ms), median_phases(timings),
-                  rel_o, rel_final, [w * 1e3 for w in walls])
+                  rel_o, rel_final, client_seconds(client, inputs, case, args.repeats) * 1e3,
+                  [w * 1e3 for w in walls])
 
 
 # -- report -------------------------------------------------------------------------------------------
 
 def table(results: Sequence[Result]) -> str:
     """The figures as a Markdown table."""
-    head = ["case", "tokens", "e2e ms", "kernel ms", "kernel/e2e", "overhead ms",
+    head = ["case", "tokens", "e2e ms", "client e2e ms", "kernel ms", "kernel/e2e", "overhead ms",
             *(f"server {p} ms" for p in PHASES), "rest ms", "rel o", "rel state", "check"]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 2) + " --- |"]
     for r in results:
         phases = [r.server_ms.get(p, float("nan")) for p in PHASES]
         rest = r.e2e_ms - sum(phases)
-        cells = [r.case, str(r.tokens), f"{r.e2e_ms:.2f}", f"{r.kernel_ms:.2f}", f"{r.ratio:.2f}",
+        cells = [r.case, str(r.tokens), f"{r.e2e_ms:.2f}", f"{r.client_ms:.2f}", f"{r.kernel_ms:.2f}", f"{r.ratio:.2f}",
                  f"{r.overhead_ms:.2f}", *(f"{p:.2f}" for p in phases), f"{rest:.2f}",
                  f"{r.rel_o:.1e}", f"{r.rel_final_state:.1e}", "ok" if r.ok else "FAIL"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -385,11 +411,13 @@ def main() -> int:
         server = start_server(server_args, Path(tmp) / "kda-serve.log", args.start_timeout_s)
         results: list[Result] = []
         try:
-            with httpx.Client(base_url=server.url, timeout=600, trust_env=False) as http:  # no proxy
+            with httpx.Client(base_url=server.url, timeout=600, trust_env=False) as http, \
+                    KDAClient(server.url, timeout=600, transport="cuda") as client:  # no proxy: loopback
                 for i, case in enumerate(cases):
-                    results.append(run_case(http, case, i, args))
+                    results.append(run_case(http, client, case, i, args))
                     r = results[-1]
-                    print(f"{r.case}: e2e {r.e2e_ms:.2f} ms (n={len(r.e2e_all_ms)}), kernel {r.kernel_ms:.2f} ms, "
+                    print(f"{r.case}: e2e {r.e2e_ms:.2f} ms (n={len(r.e2e_all_ms)}), client {r.client_ms:.2f} ms, "
+                          f"kernel {r.kernel_ms:.2f} ms, "
                           f"rel o {r.rel_o:.1e}, rel state {r.rel_final_state:.1e}", flush=True)
         except Exception:
             print(f"kda-serve log (tail):\n{server.log_tail()}", file=sys.stderr)
