@@ -246,23 +246,22 @@ class CudaArena(_Arena):
     device to device, and writes o and final_state into the region from its own GPU, so
     results arrive as tensors on this GPU.
 
-    The memory is a torch allocation on ``device`` (the current CUDA device when None); its
-    IPC handle is torch's own (the one torch.multiprocessing sends), so the server maps the
-    allocator's whole block and offsets count from the block's start. The server must see
+    The memory is a torch allocation on the current CUDA device; its IPC handle is torch's
+    own (the one torch.multiprocessing sends), so the server maps the allocator's whole
+    block and offsets count from the block's start. The server must see
     the same GPU under the same device id. torch keeps a shared block until process exit,
     so a region replaced by a larger one stays allocated: size the first request large.
     Not with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torch then shares
     another kind of handle)."""
 
-    def __init__(self, ttl_s: float, views: bool, device: Optional[torch.device] = None) -> None:
+    def __init__(self, ttl_s: float, views: bool) -> None:
         super().__init__(ttl_s, views)
-        self.device = device
         self._pending_base = 0
 
     def create(self, nbytes: int) -> Registration:
         """Allocate a region of at least ``nbytes`` (1.25x headroom) on the GPU; its
         registration, to send before `registered`."""
-        device = self.device or torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", torch.cuda.current_device())
         size = _region_size(nbytes)
         memory = torch.empty(size, dtype=torch.uint8, device=device)
         _, handle, _, base, *_ = memory.untyped_storage()._share_cuda_()

@@ -153,16 +153,17 @@ def _copy_out(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: W
     """Every input copied out of shared memory once: q, k, v, g and beta from CUDA regions
     into one buffer on ``device`` when it is a GPU (a device-to-device copy; the launch then
     moves nothing), the rest into one host buffer (`_copy_to_host`)."""
-    cuda = {name: region for name, t in tensors.items()
-            if isinstance(region := regions[t.shm.region], CudaRegion) and name in REQUIRED_TENSORS}
-    on_device = {name: t for name, t in tensors.items() if device.type == "cuda" and name in cuda}
+    on_device = {name: t for name, t in tensors.items() if device.type == "cuda" and name in REQUIRED_TENSORS
+                 and isinstance(regions[t.shm.region], CudaRegion)}
     loaded = _copy_to_host({n: t for n, t in tensors.items() if n not in on_device}, regions, warm)
     if on_device:
         offsets, total = _packed_offsets(on_device)
         buf = torch.empty(total, dtype=torch.uint8, device=device)
         for name, t in on_device.items():
+            region = regions[t.shm.region]
+            assert isinstance(region, CudaRegion)
             start = offsets[name]
-            cuda[name].read_into_tensor(t.shm.offset, buf[start:start + t.shm.byte_size])
+            region.read_into_tensor(t.shm.offset, buf[start:start + t.shm.byte_size])
         torch.cuda.current_stream(device).synchronize()  # copied before the client may reuse its memory
         loaded.update({name: buf[offsets[name]:offsets[name] + t.shm.byte_size].view(JSON_DTYPES[t.dtype])
                        .view(t.shape) for name, t in on_device.items()})
