@@ -363,6 +363,8 @@ class ServerCore:
         indices = torch.tensor(rows, dtype=torch.int64, device=device)
         pool_layer = self.pool.layer_view(layer)
         slots = [s for job in jobs for s in job.slots]
+        wants_final = any(job.valid.inputs.return_final_state for job in jobs)
+        to_host = any(not job.valid.inputs.device_outputs for job in jobs)
         start = time.perf_counter()
         try:
             o = kernels.chunk_kda(
@@ -374,17 +376,15 @@ class ServerCore:
                 lower_bound=gate.lower_bound, use_beta_sigmoid_in_kernel=x.use_beta_sigmoid,
                 allow_neg_eigval=x.allow_neg_eigval, backend=self.backend,
             )[0]
+            finals = pool_layer.index_select(0, indices) if wants_final else None
+            o_host = o.cpu() if to_host else None  # (a kernel's asynchronous failure surfaces here)
+            finals_host = finals.cpu() if to_host and finals is not None else None
+            if device.type == "cuda" and not to_host:
+                torch.cuda.current_stream(device).synchronize()  # or here; results complete before any response
         except Exception:
             self.pool.mark_lost(slots)
             log.error("launch failed; marked %d slot(s) state_lost: %s", len(slots), slots)
             raise
-        wants_final = any(job.valid.inputs.return_final_state for job in jobs)
-        finals = pool_layer.index_select(0, indices) if wants_final else None
-        to_host = any(not job.valid.inputs.device_outputs for job in jobs)
-        o_host = o.cpu() if to_host else None
-        finals_host = finals.cpu() if to_host and finals is not None else None
-        if device.type == "cuda" and not to_host:
-            torch.cuda.current_stream(device).synchronize()  # results complete before any response
         kernel_s = time.perf_counter() - start
         for slot_id, n in zip(slots, lengths):
             self.pool.record_tokens(slot_id, layer, n)
