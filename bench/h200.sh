@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything the GPU machine is for, in two device calls (each at most 10 minutes):
-#   run(command="bash bench/h200.sh gpu-tests kernels", carry=[".whl", ".srvwhl"])
-#   run(command="bash bench/h200.sh cuda-ipc transport", carry=[".whl", ".srvwhl"])
+# Everything the GPU machine is for, in three device calls (each at most 10 minutes):
+#   run(command="bash bench/h200.sh gpu-tests cuda-ipc", carry=[".whl", ".srvwhl"])
+#   run(command="bash bench/h200.sh kernels", carry=[".whl", ".srvwhl"])
+#   run(command="bash bench/h200.sh transport", carry=[".whl", ".srvwhl"])
 # .whl holds fla-core 0.6.0 and einops, .srvwhl the server's wheels (fastapi, starlette,
 # pydantic, pydantic-core, uvicorn, httptools, ...), all cp312, downloaded as
 # /work/.library/device/README.md says (git-ignored). Figures land under $OUT; record them in
@@ -22,7 +23,7 @@ step() {  # name, time limit (s), command...
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "exit $? ($name)"; tail -n 25 "$OUT/$name.log"
 }
-step gpu-tests 180 python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport
-step kernels 400 python3 bench/kernels.py --sweep --json "$OUT/kernels.json"
-step cuda-ipc 300 python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json"
-step transport 240 python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3
+step gpu-tests 260 python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store
+step kernels 520 python3 bench/kernels.py --sweep --json "$OUT/kernels.json"
+step cuda-ipc 280 python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json"
+step transport 400 python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3

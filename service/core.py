@@ -44,6 +44,7 @@ from .errors import InvalidRequest, StateLost
 from .gates import Gate, load_gate_params
 from .inputs import PrefillInputs, PrefillResult
 from .metrics import Metrics
+from .staging import PinnedStaging
 from .validation import ValidPrefill, validate_prefill, validate_state
 from .worker import DeviceWorker, run_cpu
 
@@ -85,6 +86,8 @@ class ServerCore:
         self._checkpoint_hooks: list[Callable[[], None]] = []
         self.ordering = SlotOrdering()
         self.worker = DeviceWorker(self.geometry.device)
+        # host inputs reach a GPU through pinned memory (`_launch`, on the worker thread only)
+        self._staging = PinnedStaging(device) if device.type == "cuda" else None
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
             self._run_batch, self.worker, self.metrics,
             window_s=settings.batch_window_ms / 1000.0, max_tokens=settings.max_batch_tokens,
@@ -353,10 +356,10 @@ class ServerCore:
         def packed(name: str) -> torch.Tensor:
             parts = [getattr(job.valid.inputs, name) for job in jobs]
             if len(parts) == 1:
-                return parts[0].to(device)[None]
+                return parts[0].to(device)
             if any(p.device != parts[0].device for p in parts):  # host bodies merged with CUDA shared memory
                 parts = [p.to(device) for p in parts]
-            return torch.cat(parts).to(device)[None]
+            return torch.cat(parts).to(device)
 
         lengths = [n for job in jobs for n in job.valid.inputs.lengths]
         cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, device=device)
@@ -367,8 +370,12 @@ class ServerCore:
         to_host = any(not job.valid.inputs.device_outputs for job in jobs)
         start = time.perf_counter()
         try:
+            names = ("q", "k", "v", "g", "beta")
+            staged = None if self._staging is None else self._staging.to_device(
+                [[getattr(job.valid.inputs, name) for job in jobs] for name in names])
+            q, k, v, g, beta = (t[None] for t in (staged or [packed(name) for name in names]))
             o = kernels.chunk_kda(
-                packed("q"), packed("k"), packed("v"), packed("g"), packed("beta"),
+                q, k, v, g, beta,
                 scale=x.scale, initial_state=pool_layer, initial_state_indices=indices,
                 use_qk_l2norm_in_kernel=x.use_qk_l2norm, cu_seqlens=cu_seqlens,
                 A_log=None if gate.A_log is None else gate.A_log.to(device),
