@@ -49,9 +49,10 @@ DECODE = (256, 1)
 VARIANTS: dict[str, dict] = {
     "fused prep": dict(fuse_prep=True),
     "fused prep, WY slices 64": dict(fuse_prep=True, wy_bk=64),
-    "fused prep, 8 warps": dict(fuse_prep=True, intra_warps=8),
     "solve diag16": dict(solve_diag16=True),
     "fused prep + diag16": dict(fuse_prep=True, solve_diag16=True),
+    "decode BV 64": dict(rec_bv=64),
+    "decode 2 warps": dict(rec_warps=2),
 }
 
 
