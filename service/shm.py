@@ -31,7 +31,7 @@ from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
-from .cuda_ipc import IpcMemory, unavailable_reason
+from .cuda_ipc import IpcMemory, copy_stream, unavailable_reason
 from .errors import InvalidRequest
 from .wire.tensors import tensor_bytes, view_tensor
 
@@ -152,15 +152,15 @@ class CudaRegion(_Region):
         self._memory = IpcMemory(raw_handle, device_id, byte_size)
 
     def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        """Copied to the host like every other transport's inputs: the batcher packs one
-        launch's inputs with torch.cat before moving them to the device, so a device tensor
-        here could not share a launch with a host one."""
+        """A host copy (the KServe codec's tensors are host tensors), complete on return."""
         nbytes = math.prod(shape) * dtype.itemsize
-        return self._memory.tensor[offset:offset + nbytes].cpu().view(dtype).view(shape)
+        with torch.cuda.stream(copy_stream(self._memory.device)):
+            return self._memory.tensor[offset:offset + nbytes].cpu().view(dtype).view(shape)
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         if dest.nbytes:
-            torch.frombuffer(dest, dtype=torch.uint8).copy_(self._memory.tensor[offset:offset + dest.nbytes])
+            with torch.cuda.stream(copy_stream(self._memory.device)):
+                torch.frombuffer(dest, dtype=torch.uint8).copy_(self._memory.tensor[offset:offset + dest.nbytes])
 
     def read_into_tensor(self, offset: int, dest: torch.Tensor) -> None:
         """Copy the ``dest.numel()`` bytes at ``offset`` into the uint8 tensor ``dest`` on
@@ -169,9 +169,13 @@ class CudaRegion(_Region):
             dest.copy_(self._memory.tensor[offset:offset + dest.numel()])
 
     def write(self, offset: int, t: torch.Tensor) -> None:
+        """``t`` (on the host, or on a GPU and complete: the launch synchronized) stored at
+        ``offset``, in place when this returns."""
         data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._memory.tensor[offset:offset + data.numel()].copy_(data)
-        torch.cuda.synchronize(self._memory.device)  # in place before the response says so
+        stream = copy_stream(self._memory.device)
+        with torch.cuda.stream(stream):
+            self._memory.tensor[offset:offset + data.numel()].copy_(data)
+        stream.synchronize()  # in place before the response says so
 
     def status(self) -> dict[str, Union[str, int]]:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}

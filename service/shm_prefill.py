@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .core import ServerCore
 from .errors import InvalidRequest
 from .inputs import PrefillInputs, PrefillResult
+from .cuda_ipc import copy_stream
 from .shm import CudaRegion, Region
 from .wire.prefill import OPTIONAL_TENSORS, REQUIRED_TENSORS
 from .wire.schema import PrefillOptions, parse_model
@@ -158,13 +159,16 @@ def _copy_out(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: W
     loaded = _copy_to_host({n: t for n, t in tensors.items() if n not in on_device}, regions, warm)
     if on_device:
         offsets, total = _packed_offsets(on_device)
-        buf = torch.empty(total, dtype=torch.uint8, device=device)
-        for name, t in on_device.items():
-            region = regions[t.shm.region]
-            assert isinstance(region, CudaRegion)
-            start = offsets[name]
-            region.read_into_tensor(t.shm.offset, buf[start:start + t.shm.byte_size])
-        torch.cuda.current_stream(device).synchronize()  # copied before the client may reuse its memory
+        stream = copy_stream(device)
+        with torch.cuda.stream(stream):
+            buf = torch.empty(total, dtype=torch.uint8, device=device)
+            for name, t in on_device.items():
+                region = regions[t.shm.region]
+                assert isinstance(region, CudaRegion)
+                start = offsets[name]
+                region.read_into_tensor(t.shm.offset, buf[start:start + t.shm.byte_size])
+        stream.synchronize()  # copied before the client may reuse its memory (no launch in flight waited for)
+        buf.record_stream(torch.cuda.default_stream(device))  # the launch reads it there
         loaded.update({name: buf[offsets[name]:offsets[name] + t.shm.byte_size].view(JSON_DTYPES[t.dtype])
                        .view(t.shape) for name, t in on_device.items()})
     return loaded
