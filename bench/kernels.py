@@ -48,9 +48,10 @@ DECODE = (256, 1)
 # variants of our launch config timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
     "fused prep": dict(fuse_prep=True),
-    "fused prep, WY slices 64": dict(fuse_prep=True, wy_bk=64),
     "solve diag16": dict(solve_diag16=True),
-    "fused prep + diag16": dict(fuse_prep=True, solve_diag16=True),
+    "factored A": dict(factored_a=True),
+    "all three": dict(fuse_prep=True, solve_diag16=True, factored_a=True),
+    "fused prep, WY slices 64": dict(fuse_prep=True, wy_bk=64),
     "decode BV 64": dict(rec_bv=64),
     "decode 2 warps": dict(rec_warps=2),
 }

@@ -159,8 +159,8 @@ def run_triton(
     def parallel(c0: int, c1: int) -> None:
         chunks = plan.chunks[c0:c1]
         intra = dict(BK=cfg.intra_bk, BKD=cfg.intra_bkd, **flags, SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec,
-                     FLOOR=LOG_DECAY_FLOOR, FP16_SOLVE=fp16_solve, DIAG16=cfg.solve_diag16, num_warps=cfg.intra_warps,
-                     num_stages=cfg.intra_stages)
+                     FLOOR=LOG_DECAY_FLOOR, FP16_SOLVE=fp16_solve, DIAG16=cfg.solve_diag16, FACTORED=cfg.factored_a,
+                     num_warps=cfg.intra_warps, num_stages=cfg.intra_stages)
         if cfg.fuse_prep:
             chunk_prep_kernel[(c1 - c0, HV)](
                 q, k, v, g, beta, a_log, dt_bias, aqk, w, u, kg, qg, gexp, chunks, p.scale, lower_bound,

@@ -50,6 +50,8 @@ class LaunchConfig:
     fuse_prep: bool = False
     # Solve levels inside 16-row blocks on the diagonal blocks alone (`intra.solve_unit_lower`).
     solve_diag16: bool = False
+    # The k side of A from block-level and in-block decay factors (`intra.chunk_matrices`).
+    factored_a: bool = False
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)
@@ -75,12 +77,14 @@ PIECE_CHUNK_HEADS = 4096
 
 # The triangular solve in fp16 where its entries are bounded (`LaunchConfig.fp16_solve`).
 FP16_SOLVE = True
-# Intra and WY as one kernel per chunk (`LaunchConfig.fuse_prep`), and the solve's first
-# levels on [4, 16, 16] diagonal blocks (`LaunchConfig.solve_diag16`). Both are verified
+# Intra and WY as one kernel per chunk (`LaunchConfig.fuse_prep`), the solve's first levels
+# on [4, 16, 16] diagonal blocks (`LaunchConfig.solve_diag16`) and A's k side from factored
+# decays (`LaunchConfig.factored_a`). All are verified
 # (interpreter tests) but not yet timed on a GPU, so the measured two-kernel path and
 # full-width solve stay the default until `bench/kernels.py --sweep` shows them faster.
 FUSE_PREP = False
 SOLVE_DIAG16 = False
+FACTORED_A = False
 
 
 def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
@@ -126,7 +130,7 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
             wy_stages=1, wy_block_scan=True, state_bv=bv, state_warps=4, state_stages=1,
             out_bk=bk, out_bv=bv, out_warps=4, out_stages=1,
             rec_bv=bv, rec_warps=4, fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=PIECE_CHUNK_HEADS,
-            fuse_prep=FUSE_PREP, solve_diag16=SOLVE_DIAG16,
+            fuse_prep=FUSE_PREP, solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A,
         )
     return LaunchConfig(
         intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, intra_stages=3, wy_bk=min(bk, 32), wy_bv=min(bv, 64),
@@ -134,5 +138,5 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
         out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
         fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=None, fuse_prep=FUSE_PREP,
-        solve_diag16=SOLVE_DIAG16,
+        solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A,
     )

@@ -130,7 +130,7 @@ def chunk_matrices(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, USE_L2NORM: tl.constexpr,
-    SAFE: tl.constexpr, DOT_PREC: tl.constexpr, FLOOR: tl.constexpr,
+    SAFE: tl.constexpr, DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, FACTORED: tl.constexpr,
 ):
     """One chunk's intra-chunk matrices, from its first rows: q_c, k_c [.., H, K], g_c
     [.., HV, K] and beta_c [.., HV] point at the chunk's first token and head; n_t <= 64
@@ -139,6 +139,12 @@ def chunk_matrices(
     Returns (A_qk [64, 64] fp32 with s <= t, L [64, 64] fp32 = diag(beta) A_kk strictly
     lower, beta [64] activated, rq [64] = scale / |q_t|, rk [64] = 1 / |k_t|); rows and
     columns past n_t are zero.
+
+    FACTORED: the k side's exp(Off_i - G_s), for s in block j, is taken as the product
+    exp(Off_i - Off_(j+1)) * exp(R_s) (R_s the exclusive suffix inside block j): 16 + 1
+    exponentials per key column instead of 4 x 16, and no [64, BK] cumsum G. Both factors
+    are <= 1 for j < i; for j == i (SAFE) the first is exp(-Tot_i) <= exp(80) and the second
+    >= exp(-75), so the product loses nothing an underflow would not also lose unfactored.
     """
     o_t = tl.arange(0, 64)
     m_t = o_t < n_t
@@ -158,8 +164,10 @@ def chunk_matrices(
     jb = blk_t[None, :, None]
     if SAFE:
         m_ks = jb <= ib
+        m_ij = o_b[None, :, None] <= o_b[:, None, None]  # [NB(i), NB(j), 1]
     else:
         m_ks = jb < ib
+        m_ij = o_b[None, :, None] < o_b[:, None, None]
     acc_qk = tl.zeros([4, 16, 64], dtype=tl.float32)
     acc_kk = tl.zeros([4, 16, 64], dtype=tl.float32)
     sq_q = tl.zeros([64, BK], dtype=tl.float32)
@@ -171,13 +179,18 @@ def chunk_matrices(
         gt = decay_tile(g_c, a, bias, lower_bound, o_t, m_t, cols, m_c, HV * K, GATE, FLOOR)
         F3, Tot, R3 = block_sums(gt, BK)
         off = tl.sum(tl.where(before[:, :, None], Tot[None, :, :], 0.0), axis=1)  # [NB, BK]
-        G = tl.reshape(F3 + off[:, None, :], [64, BK])
         qt = load_rows(q_c, o_t, m_t, H * K, cols, m_c)
         kt = load_rows(k_c, o_t, m_t, H * K, cols, m_c)
         sq_q += qt * qt
         sq_k += kt * kt
-        ex = tl.where(m_ks, off[:, None, :] - G[None, :, :], float("-inf"))
-        ks = tl.permute(kt[None, :, :] * tl.exp(ex), (0, 2, 1))  # [NB, BK, BT]
+        if FACTORED:
+            fac = tl.exp(tl.where(m_ij, off[:, None, :] - (off + Tot)[None, :, :], float("-inf")))  # [i, j, BK]
+            kR = tl.reshape(kt, [4, 16, BK]) * tl.exp(R3)  # [NB(j), BC, BK]
+            ks = tl.reshape(kR[None, :, :, :] * fac[:, :, None, :], [4, 64, BK])
+        else:
+            G = tl.reshape(F3 + off[:, None, :], [64, BK])
+            ks = kt[None, :, :] * tl.exp(tl.where(m_ks, off[:, None, :] - G[None, :, :], float("-inf")))
+        ks = tl.permute(ks, (0, 2, 1))  # [NB, BK, BT]
         eF = tl.exp(F3)
         acc_qk = tl.dot(tl.reshape(qt, [4, 16, BK]) * eF, ks, acc_qk, input_precision=DOT_PREC)
         acc_kk = tl.dot(tl.reshape(kt, [4, 16, BK]) * eF, ks, acc_kk, input_precision=DOT_PREC)
@@ -215,7 +228,7 @@ def chunk_intra_kernel(
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     SAFE: tl.constexpr, DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, FP16_SOLVE: tl.constexpr,
-    DIAG16: tl.constexpr,
+    DIAG16: tl.constexpr, FACTORED: tl.constexpr,
 ):
     """Grid (NTc, HV). chunks: [NTc, 3] int64 (first token, end token, h index).
 
@@ -235,7 +248,7 @@ def chunk_intra_kernel(
         q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, g + t0 * (HV * K) + i_hv * K,
         beta + t0 * HV + i_hv, a_log, dt_bias, scale, lower_bound, t1 - t0, i_hv,
         H, HV, K, BK, BKD, GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID, NEG_EIGVAL, USE_L2NORM,
-        SAFE, DOT_PREC, FLOOR,
+        SAFE, DOT_PREC, FLOOR, FACTORED,
     )
     Tm = solve_unit_lower(L, DOT_PREC, FP16_SOLVE, DIAG16)
 

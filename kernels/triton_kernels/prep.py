@@ -29,7 +29,7 @@ def chunk_prep_kernel(
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     SAFE: tl.constexpr, DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, FP16_SOLVE: tl.constexpr,
-    BLOCK_SCAN: tl.constexpr, DIAG16: tl.constexpr,
+    BLOCK_SCAN: tl.constexpr, DIAG16: tl.constexpr, FACTORED: tl.constexpr,
 ):
     """Grid (NTc, HV). chunks: [NTc, 3] int64 (first token, end token, chunk row of gexp).
 
@@ -50,7 +50,7 @@ def chunk_prep_kernel(
     A_qk, L, b, rq, rk = chunk_matrices(
         q_c, k_c, g_c, beta + t0 * HV + i_hv, a_log, dt_bias, scale, lower_bound, t1 - t0, i_hv,
         H, HV, K, BK, BKD, GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID, NEG_EIGVAL, USE_L2NORM,
-        SAFE, DOT_PREC, FLOOR,
+        SAFE, DOT_PREC, FLOOR, FACTORED,
     )
     o_r = o_t[:, None] * (HV * 64) + o_t[None, :]
     tl.store(aqk + (t0 * HV + i_hv) * 64 + o_r, A_qk.to(aqk.dtype.element_ty), mask=m_t[:, None])
