@@ -70,6 +70,7 @@ from bench.server_process import start_server  # noqa: E402
 from kernels import chunk_kda  # noqa: E402
 from service.client import KDAClient, _server_timing  # noqa: E402
 from service.cuda_ipc import unavailable_reason  # noqa: E402
+from service.shm_client import cuda_ipc_handle  # noqa: E402
 from service.shm_prefill import SHM_JSON  # noqa: E402
 from service.wire.tensors import JSON_NAMES  # noqa: E402
 
@@ -263,12 +264,9 @@ class Result:
 def register(http: httpx.Client, name: str, memory: torch.Tensor) -> int:
     """Register the caching-allocator block under ``memory`` as CUDA region ``name``; the
     offset of ``memory`` in it (torch's IPC handle opens the whole block)."""
-    _, handle, nbytes, base, *_ = memory.untyped_storage()._share_cuda_()
-    if len(handle) != 64:  # a cudaIpcMemHandle_t; expandable segments share something else
-        raise RuntimeError(f"torch's IPC handle is {len(handle)} bytes, not a 64-byte cudaIpcMemHandle_t: "
-                           "run without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    handle, base = cuda_ipc_handle(memory)
     body = {"raw_handle": {"b64": base64.b64encode(handle).decode()}, "device_id": memory.device.index,
-            "byte_size": base + nbytes}
+            "byte_size": base + memory.numel()}
     r = http.post(f"/v2/cudasharedmemory/region/{name}/register", json=body)
     if r.status_code != 200:
         raise RuntimeError(f"registering CUDA region {name!r}: {r.status_code} {r.text}")

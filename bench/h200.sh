@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything the GPU machine is for, in three device calls (each at most 10 minutes):
-#   run(command="bash bench/h200.sh gpu-tests cuda-ipc", carry=[".whl", ".srvwhl"])
+# Everything the GPU machine is for, in four device calls (each at most 10 minutes):
+#   run(command="bash bench/h200.sh gpu-tests kernel-variants", carry=[".whl", ".srvwhl"])
 #   run(command="bash bench/h200.sh kernels", carry=[".whl", ".srvwhl"])
+#   run(command="bash bench/h200.sh cuda-ipc", carry=[".whl", ".srvwhl"])
 #   run(command="bash bench/h200.sh transport", carry=[".whl", ".srvwhl"])
 # .whl holds fla-core 0.6.0 and einops, .srvwhl the server's wheels (fastapi, starlette,
 # pydantic, pydantic-core, uvicorn, httptools, ...), all cp312, downloaded as
@@ -15,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD FLA_FLASH_KDA=0 TRITON_DEFAULT_FP_FUSION=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log --oneline -1 2>/dev/null
-wanted=" ${*:-gpu-tests kernels cuda-ipc transport} "
+wanted=" ${*:-gpu-tests kernels kernel-variants cuda-ipc transport} "
 step() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     [[ $wanted == *" $name "* ]] || return 0
@@ -23,7 +24,9 @@ step() {  # name, time limit (s), command...
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "exit $? ($name)"; tail -n 25 "$OUT/$name.log"
 }
-step gpu-tests 260 python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store
-step kernels 520 python3 bench/kernels.py --sweep --json "$OUT/kernels.json"
-step cuda-ipc 280 python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json"
-step transport 400 python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3
+step gpu-tests 300 python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store
+step kernels 540 python3 bench/kernels.py --sweep --json "$OUT/kernels.json"
+# the stage-1 candidates' tests, unfiltered: on CUDA their `device` fixture is the GPU
+step kernel-variants 240 python3 -m pytest -q tests/triton/test_triton_prep.py tests/triton/test_triton_fp16_solve.py
+step cuda-ipc 540 python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json"
+step transport 540 python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3

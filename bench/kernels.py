@@ -271,9 +271,15 @@ def main() -> None:
                 row["vs_fla_state"] = rel(pa[c["idx"]], pb[c["idx"]])
             if args.sweep:
                 base = select_config(K, V, False)
+                pool_d = c["pool"].clone()
+                o_d = ours_fn(c, pool_d)()
                 for vname, over in VARIANTS.items():
                     try:
-                        row[vname] = bench(ours_fn(c, c["pool"].clone(), base.with_overrides(**over)), rep=100)
+                        cfg = base.with_overrides(**over)
+                        row[vname] = bench(ours_fn(c, c["pool"].clone(), cfg), rep=100)
+                        pool_v = c["pool"].clone()  # the variant's numbers against the default's, same inputs
+                        row[f"{vname} vs default"] = max(rel(ours_fn(c, pool_v, cfg)(), o_d),
+                                                         rel(pool_v[c["idx"]], pool_d[c["idx"]]))
                     except Exception as e:
                         row[vname] = f"error: {e!r}"[:120]
             row["kernels"] = kernel_breakdown(ours_fn(c, c["pool"].clone()))
@@ -298,10 +304,10 @@ def main() -> None:
               f"{r.get('vs_fla_state', float('nan')):.1e} |")
     if args.sweep:
         names = list(VARIANTS)
-        print("\nsweep (ms): case | default | " + " | ".join(names))
+        print("\nsweep, ms (rel L2 of o / final states against the default's): case | default | " + " | ".join(names))
         for r in rows:
             print(f"{r['case']} | {r['ours_ms']:.3f} | " + " | ".join(
-                f"{r[n]:.3f}" if isinstance(r[n], float) else "err" for n in names))
+                f"{r[n]:.3f} ({r[n + ' vs default']:.0e})" if isinstance(r[n], float) else "err" for n in names))
 
 
 if __name__ == "__main__":

@@ -348,6 +348,18 @@ class ServerCore:
             outcomes = [next(results) if o is None else o for o in outcomes]
         return outcomes
 
+    def _stage(self, groups: list[list[torch.Tensor]]) -> Optional[list[torch.Tensor]]:
+        """``groups`` packed on the GPU through pinned memory (`PinnedStaging`), or None for
+        plain copies: no GPU, a launch it does not take, or pinned memory refused (the pool
+        is untouched then, so nothing is lost)."""
+        if self._staging is None:
+            return None
+        try:
+            return self._staging.to_device(groups)
+        except RuntimeError as e:
+            log.warning("pinned staging failed, copying this launch's inputs directly: %s", e)
+            return None
+
     def _launch(self, jobs: list[_Job], rows: list[int]) -> list[PrefillResult]:
         device = self.geometry.device
         first = jobs[0].valid
@@ -368,11 +380,10 @@ class ServerCore:
         slots = [s for job in jobs for s in job.slots]
         wants_final = any(job.valid.inputs.return_final_state for job in jobs)
         to_host = any(not job.valid.inputs.device_outputs for job in jobs)
+        names = ("q", "k", "v", "g", "beta")
         start = time.perf_counter()
+        staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in names])
         try:
-            names = ("q", "k", "v", "g", "beta")
-            staged = None if self._staging is None else self._staging.to_device(
-                [[getattr(job.valid.inputs, name) for job in jobs] for name in names])
             q, k, v, g, beta = (t[None] for t in (staged or [packed(name) for name in names]))
             o = kernels.chunk_kda(
                 q, k, v, g, beta,

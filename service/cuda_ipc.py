@@ -3,8 +3,9 @@ cuda-python's runtime bindings (``cuda.bindings.runtime``, the package tritoncli
 ``tritonclient.utils.cuda_shared_memory`` uses to make such handles).
 
 A client allocates device memory, takes a ``cudaIpcMemHandle_t`` of it and registers the
-handle's 64 raw bytes (base64); `IpcMemory` opens it here and views it as a torch uint8
-tensor on that device, without a copy. The client must have finished writing before it
+handle's 64 raw bytes (base64); `IpcMemory` opens it here (once per handle: `IpcMappings`),
+checks the registered size against the allocation, and views it as a torch uint8 tensor
+on that device, without a copy. The client must have finished writing before it
 sends a request that reads the region (the protocol's rule, as in Triton).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -50,11 +51,13 @@ class _CudaArray:
 
 
 class IpcMemory:
-    """An opened IPC handle: ``tensor`` is uint8 [byte_size] on ``cuda:device_id`` over the
-    client's allocation. `close` unmaps it (the client's memory stays the client's)."""
+    """An opened IPC handle: the client's whole allocation, ``size`` bytes on
+    ``cuda:device_id`` from ``pointer``. `view` gives uint8 tensors over it without a copy;
+    `close` unmaps it (the client's memory stays the client's)."""
 
-    def __init__(self, raw_handle: bytes, device_id: int, byte_size: int) -> None:
-        from cuda.bindings import runtime as cudart  # present: see unavailable_reason
+    def __init__(self, raw_handle: bytes, device_id: int) -> None:
+        from cuda.bindings import driver  # present: see unavailable_reason
+        from cuda.bindings import runtime as cudart
 
         self._cudart = cudart
         if len(raw_handle) != cudart.CUDA_IPC_HANDLE_SIZE:
@@ -65,23 +68,67 @@ class IpcMemory:
                                  f"{torch.cuda.device_count()} CUDA device(s)", field="device_id")
         handle = cudart.cudaIpcMemHandle_t()
         ctypes.memmove(handle.getPtr(), raw_handle, len(raw_handle))
+        self.key = (device_id, bytes(raw_handle))
         self.device = torch.device("cuda", device_id)
         with torch.cuda.device(self.device):
             torch.cuda.init()  # the primary context the IPC mapping lives in
             err, pointer = cudart.cudaIpcOpenMemHandle(handle, cudart.cudaIpcMemLazyEnablePeerAccess)
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise InvalidRequest(f"cudaIpcOpenMemHandle failed: {self._error_name(err)} (the handle must come from "
-                                 f"cudaIpcGetMemHandle in another process, on device {device_id})", field="raw_handle")
-        self._pointer = int(pointer)
-        self.tensor = torch.as_tensor(_CudaArray(self._pointer, byte_size), device=self.device)
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise InvalidRequest(f"cudaIpcOpenMemHandle failed: {self._error_name(err)} (the handle must come "
+                                     f"from cudaIpcGetMemHandle in another process, on device {device_id})",
+                                     field="raw_handle")
+            self.pointer = int(pointer)
+            err, _, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(self.pointer))
+        if err != driver.CUresult.CUDA_SUCCESS:
+            self.close()
+            raise RuntimeError(f"cuMemGetAddressRange failed on an opened IPC handle: {err}")
+        self.size = int(size)
+
+    def view(self, byte_size: int) -> torch.Tensor:
+        """uint8 [byte_size] over the allocation's first bytes; InvalidRequest (400) when the
+        allocation is smaller (a kernel reading past it would fault the whole server)."""
+        if byte_size > self.size:
+            raise InvalidRequest(f"byte_size {byte_size} exceeds the {self.size} bytes of the CUDA allocation the "
+                                 "handle names", field="byte_size")
+        return torch.as_tensor(_CudaArray(self.pointer, byte_size), device=self.device)
 
     def _error_name(self, err: Any) -> str:
         return self._cudart.cudaGetErrorName(err)[1].decode()
 
     def close(self) -> None:
-        """Drop the view and unmap the client's memory; RuntimeError if CUDA refuses."""
-        del self.tensor
+        """Unmap the client's memory (no view of it may be used after); RuntimeError if CUDA refuses."""
         with torch.cuda.device(self.device):
-            (err,) = self._cudart.cudaIpcCloseMemHandle(self._pointer)
+            (err,) = self._cudart.cudaIpcCloseMemHandle(self.pointer)
         if err != self._cudart.cudaError_t.cudaSuccess:
             raise RuntimeError(f"cudaIpcCloseMemHandle failed: {self._error_name(err)}")
+
+
+class IpcMappings:
+    """The IPC handles opened in this process, one mapping per (device, handle): CUDA opens
+    a handle once per context, and two regions can name one allocation (torch shares its
+    allocator's whole blocks, so two tensors of one block share a handle). A mapping is
+    opened by its first region and closed with its last. ``opener`` opens a handle (tests
+    pass a stand-in)."""
+
+    def __init__(self, opener: Callable[[bytes, int], IpcMemory] = IpcMemory) -> None:
+        self._opener = opener
+        self._open: dict[tuple[int, bytes], tuple[IpcMemory, int]] = {}  # key -> (mapping, regions using it)
+
+    def acquire(self, raw_handle: bytes, device_id: int) -> IpcMemory:
+        """The mapping of ``raw_handle`` on ``device_id``, opened on first use."""
+        key = (device_id, bytes(raw_handle))
+        memory, users = self._open.get(key) or (self._opener(raw_handle, device_id), 0)
+        self._open[key] = (memory, users + 1)
+        return memory
+
+    def release(self, memory: IpcMemory) -> None:
+        """One user fewer of ``memory``; closed when none is left."""
+        _, users = self._open[memory.key]
+        if users > 1:
+            self._open[memory.key] = (memory, users - 1)
+            return
+        del self._open[memory.key]
+        memory.close()
+
+    def __len__(self) -> int:
+        return len(self._open)

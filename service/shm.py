@@ -26,12 +26,12 @@ import mmap
 import os
 import time
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional, Union
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
-from .cuda_ipc import IpcMemory, copy_stream, unavailable_reason
+from .cuda_ipc import IpcMappings, IpcMemory, copy_stream, unavailable_reason
 from .errors import InvalidRequest
 from .wire.tensors import tensor_bytes, view_tensor
 
@@ -142,46 +142,66 @@ class SystemRegion(_Region):
 
 
 class CudaRegion(_Region):
-    """``byte_size`` bytes of another process's device memory on GPU ``device_id``."""
+    """``byte_size`` bytes of another process's device memory: the start of the allocation
+    that ``memory`` (shared with other regions naming the same allocation) maps. Copies
+    run on the device's `copy_stream`, so none waits for a kernel launch in flight."""
 
     kind = CUDA
 
-    def __init__(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+    def __init__(self, name: str, memory: IpcMemory, byte_size: int, release: Callable[[IpcMemory], None]) -> None:
         super().__init__(name, byte_size)
-        self.device_id = device_id
-        self._memory = IpcMemory(raw_handle, device_id, byte_size)
+        self.device_id = memory.device.index
+        self._tensor = memory.view(byte_size)
+        self._memory = memory
+        self._release = release
 
     def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         """A host copy (the KServe codec's tensors are host tensors), complete on return."""
         nbytes = math.prod(shape) * dtype.itemsize
         with torch.cuda.stream(copy_stream(self._memory.device)):
-            return self._memory.tensor[offset:offset + nbytes].cpu().view(dtype).view(shape)
+            return self._tensor[offset:offset + nbytes].cpu().view(dtype).view(shape)
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         if dest.nbytes:
             with torch.cuda.stream(copy_stream(self._memory.device)):
-                torch.frombuffer(dest, dtype=torch.uint8).copy_(self._memory.tensor[offset:offset + dest.nbytes])
+                torch.frombuffer(dest, dtype=torch.uint8).copy_(self._tensor[offset:offset + dest.nbytes])
 
     def read_into_tensor(self, offset: int, dest: torch.Tensor) -> None:
         """Copy the ``dest.numel()`` bytes at ``offset`` into the uint8 tensor ``dest`` on
-        any device (bounds checked by the caller); the copy may be in flight on return."""
+        any device (bounds checked by the caller), on the copy streams of both devices;
+        the copy may be in flight on return."""
         if dest.numel():
-            dest.copy_(self._memory.tensor[offset:offset + dest.numel()])
+            with _copy_streams(self._memory.device, dest.device):
+                dest.copy_(self._tensor[offset:offset + dest.numel()])
 
     def write(self, offset: int, t: torch.Tensor) -> None:
         """``t`` (on the host, or on a GPU and complete: the launch synchronized) stored at
         ``offset``, in place when this returns."""
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        stream = copy_stream(self._memory.device)
-        with torch.cuda.stream(stream):
-            self._memory.tensor[offset:offset + data.numel()].copy_(data)
-        stream.synchronize()  # in place before the response says so
+        with _copy_streams(self._memory.device, t.device) as streams:
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            self._tensor[offset:offset + data.numel()].copy_(data)
+        for stream in streams:
+            stream.synchronize()  # in place before the response says so
 
     def status(self) -> dict[str, Union[str, int]]:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
 
     def close(self) -> None:
-        self._memory.close()
+        del self._tensor
+        self._release(self._memory)
+
+
+@contextmanager
+def _copy_streams(*devices: torch.device) -> Iterator[list[torch.cuda.Stream]]:
+    """Each distinct CUDA device among ``devices`` on its `copy_stream` for the block (a
+    copy between two GPUs runs on the source device's current stream); the streams."""
+    streams: list[torch.cuda.Stream] = []
+    with ExitStack() as stack:
+        for device in dict.fromkeys(d for d in devices if d.type == "cuda"):
+            stream = copy_stream(device)
+            stack.enter_context(torch.cuda.stream(stream))
+            streams.append(stream)
+        yield streams
 
 
 Region = Union[SystemRegion, CudaRegion]
@@ -206,6 +226,7 @@ class ShmRegistry:
 
     def __init__(self) -> None:
         self._regions: dict[str, Region] = {}
+        self._ipc = IpcMappings()
         self.cuda_reason = unavailable_reason()
 
     def register_system(self, name: str, key: str, offset: int, byte_size: int,
@@ -222,11 +243,17 @@ class ShmRegistry:
 
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int,
                       ttl_s: Optional[float] = None) -> None:
-        """Open the CUDA IPC memory ``raw_handle`` names as region ``name``; with ``ttl_s``
-        it is unregistered after that long unused (see `expire`)."""
+        """The first ``byte_size`` bytes of the CUDA allocation ``raw_handle`` names as region
+        ``name`` (the handle opened once however many regions name it); with ``ttl_s`` it
+        is unregistered after that long unused (see `expire`)."""
         self.require_cuda()
         self._free_name(name)
-        region = CudaRegion(name, raw_handle, device_id, byte_size)
+        memory = self._ipc.acquire(raw_handle, device_id)
+        try:
+            region = CudaRegion(name, memory, byte_size, self._ipc.release)
+        except BaseException:
+            self._ipc.release(memory)
+            raise
         region.ttl_s = ttl_s
         self._regions[name] = region
         log.info("registered CUDA shared memory region %r (device %d, %d bytes)", name, device_id, byte_size)

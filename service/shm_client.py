@@ -250,30 +250,43 @@ class CudaArena(_Arena):
     own (the one torch.multiprocessing sends), so the server maps the allocator's whole
     block and offsets count from the block's start. The server must see
     the same GPU under the same device id. torch keeps a shared block until process exit,
-    so a region replaced by a larger one stays allocated: size the first request large.
+    so a region replaced by a larger one stays allocated (size the first request large); one
+    the server forgot (its lease ran out, or it restarted) is registered again as it is.
     Not with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torch then shares
     another kind of handle)."""
 
     def __init__(self, ttl_s: float, views: bool) -> None:
         super().__init__(ttl_s, views)
+        self._registration: Optional[Registration] = None  # the current region's
+        self._pending_registration: Optional[Registration] = None
         self._pending_base = 0
+        self._lost: Optional[tuple[_Mapped, Registration, int]] = None  # forgotten by the server, still ours
 
     def create(self, nbytes: int) -> Registration:
-        """Allocate a region of at least ``nbytes`` (1.25x headroom) on the GPU; its
-        registration, to send before `registered`."""
+        """A region of at least ``nbytes`` on the GPU: the one the server forgot when it is
+        large enough (a new allocation would leak the old: torch keeps shared blocks until
+        exit), else a new one (1.25x headroom); its registration, to send before `registered`."""
+        lost, self._lost = self._lost, None
+        if lost is not None and lost[0].size >= nbytes:
+            self._pending, self._pending_registration, self._pending_base = lost
+            return self._pending_registration
         device = torch.device("cuda", torch.cuda.current_device())
         size = _region_size(nbytes)
         memory = torch.empty(size, dtype=torch.uint8, device=device)
-        _, handle, _, base, *_ = memory.untyped_storage()._share_cuda_()
-        if len(handle) != CUDA_IPC_HANDLE_BYTES:
-            raise RuntimeError(f"torch shared this memory with a {len(handle)}-byte handle, not a cudaIpcMemHandle_t "
-                               "(is PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set? unset it for transport='cuda')")
+        handle, base = cuda_ipc_handle(memory)
         name = f"kda-cuda-{os.getpid()}-{secrets.token_hex(6)}"
         self._pending = _Mapped(name, memory)
         self._pending_base = base
-        return Registration(f"/v2/cudasharedmemory/region/{quote(name, safe='')}/register", {
+        self._pending_registration = Registration(f"/v2/cudasharedmemory/region/{quote(name, safe='')}/register", {
             "raw_handle": {"b64": base64.b64encode(handle).decode("ascii")}, "device_id": device.index,
             "byte_size": base + size, "ttl_s": self.ttl_s})
+        return self._pending_registration
+
+    def forget(self) -> None:
+        """As `_Arena.forget`, keeping the memory to register again."""
+        if self._region is not None and self._registration is not None:
+            self._lost = (self._region, self._registration, self._base)
+        super().forget()
 
     @staticmethod
     def unregistration(name: str) -> tuple[str, str]:
@@ -281,13 +294,38 @@ class CudaArena(_Arena):
         return "POST", f"/v2/cudasharedmemory/region/{quote(name, safe='')}/unregister"
 
     def registered(self) -> Optional[str]:
-        self._base = self._pending_base
+        self._base, self._registration = self._pending_base, self._pending_registration
         return super().registered()
+
+    def close(self) -> Optional[str]:
+        self._lost = None
+        return super().close()
 
     def _written(self) -> None:
         """The copies in are asynchronous: the server must not read before they are done."""
         assert self._region is not None
         torch.cuda.synchronize(self._region.memory.device)
+
+
+def cuda_ipc_handle(memory: torch.Tensor) -> tuple[bytes, int]:
+    """(the cudaIpcMemHandle_t of the allocation holding CUDA tensor ``memory``, the byte
+    offset of ``memory``'s storage in it): torch's own handle, the one torch.multiprocessing
+    sends, which opens the caching allocator's whole block."""
+    _, shared, _, offset, *_ = memory.untyped_storage()._share_cuda_()
+    return raw_ipc_handle(shared), offset
+
+
+def raw_ipc_handle(shared: bytes) -> bytes:
+    """The 64-byte cudaIpcMemHandle_t in the handle torch shares: the bytes themselves up to
+    torch 2.4; from 2.5 a version byte and a type byte come first, ``c`` for cudaMalloc
+    memory and ``e`` for expandable segments (a handle of another kind, not served here)."""
+    if len(shared) == CUDA_IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) == CUDA_IPC_HANDLE_BYTES + 2 and shared[1:2] == b"c":
+        return shared[2:]
+    kind = "expandable segments (unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for transport='cuda')" \
+        if shared[1:2] == b"e" else f"an unknown kind ({len(shared)} bytes)"
+    raise RuntimeError(f"torch shared this CUDA memory with a handle of {kind}, not a cudaIpcMemHandle_t")
 
 
 def _region_size(nbytes: int) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from state_store import PoolGeometry
 
+from .cuda_ipc import copy_stream
 from .errors import InvalidRequest
 from .gates import Gate, check_lower_bound, gate_key
 from .inputs import PrefillInputs
@@ -116,6 +117,10 @@ def all_finite(t: torch.Tensor) -> bool:
     (``torch.isfinite(t).all()`` writes a bool tensor of t's size and reads it again: ~10x slower.)"""
     if t.numel() == 0:
         return True
+    if t.is_cuda:  # inputs copied out of CUDA shared memory: scanned on the stream that copied them,
+        with torch.cuda.stream(copy_stream(t.device)):  # so the answer never waits for a launch in flight
+            lo, hi = torch.aminmax(t)
+            return bool(torch.isfinite(lo) & torch.isfinite(hi))
     lo, hi = torch.aminmax(t)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 

@@ -13,6 +13,7 @@ import torch
 from transport_helpers import HV, K, NAMES, SHM_JSON, V, Server, dumps, make_sequence
 
 from service.client import KDAClient
+from service.shm_client import cuda_ipc_handle
 from service.wire.tensors import JSON_NAMES
 
 pytestmark = [
@@ -27,9 +28,9 @@ def test_cuda_ipc_prefill_equals_binary(server: Server, gen: torch.Generator) ->
     sizes = [t.numel() * t.element_size() for t in seq]
     o_size, final_size = 21 * HV * V * 4, HV * V * K * 4
     memory = torch.zeros(sum(sizes) + o_size + final_size, dtype=torch.uint8, device="cuda:0")
-    storage = memory.untyped_storage()
     # torch's IPC handle opens the caching allocator's block; the storage starts `base` bytes into it
-    _, handle, nbytes, base, *_ = storage._share_cuda_()
+    handle, base = cuda_ipc_handle(memory)
+    nbytes = memory.numel()
     doc: dict = {"layer": 0, "sequences": [{"slot": None, "length": 21}]}
     at = 0
     for name, t, size in zip(NAMES, seq, sizes):
@@ -97,4 +98,22 @@ def test_client_cuda_transport_grows_and_keeps_host_inputs_working(server: Serve
         want = binary.prefill(0, [(None, *small)])
         assert torch.equal(a.o_packed.cpu(), want.o_packed)
         for slot in a.slots + b.slots + want.slots:
+            binary.free(slot)
+
+
+def test_client_cuda_transport_registers_the_same_memory_after_the_server_lost_it(
+        server: Server, gen: torch.Generator) -> None:
+    """The server forgets the region (as when its lease runs out): the next prefill
+    registers the same GPU memory again under the same name (a new allocation would leak),
+    and the result is unchanged."""
+    seq = make_sequence(30, gen)
+    before = {r["name"] for r in _cuda_regions(server)}
+    with KDAClient(server.url, transport="cuda") as cuda, KDAClient(server.url) as binary:
+        a = cuda.prefill(0, [(None, *seq)])
+        (name,) = {r["name"] for r in _cuda_regions(server)} - before
+        assert httpx.post(f"{server.url}/v2/cudasharedmemory/region/{name}/unregister").status_code == 200
+        b = cuda.prefill(0, [(None, *seq)])
+        assert {r["name"] for r in _cuda_regions(server)} - before == {name}
+        assert torch.equal(a.o_packed, b.o_packed)
+        for slot in a.slots + b.slots:
             binary.free(slot)
