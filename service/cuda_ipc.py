@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import logging
 from functools import lru_cache
 from typing import Any, Callable, Optional
 
 import torch
 
 from .errors import InvalidRequest
+
+log = logging.getLogger("kda_serve.cuda_ipc")
 
 NO_CUDA = "CUDA shared memory needs a CUDA device; this server has none (use system shared memory)"
 NO_CUDA_PYTHON = ("CUDA shared memory needs the cuda-python package on the server "
@@ -79,15 +82,14 @@ class IpcMemory:
                                      field="raw_handle")
             self.pointer = int(pointer)
             err, _, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(self.pointer))
-        if err != driver.CUresult.CUDA_SUCCESS:
-            self.close()
-            raise RuntimeError(f"cuMemGetAddressRange failed on an opened IPC handle: {err}")
-        self.size = int(size)
+        self.size: Optional[int] = int(size) if err == driver.CUresult.CUDA_SUCCESS else None
+        if self.size is None:
+            log.warning("cuMemGetAddressRange failed on an opened IPC handle (%s): registered sizes go unchecked", err)
 
     def view(self, byte_size: int) -> torch.Tensor:
         """uint8 [byte_size] over the allocation's first bytes; InvalidRequest (400) when the
         allocation is smaller (a kernel reading past it would fault the whole server)."""
-        if byte_size > self.size:
+        if self.size is not None and byte_size > self.size:
             raise InvalidRequest(f"byte_size {byte_size} exceeds the {self.size} bytes of the CUDA allocation the "
                                  "handle names", field="byte_size")
         return torch.as_tensor(_CudaArray(self.pointer, byte_size), device=self.device)

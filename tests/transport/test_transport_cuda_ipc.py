@@ -117,3 +117,17 @@ def test_client_cuda_transport_registers_the_same_memory_after_the_server_lost_i
         assert torch.equal(a.o_packed, b.o_packed)
         for slot in a.slots + b.slots:
             binary.free(slot)
+
+
+def test_a_size_past_the_allocation_is_refused(server: Server) -> None:
+    """A registered byte_size larger than the CUDA allocation the handle names is a 400
+    naming byte_size (a kernel reading past the allocation would fault the server), and
+    registers nothing."""
+    memory = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+    handle, base = cuda_ipc_handle(memory)
+    before = _cuda_regions(server)
+    register = {"raw_handle": {"b64": base64.b64encode(handle).decode()}, "device_id": 0,
+                "byte_size": base + (1 << 30)}
+    r = httpx.post(f"{server.url}/v2/cudasharedmemory/region/kda-too-big/register", json=register)
+    assert r.status_code == 400 and "byte_size" in r.text, r.text
+    assert _cuda_regions(server) == before
