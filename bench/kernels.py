@@ -52,6 +52,7 @@ VARIANTS: dict[str, dict] = {
     "factored A": dict(factored_a=True),
     "all three": dict(fuse_prep=True, solve_diag16=True, factored_a=True),
     "fused prep, WY slices 64": dict(fuse_prep=True, wy_bk=64),
+    "A slices 32": dict(intra_bk=32),
     "decode BV 64": dict(rec_bv=64),
     "decode 2 warps": dict(rec_warps=2),
 }
