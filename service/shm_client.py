@@ -248,10 +248,10 @@ class CudaArena(_Arena):
 
     The memory is a torch allocation on the current CUDA device; its IPC handle is torch's
     own (the one torch.multiprocessing sends), so the server maps the allocator's whole
-    block and offsets count from the block's start. The server must see
-    the same GPU under the same device id. torch keeps a shared block until process exit,
-    so a region replaced by a larger one stays allocated (size the first request large); one
-    the server forgot (its lease ran out, or it restarted) is registered again as it is.
+    block and offsets count from the block's start. The server must see the same GPU under
+    the same device id. torch keeps a shared block until process exit, so a region replaced
+    by a larger one stays allocated (size the first request large); one the server forgot
+    (its lease ran out, or it restarted) or refused is registered again as it is.
     Not with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torch then shares
     another kind of handle)."""
 
@@ -297,9 +297,16 @@ class CudaArena(_Arena):
         self._base, self._registration = self._pending_base, self._pending_registration
         return super().registered()
 
+    def abandon(self) -> None:
+        """Registration failed: keep the pending memory for the next attempt."""
+        if self._pending is not None and self._pending_registration is not None:
+            self._lost = (self._pending, self._pending_registration, self._pending_base)
+        super().abandon()
+
     def close(self) -> Optional[str]:
+        name = super().close()
         self._lost = None
-        return super().close()
+        return name
 
     def _written(self) -> None:
         """The copies in are asynchronous: the server must not read before they are done."""
