@@ -131,3 +131,21 @@ def test_a_size_past_the_allocation_is_refused(server: Server) -> None:
     r = httpx.post(f"{server.url}/v2/cudasharedmemory/region/kda-too-big/register", json=register)
     assert r.status_code == 400 and "byte_size" in r.text, r.text
     assert _cuda_regions(server) == before
+
+
+def test_two_clients_whose_regions_share_an_allocator_block(server: Server, gen: torch.Generator) -> None:
+    """Two transport="cuda" clients of one process: their small regions (1 MiB) come from
+    one 2 MiB block of torch's allocator, so both register the same IPC handle. The server
+    opens it once, serves both, and keeps it open until the second region goes."""
+    seq = make_sequence(9, gen)
+    with KDAClient(server.url) as binary:
+        want = binary.prefill(0, [(None, *seq)])
+        with KDAClient(server.url, transport="cuda") as first, KDAClient(server.url, transport="cuda") as second:
+            a = first.prefill(0, [(None, *seq)])
+            b = second.prefill(0, [(None, *seq)])
+            first.close()  # one region gone: the other's mapping must stay
+            c = second.prefill(0, [(None, *seq)])
+        for out in (a, b, c):
+            assert torch.equal(out.o_packed.cpu(), want.o_packed)
+        for slot in want.slots + a.slots + b.slots + c.slots:
+            binary.free(slot)
