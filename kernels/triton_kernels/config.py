@@ -79,9 +79,9 @@ PIECE_CHUNK_HEADS = 4096
 FP16_SOLVE = True
 # Intra and WY as one kernel per chunk (`LaunchConfig.fuse_prep`), the solve's first levels
 # on [4, 16, 16] diagonal blocks (`LaunchConfig.solve_diag16`) and A's k side from factored
-# decays (`LaunchConfig.factored_a`). All are verified
-# (interpreter tests) but not yet timed on a GPU, so the measured two-kernel path and
-# full-width solve stay the default until `bench/kernels.py --sweep` shows them faster.
+# decays (`LaunchConfig.factored_a`). All are verified (interpreter tests, each alone and
+# all together) but not yet timed on a GPU, so the measured path stays the default until
+# `bench/kernels.py --sweep` shows one faster.
 FUSE_PREP = False
 SOLVE_DIAG16 = False
 FACTORED_A = False
