@@ -53,6 +53,7 @@ VARIANTS: dict[str, dict] = {
     "all three": dict(fuse_prep=True, solve_diag16=True, factored_a=True),
     "fused prep, WY slices 64": dict(fuse_prep=True, wy_bk=64),
     "A slices 32": dict(intra_bk=32),
+    "state BV 128, 8 warps, 2 stages": dict(state_bv=128, state_warps=8, state_stages=2),
     "decode BV 64": dict(rec_bv=64),
     "decode 2 warps": dict(rec_warps=2),
 }
