@@ -53,6 +53,10 @@ class InferenceRequest(BaseModel):
     outputs: Optional[Annotated[list[RequestOutput], Field(max_length=16)]] = None
 
 
+LEASE = ("kda-serve's extension: a lease, unregistered after this many seconds without a request using it "
+         "(a client that died leaves no mapping behind); none: until unregistered")
+
+
 class SystemShmRegister(BaseModel):
     """``$system_shared_memory_register_request``: bytes [offset, offset + byte_size) of the
     POSIX shared memory object ``key``."""
@@ -61,6 +65,7 @@ class SystemShmRegister(BaseModel):
     key: Annotated[str, Field(min_length=1, max_length=NAME_MAX)]
     offset: Annotated[int, Field(ge=0)] = 0
     byte_size: Annotated[int, Field(ge=1)]
+    ttl_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description=LEASE)
 
 
 class RawHandle(BaseModel):
@@ -76,6 +81,4 @@ class CudaShmRegister(BaseModel):
     raw_handle: RawHandle
     device_id: Annotated[int, Field(ge=0)]
     byte_size: Annotated[int, Field(ge=1)]
-    ttl_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description=(
-        "kda-serve's extension: a lease, unregistered after this many seconds without a request using it "
-        "(a client that died leaves no mapping behind); none: until unregistered"))
+    ttl_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description=LEASE)

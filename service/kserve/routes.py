@@ -169,7 +169,7 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
     @router.post("/v2/systemsharedmemory/region/{name}/register", summary="Register a POSIX shared memory region")
     async def system_register(name: str, request: Request) -> dict[str, Any]:
         body = parse_model(SystemShmRegister, await read_body(request))
-        registry.register_system(name, body.key, body.offset, body.byte_size)
+        registry.register_system(name, body.key, body.offset, body.byte_size, body.ttl_s)
         return {}
 
     @router.post("/v2/systemsharedmemory/unregister", summary="Unregister every system shared memory region")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from typing import Iterator
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -224,3 +226,22 @@ def test_cuda_shared_memory_in_and_out(client, gen):
         client.unregister_cuda_shared_memory()
         cudashm.destroy_shared_memory_region(in_handle)
         cudashm.destroy_shared_memory_region(out_handle)
+
+
+def test_a_registration_with_a_lease_goes_when_unused(server, client):
+    """kda-serve's ``ttl_s`` on a system registration: unregistered once unused that long,
+    the client's memory left as it is."""
+    tag = f"{os.getpid()}_{id(client)}_lease"
+    handle = shm.create_shared_memory_region("kda_lease", f"/kda_lease_{tag}", 4096)
+    try:
+        r = httpx.post(f"{server.url}/v2/systemsharedmemory/region/kda_lease/register",
+                       json={"key": f"/kda_lease_{tag}", "byte_size": 4096, "ttl_s": 0.3})
+        assert r.status_code == 200, r.text
+        assert [s["name"] for s in client.get_system_shared_memory_status()] == ["kda_lease"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and client.get_system_shared_memory_status():
+            time.sleep(0.2)
+        assert client.get_system_shared_memory_status() == []
+        assert os.path.exists(f"/dev/shm/kda_lease_{tag}")
+    finally:
+        shm.destroy_shared_memory_region(handle)
