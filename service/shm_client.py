@@ -80,10 +80,13 @@ class Registration:
 
 @dataclass
 class _Mapped:
-    """A created and mapped region: its registry name (also its key) and the memory."""
+    """A created region: its registry name, the memory, where the memory starts in what the
+    server maps (CUDA: in torch's allocator block; else 0), and its registration."""
 
     name: str
     memory: torch.Tensor
+    base: int
+    registration: Registration
 
     @property
     def size(self) -> int:
@@ -104,7 +107,6 @@ class _Arena:
         self.geometry: Optional[Geometry] = None
         self._region: Optional[_Mapped] = None
         self._pending: Optional[_Mapped] = None
-        self._base = 0  # where the region's memory starts in what the server maps (CUDA: its block)
 
     def fits(self, nbytes: int) -> bool:
         return self._region is not None and self._region.size >= nbytes
@@ -171,9 +173,9 @@ class _Arena:
                 offset += n
             size = offset - place.offset
             doc[key] = {"dtype": JSON_NAMES[place.dtype], "shape": place.shape,
-                        "shm": place.ref(name, self._base, size)}
+                        "shm": place.ref(name, self._region.base, size)}
         self._written()
-        outputs = {key: places[key].ref(name, self._base, places[key].nbytes)
+        outputs = {key: places[key].ref(name, self._region.base, places[key].nbytes)
                    for key in ("o", "final_state") if key in places}
         doc["outputs"] = outputs
         return json.dumps(doc, separators=(",", ":")).encode("ascii")
@@ -191,7 +193,7 @@ class _Arena:
         ref, dtype = spec["shm"], JSON_DTYPES[spec["dtype"]]
         if ref["region"] != self._region.name:
             raise ValueError(f"the server wrote {key} into region {ref['region']!r}, not this client's")
-        start = ref["offset"] - self._base
+        start = ref["offset"] - self._region.base
         t = self._region.memory[start:start + ref["byte_size"]].view(dtype).view(spec["shape"])
         return t if self.views else t.clone()
 
@@ -216,8 +218,9 @@ class ShmArena(_Arena):
         except BaseException:
             os.unlink(path)
             raise
-        self._pending = _Mapped(name, memory)
-        return Registration("/shm/regions", {"name": name, "key": "/" + name, "byte_size": size, "ttl_s": self.ttl_s})
+        self._pending = _Mapped(name, memory, 0, Registration(
+            "/shm/regions", {"name": name, "key": "/" + name, "byte_size": size, "ttl_s": self.ttl_s}))
+        return self._pending.registration
 
     @staticmethod
     def unregistration(name: str) -> tuple[str, str]:
@@ -257,51 +260,41 @@ class CudaArena(_Arena):
 
     def __init__(self, ttl_s: float, views: bool) -> None:
         super().__init__(ttl_s, views)
-        self._registration: Optional[Registration] = None  # the current region's
-        self._pending_registration: Optional[Registration] = None
-        self._pending_base = 0
-        self._lost: Optional[tuple[_Mapped, Registration, int]] = None  # forgotten by the server, still ours
+        self._lost: Optional[_Mapped] = None  # memory the server forgot or refused, still ours
 
     def create(self, nbytes: int) -> Registration:
         """A region of at least ``nbytes`` on the GPU: the one the server forgot when it is
         large enough (a new allocation would leak the old: torch keeps shared blocks until
         exit), else a new one (1.25x headroom); its registration, to send before `registered`."""
         lost, self._lost = self._lost, None
-        if lost is not None and lost[0].size >= nbytes:
-            self._pending, self._pending_registration, self._pending_base = lost
-            return self._pending_registration
+        if lost is not None and lost.size >= nbytes:
+            self._pending = lost
+            return lost.registration
         device = torch.device("cuda", torch.cuda.current_device())
         size = _region_size(nbytes)
         memory = torch.empty(size, dtype=torch.uint8, device=device)
         handle, base = cuda_ipc_handle(memory)
         name = f"kda-cuda-{os.getpid()}-{secrets.token_hex(6)}"
-        self._pending = _Mapped(name, memory)
-        self._pending_base = base
-        self._pending_registration = Registration(f"/v2/cudasharedmemory/region/{quote(name, safe='')}/register", {
-            "raw_handle": {"b64": base64.b64encode(handle).decode("ascii")}, "device_id": device.index,
-            "byte_size": base + size, "ttl_s": self.ttl_s})
-        return self._pending_registration
+        self._pending = _Mapped(name, memory, base, Registration(
+            f"/v2/cudasharedmemory/region/{quote(name, safe='')}/register",
+            {"raw_handle": {"b64": base64.b64encode(handle).decode("ascii")}, "device_id": device.index,
+             "byte_size": base + size, "ttl_s": self.ttl_s}))
+        return self._pending.registration
 
     def forget(self) -> None:
         """As `_Arena.forget`, keeping the memory to register again."""
-        if self._region is not None and self._registration is not None:
-            self._lost = (self._region, self._registration, self._base)
+        self._lost = self._region or self._lost
         super().forget()
+
+    def abandon(self) -> None:
+        """Registration failed: keep the pending memory for the next attempt."""
+        self._lost = self._pending or self._lost
+        super().abandon()
 
     @staticmethod
     def unregistration(name: str) -> tuple[str, str]:
         """(method, path) that unregisters region ``name``."""
         return "POST", f"/v2/cudasharedmemory/region/{quote(name, safe='')}/unregister"
-
-    def registered(self) -> Optional[str]:
-        self._base, self._registration = self._pending_base, self._pending_registration
-        return super().registered()
-
-    def abandon(self) -> None:
-        """Registration failed: keep the pending memory for the next attempt."""
-        if self._pending is not None and self._pending_registration is not None:
-            self._lost = (self._pending, self._pending_registration, self._pending_base)
-        super().abandon()
 
     def close(self) -> Optional[str]:
         name = super().close()
