@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.triton_kernels import config
-from triton_cases import Case, make_inputs, reference, rel_err, run_triton
+from triton_cases import Case, make_inputs, reference, reference_errors, rel_err, run_triton
 
 CASE = Case((130, 70, 200), gate="lower_bound", dtype=torch.bfloat16)
 
@@ -18,12 +18,7 @@ def _errors(device: str, monkeypatch: pytest.MonkeyPatch, fp16_solve: bool, same
         inp.k[:] = inp.k[:, :1]
         inp.beta[:] = 6.0
         inp.gate_kwargs["dt_bias"] = inp.gate_kwargs["dt_bias"] - 20.0
-    ref_o, ref_final, _ = reference(inp, CASE)
-    o, _ = run_triton(CASE, inp)
-    assert torch.isfinite(o).all()
-    live = [(n, i) for n, i in enumerate(inp.indices.tolist()) if i >= 0]
-    final = torch.stack([inp.pool[i].float() for _, i in live])
-    return {"o": rel_err(o[0], ref_o), "final": rel_err(final, torch.stack([ref_final[n] for n, _ in live]))}
+    return reference_errors(CASE, inp)
 
 
 @pytest.mark.parametrize("same_keys", [False, True])

@@ -165,6 +165,17 @@ def run_triton(case: Case, inp: Inputs):
     return res if case.intermediate else (res, None)
 
 
+def reference_errors(case: Case, inp: Inputs) -> dict[str, float]:
+    """Run ``case`` on ``inp`` and return the relative L2 errors of o and of the named rows'
+    final states against the float64 reference (both asserted finite first)."""
+    ref_o, ref_final, _ = reference(inp, case)
+    o, _ = run_triton(case, inp)
+    live = [(n, i) for n, i in enumerate(inp.indices.tolist()) if i >= 0]
+    final = torch.stack([inp.pool[i].float() for _, i in live])
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+    return {"o": rel_err(o[0], ref_o), "final": rel_err(final, torch.stack([ref_final[n] for n, _ in live]))}
+
+
 def check_case(case: Case, device: torch.device | str, seed: int, tol: float,
                ref_dtype: torch.dtype = torch.float64) -> dict[str, float]:
     """Run ``case`` and assert every check; returns the errors measured."""
