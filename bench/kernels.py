@@ -45,13 +45,13 @@ H, K, V = 32, 128, 128
 LOWER_BOUND = -5.0
 CASES = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (64, 512), (256, 128)]
 DECODE = (256, 1)
-# variants of our launch config timed with --sweep (overrides of the shape-chosen config)
+# variants of our launch config timed with --sweep (overrides of the shape-chosen config);
+# each must first match the default on a small case in its own process (`_warm_ours`)
 VARIANTS: dict[str, dict] = {
-    "fused prep": dict(fuse_prep=True),
+    "fused prep, 1 stage": dict(fuse_prep=True, intra_stages=1),
     "solve diag16": dict(solve_diag16=True),
     "factored A": dict(factored_a=True),
-    "all three": dict(fuse_prep=True, solve_diag16=True, factored_a=True),
-    "fused prep, WY slices 64": dict(fuse_prep=True, wy_bk=64),
+    "diag16 + factored A": dict(solve_diag16=True, factored_a=True),
     "A slices 32": dict(intra_bk=32),
     "state BV 128, 8 warps, 2 stages": dict(state_bv=128, state_warps=8, state_stages=2),
     "decode BV 64": dict(rec_bv=64),
@@ -166,17 +166,33 @@ def compiled_resources() -> list[str]:
     return lines
 
 
-def _warm_ours(overrides: dict) -> str:
-    """Compile one config variant (in a worker process) on a small case of the same shapes."""
+GATE_TOL = 2e-2  # a variant's o and final states against the default's, 16-bit operands
+
+
+def _warm_ours(overrides: dict) -> tuple[str, bool]:
+    """Compile one config variant (in a worker process of its own) on small cases of the
+    same shapes, and check it against the default config on them: (report, passed). A
+    variant that faults (an illegal address kills the CUDA context) or differs is left
+    out of the timed runs, which share one process."""
     torch.cuda.init()
-    cfg = select_config(K, V, False).with_overrides(**overrides)
+    base = select_config(K, V, False)
+    cfg = base.with_overrides(**overrides)
     t = time.time()
-    for n, length in ((2, 130), (4, 1)):
-        c = make_case(n, length, seed=1)
-        for fused in ((True, False) if length > 1 and cfg.fuse_output is None else (cfg.fuse_output,)):
-            ours_fn(c, c["pool"].clone(), cfg.with_overrides(fuse_output=fused))()
-    torch.cuda.synchronize()
-    return f"warm {overrides or 'default'}: {time.time() - t:.1f}s"
+    worst = 0.0
+    try:
+        for n, length in ((2, 130), (4, 1)):
+            c = make_case(n, length, seed=1)
+            for fused in ((True, False) if length > 1 and cfg.fuse_output is None else (cfg.fuse_output,)):
+                pool_v, pool_d = c["pool"].clone(), c["pool"].clone()
+                o_v = ours_fn(c, pool_v, cfg.with_overrides(fuse_output=fused))()
+                o_d = ours_fn(c, pool_d, base.with_overrides(fuse_output=fused))()
+                worst = max(worst, rel(o_v, o_d), rel(pool_v[c["idx"]], pool_d[c["idx"]]))
+        torch.cuda.synchronize()
+    except Exception as e:
+        return f"variant {overrides or 'default'} failed: {e!r}"[:300], False
+    ok = worst < GATE_TOL  # NaN fails too
+    return f"warm {overrides or 'default'}: {time.time() - t:.1f}s, vs default {worst:.1e}" + (
+        "" if ok else " (differs: left out)"), ok
 
 
 def _warm_fla() -> str:
@@ -190,19 +206,31 @@ def _warm_fla() -> str:
     return f"warm fla: {time.time() - t:.1f}s"
 
 
-def warm_up(sweep: bool, with_fla: bool) -> None:
+def warm_up(sweep: bool, with_fla: bool) -> list[str]:
     """Compile everything in parallel worker processes first (Triton's disk cache then
-    serves the timed process); fla autotunes there too (its results are cached)."""
-    jobs = [{}] + (list(VARIANTS.values()) if sweep else [])
+    serves the timed process); fla autotunes there too (its results are cached). Returns
+    the names of the sweep's variants that passed their check."""
+    names = list(VARIANTS) if sweep else []
     ctx = mp.get_context("spawn")
-    with ctx.Pool(min(len(jobs) + 1, 12)) as pool:
-        results = [pool.apply_async(_warm_fla)] if with_fla else []
-        results += [pool.apply_async(_warm_ours, (j,)) for j in jobs]
-        for r in results:
+    with ctx.Pool(min(len(names) + 2, 12), maxtasksperchild=1) as pool:
+        fla_job = pool.apply_async(_warm_fla) if with_fla else None
+        jobs = {name: pool.apply_async(_warm_ours, (VARIANTS[name],)) for name in names}
+        default = pool.apply_async(_warm_ours, ({},))
+        passed = []
+        for name, job in [("default", default), *jobs.items()]:
             try:
-                print(r.get(timeout=400), flush=True)
-            except Exception as e:  # a failing variant must not stop the benchmark
-                print(f"warm-up failed: {e!r}", flush=True)
+                report, ok = job.get(timeout=300)
+            except Exception as e:  # a worker that died
+                report, ok = f"variant {name}: {e!r}", False
+            print(report, flush=True)
+            if ok and name != "default":
+                passed.append(name)
+        if fla_job is not None:
+            try:
+                print(fla_job.get(timeout=400), flush=True)
+            except Exception as e:
+                print(f"fla warm-up failed: {e!r}", flush=True)
+    return passed
 
 
 def accuracy(with_fla: bool) -> dict[str, float]:
@@ -254,7 +282,7 @@ def main() -> None:
                config=asdict(select_config(K, V, False)))
     print(json.dumps(env), flush=True)
     t0 = time.time()
-    warm_up(args.sweep, with_fla)
+    variants = warm_up(args.sweep, with_fla)
     print(f"warm-up {time.time() - t0:.0f}s", flush=True)
 
     rows = []
@@ -275,9 +303,9 @@ def main() -> None:
                 base = select_config(K, V, False)
                 pool_d = c["pool"].clone()
                 o_d = ours_fn(c, pool_d)()
-                for vname, over in VARIANTS.items():
+                for vname in variants:
                     try:
-                        cfg = base.with_overrides(**over)
+                        cfg = base.with_overrides(**VARIANTS[vname])
                         row[vname] = bench(ours_fn(c, c["pool"].clone(), cfg), rep=100)
                         pool_v = c["pool"].clone()  # the variant's numbers against the default's, same inputs
                         row[f"{vname} vs default"] = max(rel(ours_fn(c, pool_v, cfg)(), o_d),
@@ -305,7 +333,7 @@ def main() -> None:
               f"{r.get('speedup', float('nan')):.2f}x | {r.get('vs_fla_o', float('nan')):.1e} | "
               f"{r.get('vs_fla_state', float('nan')):.1e} |")
     if args.sweep:
-        names = list(VARIANTS)
+        names = variants
         print("\nsweep, ms (rel L2 of o / final states against the default's): case | default | " + " | ".join(names))
         for r in rows:
             print(f"{r['case']} | {r['ours_ms']:.3f} | " + " | ".join(
