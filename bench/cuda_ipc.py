@@ -47,10 +47,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import faulthandler
 import json
 import math
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -331,8 +333,11 @@ def run_case(http: httpx.Client, client: KDAClient, case: Case, index: int, args
         body = json.dumps(prefill_doc(case, layout, name, base)).encode()
         walls: list[float] = []
         timings: list[dict[str, float]] = []
+        started = time.monotonic()
         for _ in range(args.warmup):
             free(http, prefill(http, body)[2])
+        print(f"{case.name}: registered, {args.warmup} warm-up requests in {time.monotonic() - started:.1f} s",
+              flush=True)
         deadline = time.monotonic() + args.budget_s
         while len(walls) < args.repeats and (not walls or time.monotonic() < deadline):
             seconds, timing, slots = prefill(http, body)
@@ -377,6 +382,7 @@ def environment() -> dict[str, Any]:
 
 
 def main() -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it waits
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x4096,8x4096,1x16384", help="SEQUENCESxTOKENS, comma separated")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="input dtypes, comma separated")
@@ -387,6 +393,7 @@ def main() -> int:
     ap.add_argument("--batch-window-ms", type=float, default=0.0, help="the server's batch window")
     ap.add_argument("--start-timeout-s", type=float, default=600.0, help="wait this long for the server's warm-up")
     ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--server-log", type=Path, help="keep the server's output here (default: a temporary file)")
     args = ap.parse_args()
     try:
         cases = [Case(n, length, dtype) for dtype in parse_dtypes(args.dtypes) for n, length in parse_cases(args.cases)]
@@ -406,7 +413,9 @@ def main() -> int:
                    "--num-heads", str(HEADS), "--head-dim", str(DIM), "--batch-window-ms", str(args.batch_window_ms),
                    "--max-batch-tokens", str(max(65536, max(c.tokens for c in cases)))]
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(server_args, Path(tmp) / "kda-serve.log", args.start_timeout_s)
+        started = time.monotonic()
+        server = start_server(server_args, args.server_log or Path(tmp) / "kda-serve.log", args.start_timeout_s)
+        print(f"kda-serve ready after {time.monotonic() - started:.0f} s (its kernels warm)", flush=True)
         results: list[Result] = []
         try:
             with httpx.Client(base_url=server.url, timeout=600, trust_env=False) as http, \

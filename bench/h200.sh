@@ -28,7 +28,7 @@ step gpu-tests 300 python3 -m pytest -q -m gpu tests/triton tests/kernels tests/
 step kernels 540 python3 bench/kernels.py --sweep --json "$OUT/kernels.json"
 # the stage-1 candidates' tests, unfiltered: on CUDA their `device` fixture is the GPU. One
 # process per file: a kernel that faults kills the CUDA context for every later test.
-step kernel-variants 240 bash -c 'rc=0; for f in tests/triton/test_triton_fp16_solve.py tests/triton/test_triton_prep.py; do
+step kernel-variants 240 bash -c 'rc=0; for f in tests/triton/test_triton_fp16_solve.py tests/triton/test_triton_factored.py; do
     python3 -m pytest -q "$f" || rc=1; done; exit $rc'
-step cuda-ipc 540 python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json"
+step cuda-ipc 540 python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json" --server-log "$OUT/cuda_ipc_server.log"
 step transport 540 python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3

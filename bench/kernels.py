@@ -17,7 +17,7 @@ also checks our o and final states against fla's on the same inputs (relative L2
 
 Usage (GPU machine, fla-core on PYTHONPATH, FLA_FLASH_KDA=0):
     python bench/kernels.py [--sweep] [--no-fla] [--json PATH]
-    ncu -k regex:chunk_prep --launch-skip 2 --launch-count 1 python bench/kernels.py --profile 8x4096
+    ncu -k regex:chunk_intra --launch-skip 2 --launch-count 1 python bench/kernels.py --profile 8x4096
 """
 from __future__ import annotations
 
@@ -48,14 +48,9 @@ DECODE = (256, 1)
 # variants of our launch config timed with --sweep (overrides of the shape-chosen config);
 # each must first match the default on a small case in its own process (`_warm_ours`)
 VARIANTS: dict[str, dict] = {
-    "fused prep, 1 stage": dict(fuse_prep=True, intra_stages=1),
-    "solve diag16": dict(solve_diag16=True),
-    "factored A": dict(factored_a=True),
-    "diag16 + factored A": dict(solve_diag16=True, factored_a=True),
-    "A slices 32": dict(intra_bk=32),
-    "state BV 128, 8 warps, 2 stages": dict(state_bv=128, state_warps=8, state_stages=2),
+    "full-width solve levels": dict(solve_diag16=False),
+    "pairwise k decays": dict(factored_a=False),
     "decode BV 64": dict(rec_bv=64),
-    "decode 2 warps": dict(rec_warps=2),
 }
 
 
@@ -152,7 +147,7 @@ def compiled_resources() -> list[str]:
     from kernels import triton_kernels as tk
 
     lines = []
-    for name in ("chunk_prep_kernel", "chunk_intra_kernel", "chunk_wy_kernel", "chunk_state_kernel",
+    for name in ("chunk_intra_kernel", "chunk_wy_kernel", "chunk_state_kernel",
                  "chunk_output_kernel", "recurrent_step_kernel"):
         fn = getattr(tk, name)
         caches = getattr(fn, "device_caches", None) or {}

@@ -30,7 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.triton_kernels import chunk_intra_kernel, chunk_prep_kernel, chunk_wy_kernel  # noqa: E402
+from kernels.triton_kernels import chunk_intra_kernel, chunk_wy_kernel  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 SM90 = GPUTarget("cuda", 90, 32)
@@ -78,15 +78,13 @@ def compile_sm90(fn: triton.JITFunction, constants: dict, num_warps: int = 4, nu
 
 
 def variants() -> dict[str, tuple[triton.JITFunction, dict]]:
-    """The stage-1 kernels of the default path and of each sweep candidate."""
+    """The intra kernel with each combination of its two solve/decay options, and WY."""
     out: dict[str, tuple[triton.JITFunction, dict]] = {}
     for diag16 in (False, True):
         for factored in (False, True):
             flags = dict(DIAG16=diag16, FACTORED=factored)
             tag = ", ".join(name for name, on in (("diag16", diag16), ("factored A", factored)) if on)
             out[f"intra{' (' + tag + ')' if tag else ''}"] = (chunk_intra_kernel, {**STAGE1, **flags})
-            out[f"prep{' (' + tag + ')' if tag else ''}"] = (
-                chunk_prep_kernel, {**STAGE1, **flags, "V": 128, "BKW": 32, "BV": 64, "BLOCK_SCAN": True})
     out["wy"] = (chunk_wy_kernel, WY)
     return out
 

@@ -1,8 +1,7 @@
 """The Triton backend: runs a `PrefillProblem` on CUDA (or the Triton interpreter).
 
 Sequences of two or more tokens take the chunked path: the intra-chunk matrices, the
-solve and the WY factors (the `intra` and `wy` kernels, or by config one fused kernel,
-`prep`), then the state pass, which also computes o (or, by config, leaves
+solve and the WY factors (the `intra` and `wy` kernels), then the state pass, which also computes o (or, by config, leaves
 that to a separate parallel output kernel). Batches of few sequence-heads run in pieces
 (`triton_plan`): on CUDA the state pass of each piece runs on a high-priority side stream
 while the parallel stages of the next pieces run on the caller's stream. Single-token
@@ -29,7 +28,6 @@ from .triton_kernels import (
     LaunchConfig,
     chunk_intra_kernel,
     chunk_output_kernel,
-    chunk_prep_kernel,
     chunk_state_kernel,
     chunk_wy_kernel,
     recurrent_step_kernel,
@@ -137,9 +135,8 @@ def run_triton(
         return o, h
 
     aqk = torch.empty(T, HV, CHUNK_SIZE, dtype=mat, device=device)
-    if not cfg.fuse_prep:
-        tb = torch.empty(T, HV, CHUNK_SIZE, dtype=torch.float16 if fp16_solve else f32, device=device)
-        rqk = torch.empty(T, HV, 2, dtype=f32, device=device)
+    tb = torch.empty(T, HV, CHUNK_SIZE, dtype=torch.float16 if fp16_solve else f32, device=device)
+    rqk = torch.empty(T, HV, 2, dtype=f32, device=device)
     w = torch.empty(T, HV, K, dtype=mat, device=device)
     kg, qg = torch.empty_like(w), torch.empty_like(w)
     u = torch.empty(T, HV, V, dtype=f32, device=device)
@@ -161,12 +158,6 @@ def run_triton(
         intra = dict(BK=cfg.intra_bk, BKD=cfg.intra_bkd, **flags, SAFE=gate == GATE_LOWER_BOUND, DOT_PREC=dot_prec,
                      FLOOR=LOG_DECAY_FLOOR, FP16_SOLVE=fp16_solve, DIAG16=cfg.solve_diag16, FACTORED=cfg.factored_a,
                      num_warps=cfg.intra_warps, num_stages=cfg.intra_stages)
-        if cfg.fuse_prep:
-            chunk_prep_kernel[(c1 - c0, HV)](
-                q, k, v, g, beta, a_log, dt_bias, aqk, w, u, kg, qg, gexp, chunks, p.scale, lower_bound,
-                H=H, HV=HV, K=K, V=V, BKW=cfg.wy_bk, BV=cfg.wy_bv, BLOCK_SCAN=cfg.wy_block_scan, **intra,
-            )
-            return
         chunk_intra_kernel[(c1 - c0, HV)](
             q, k, g, beta, a_log, dt_bias, tb, aqk, rqk, chunks, p.scale, lower_bound, H=H, HV=HV, K=K, **intra,
         )

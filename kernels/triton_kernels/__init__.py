@@ -3,7 +3,6 @@
 - `gate`: device functions for the gate and beta transforms and the gate's chunk cumsum;
 - `intra`: per-chunk gate cumsum, A_qk / A_kk and the triangular solve;
 - `wy`: the WY factors w, u (and kg, qg) from the solve;
-- `prep`: `intra` and `wy` fused into one kernel per chunk (by config);
 - `state`: the sequential chunk-to-chunk state pass, in place on the pool;
 - `output`: per-chunk outputs from the states and the intra-chunk matrices;
 - `recurrent`: single-token sequences (decode), in place on the pool;
@@ -12,7 +11,6 @@
 from .config import LaunchConfig, select_config
 from .intra import chunk_intra_kernel
 from .output import chunk_output_kernel
-from .prep import chunk_prep_kernel
 from .recurrent import recurrent_step_kernel
 from .state import chunk_state_kernel
 from .wy import chunk_wy_kernel
@@ -22,7 +20,6 @@ __all__ = [
     "select_config",
     "chunk_intra_kernel",
     "chunk_wy_kernel",
-    "chunk_prep_kernel",
     "chunk_state_kernel",
     "chunk_output_kernel",
     "recurrent_step_kernel",

@@ -45,9 +45,6 @@ class LaunchConfig:
     # ... and, with unit-norm keys and sigmoid betas (bounded entries, see
     # `intra.solve_unit_lower`), run the triangular solve and T diag(beta) in fp16 too.
     fp16_solve: bool = False
-    # Run intra and WY as one kernel per chunk (`prep`): T diag(beta) never goes through
-    # memory (intra's BK/BKD/warps/stages and wy's BK/BV apply to it). False: two kernels.
-    fuse_prep: bool = False
     # Solve levels inside 16-row blocks on the diagonal blocks alone (`intra.solve_unit_lower`).
     solve_diag16: bool = False
     # The k side of A from block-level and in-block decay factors (`intra.chunk_matrices`).
@@ -77,14 +74,13 @@ PIECE_CHUNK_HEADS = 4096
 
 # The triangular solve in fp16 where its entries are bounded (`LaunchConfig.fp16_solve`).
 FP16_SOLVE = True
-# Intra and WY as one kernel per chunk (`LaunchConfig.fuse_prep`), the solve's first levels
-# on [4, 16, 16] diagonal blocks (`LaunchConfig.solve_diag16`) and A's k side from factored
-# decays (`LaunchConfig.factored_a`). All are verified (interpreter tests, each alone and
-# all together) but not yet timed on a GPU, so the measured path stays the default until
-# `bench/kernels.py --sweep` shows one faster.
-FUSE_PREP = False
-SOLVE_DIAG16 = False
-FACTORED_A = False
+# The solve's first levels on [4, 16, 16] diagonal blocks (`LaunchConfig.solve_diag16`) and
+# A's k side from factored decays (`LaunchConfig.factored_a`). H200, H=32, K=V=128, bf16,
+# same run as fla-core (2026-12-01, `bench/kernels.py --sweep`): the two together take
+# 8x4096 from 3.64 to 3.25 ms and 1x65536 from 7.28 to 6.53 (each alone about half of that),
+# o and final states within 1e-3 of the previous path's.
+SOLVE_DIAG16 = True
+FACTORED_A = True
 
 
 def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
@@ -130,13 +126,13 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
             wy_stages=1, wy_block_scan=True, state_bv=bv, state_warps=4, state_stages=1,
             out_bk=bk, out_bv=bv, out_warps=4, out_stages=1,
             rec_bv=bv, rec_warps=4, fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=PIECE_CHUNK_HEADS,
-            fuse_prep=FUSE_PREP, solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A,
+            solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A,
         )
     return LaunchConfig(
         intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, intra_stages=3, wy_bk=min(bk, 32), wy_bv=min(bv, 64),
         wy_warps=4, wy_stages=3, wy_block_scan=True, state_bv=None, state_warps=None, state_stages=3 if bk <= 128 else 1,
         out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
-        fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=None, fuse_prep=FUSE_PREP,
+        fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=None,
         solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A,
     )
