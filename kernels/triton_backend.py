@@ -151,7 +151,7 @@ def run_triton(
             states, hk, hv = torch.empty(NT, HV, K, V, dtype=f32, device=device), V, 1
         else:
             states, hk, hv = h, s_hk, s_hv
-    state_bv, state_warps = state_launch(cfg, n_multi * HV, K, V)
+    state_bv, state_warps, state_stages = state_launch(cfg, n_multi * HV, K, V, mat.itemsize)
 
     def parallel(c0: int, c1: int) -> None:
         chunks = plan.chunks[c0:c1]
@@ -175,7 +175,7 @@ def run_triton(
             w, u, kg, gexp, qg, aqk, o, v_new, states, p.pool, p.indices, plan.segs[s0:s1], carry,
             *pool_strides, hk, hv, HV=HV, K=K, V=V, BK=max(16, _next_pow2(K)), BV=state_bv,
             FUSE_OUT=fused, STORE_H=not fused or h is not None, DOT_PREC=dot_prec,
-            num_warps=state_warps, num_stages=cfg.state_stages,
+            num_warps=state_warps, num_stages=state_stages,
         )
         if not fused:
             nv = -(-V // cfg.out_bv)

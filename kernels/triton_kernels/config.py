@@ -27,7 +27,7 @@ class LaunchConfig:
     wy_block_scan: bool
     state_bv: int | None  # None: decided by shape (`state_launch`)
     state_warps: int | None  # None: decided by shape (`state_launch`)
-    state_stages: int
+    state_stages: int | None  # None: decided by head dim and operand size (`state_launch`)
     out_bk: int
     out_bv: int
     out_warps: int
@@ -103,14 +103,19 @@ def piece_chunks(cfg: LaunchConfig, HV: int, num_seqs: int) -> int:
     return max(1, -(-target // HV)) if target > 0 else 0
 
 
-def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int) -> tuple[int, int]:
-    """(BV, warps) of the state pass: the config's, else 4 warps (they share an SM with the
-    parallel kernels, and beat 8 warps even alone: 4.20 vs 4.36 ms on 8x4096, H200) and
+def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, operand_bytes: int) -> tuple[int, int, int]:
+    """(BV, warps, stages) of the state pass: the config's, else 4 warps (they share an SM
+    with the parallel kernels, and beat 8 warps even alone: 4.20 vs 4.36 ms on 8x4096, H200),
     BV = 64 for wide batches, 32 for narrow ones (more programs to spread over the GPU:
     1x16384 1.89 vs 1.96 ms) or K > 128 (the [K, BV] state and the [64, K] tiles crowd the
-    registers)."""
+    registers), and as many pipeline stages of the [64, K] w, kg, qg tiles (``operand_bytes``
+    per element: 2 for fp16, 4 for fp32) as fit in the 227 KB of shared memory a Hopper
+    block may take (sm_90 compiles, `tests/triton/test_triton_sm90_shared_memory.py`):
+    3 stages of fp16 at K <= 128 take 192-216 KB, of fp32 256-288 KB, so fp32 takes 2
+    (136-160 KB); K > 128 takes 1."""
     bv = cfg.state_bv or min(_pow2(V), 64 if _wide(num_seq_heads) and K <= 128 else 32)
-    return bv, cfg.state_warps or 4
+    stages = cfg.state_stages or (1 if K > 128 else 3 if operand_bytes <= 2 else 2)
+    return bv, cfg.state_warps or 4, stages
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -130,7 +135,7 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
         )
     return LaunchConfig(
         intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, intra_stages=3, wy_bk=min(bk, 32), wy_bv=min(bv, 64),
-        wy_warps=4, wy_stages=3, wy_block_scan=True, state_bv=None, state_warps=None, state_stages=3 if bk <= 128 else 1,
+        wy_warps=4, wy_stages=3, wy_block_scan=True, state_bv=None, state_warps=None, state_stages=None,
         out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
         fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=None,

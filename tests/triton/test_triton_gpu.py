@@ -35,6 +35,18 @@ def test_head_dims(dims: tuple[int, int]) -> None:
                "cuda", seed=50 + K, tol=GPU_TOL, ref_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dims", [(128, 128), (256, 256)])
+@pytest.mark.parametrize("lengths", [(300,), (300, 130, 64, 1, 200)], ids=["narrow", "wide"])
+def test_fp32_inputs(dims: tuple[int, int], lengths: tuple[int, ...]) -> None:
+    """fp32 inputs in the serving geometry: full-precision products on fp32 operand tiles,
+    twice the shared memory of 16-bit ones (the state pass's pipeline depth depends on it),
+    one sequence-head group (narrow state blocks) and five (wide), against the float64
+    reference at fp32's tolerance."""
+    K, V = dims
+    check_case(Case(lengths, H=32, HV=32, K=K, V=V, gate="lower_bound", dtype=torch.float32), "cuda",
+               seed=70 + K + len(lengths), tol=1e-4)
+
+
 def test_random_varlen_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """100 random batches mixing decode tokens, partial, exact and multi-chunk sequences,
     alternating gates and both output paths (one GVA geometry: head counts and dims are
