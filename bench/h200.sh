@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in three device calls (each at most 10 minutes):
 #   run(command="bash bench/h200.sh cuda-ipc:240 transport:200 gpu-tests:140", carry=[".whl", ".srvwhl"])
-#   run(command="bash bench/h200.sh kernels", carry=[".whl", ".srvwhl"])
+#   run(command="bash bench/h200.sh kernel-sweep", carry=[".whl", ".srvwhl"])
 #   run(command="bash bench/h200.sh gpu-tests:300 kernel-variants:240", carry=[".whl", ".srvwhl"])
 # .whl holds fla-core 0.6.0 and einops, .srvwhl the server's wheels (fastapi, starlette,
 # pydantic, pydantic-core, uvicorn, httptools, ...), all cp312, downloaded as
@@ -27,13 +27,14 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     name=${spec%%:*}; limit=${spec#*:}; [[ $limit == "$spec" ]] && limit=540
     case $name in
     gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store ;;
-    kernels) run_step "$name" "$limit" python3 bench/kernels.py --sweep --json "$OUT/kernels.json" ;;
+    kernels) run_step "$name" "$limit" python3 bench/kernels.py --json "$OUT/kernels.json" ;;
+    kernel-sweep) run_step "$name" "$limit" python3 bench/kernels.py --sweep --json "$OUT/kernel_sweep.json" ;;
     # the stage-1 candidates' tests, unfiltered: on CUDA their `device` fixture is the GPU. One
     # process per file: a kernel that faults kills the CUDA context for every later test.
     kernel-variants) run_step "$name" "$limit" bash -c 'rc=0; for f in tests/triton/test_triton_fp16_solve.py tests/triton/test_triton_factored.py; do
         python3 -m pytest -q "$f" || rc=1; done; exit $rc' ;;
     cuda-ipc) run_step "$name" "$limit" python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json" --server-log "$OUT/cuda_ipc_server.log" ;;
     transport) run_step "$name" "$limit" python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3 ;;
-    *) echo "unknown step $name (gpu-tests, kernels, kernel-variants, cuda-ipc, transport)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, kernels, kernel-sweep, kernel-variants, cuda-ipc, transport)"; exit 2 ;;
     esac
 done
