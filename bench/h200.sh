@@ -27,6 +27,10 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     name=${spec%%:*}; limit=${spec#*:}; [[ $limit == "$spec" ]] && limit=540
     case $name in
     gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store ;;
+    # the service's GPU paths only (shared memory, staging, validation), and the POSIX shared
+    # memory tests unfiltered: their server is on the GPU there
+    service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store tests/kserve || rc=1
+        python3 -m pytest -q tests/transport/test_transport_shm.py || rc=1; exit $rc' ;;
     kernels) run_step "$name" "$limit" python3 bench/kernels.py --json "$OUT/kernels.json" ;;
     kernel-sweep) run_step "$name" "$limit" python3 bench/kernels.py --sweep --json "$OUT/kernel_sweep.json" ;;
     # the stage-1 candidates' tests, unfiltered: on CUDA their `device` fixture is the GPU. One
@@ -35,6 +39,6 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
         python3 -m pytest -q "$f" || rc=1; done; exit $rc' ;;
     cuda-ipc) run_step "$name" "$limit" python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json" --server-log "$OUT/cuda_ipc_server.log" ;;
     transport) run_step "$name" "$limit" python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3 ;;
-    *) echo "unknown step $name (gpu-tests, kernels, kernel-sweep, kernel-variants, cuda-ipc, transport)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-variants, cuda-ipc, transport)"; exit 2 ;;
     esac
 done

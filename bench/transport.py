@@ -106,6 +106,7 @@ class Timed:
     kernel_s: float
     validate_s: float
     moved: int  # bytes in + out
+    phases: dict[str, float]  # the server's Server-Timing (ms): decode, validate, kernel, encode
 
     @property
     def mb_s(self) -> float:
@@ -135,7 +136,7 @@ def time_prefill(client: KDAClient, slot: str, seq: Sequence[torch.Tensor], repe
         moved = input_bytes(seq) + out.o_packed.numel() * out.o_packed.element_size()
         moved += 0 if out.final_state is None else out.final_state.numel() * out.final_state.element_size()
         fastest = best(fastest, Timed(dt, out.server_timing["kernel"] / 1000, out.server_timing["validate"] / 1000,
-                                      moved))
+                                      moved, dict(out.server_timing)))
     assert fastest is not None
     return fastest
 
@@ -273,6 +274,9 @@ def main() -> None:
           f"wire only {e.wire_mb_s / fresh_mb_s:.2f}")
     print(f"(e) / memcpy into warm buffers: ex-kernel {e.ex_kernel_mb_s / copy_mb_s:.2f}, wire only "
           f"{e.wire_mb_s / copy_mb_s:.2f}; (e) / (b) ex-kernel: {e.ex_kernel_mb_s / b.ex_kernel_mb_s:.2f}")
+    for name, t in (("(b)", b), ("(e)", e)):
+        print(f"{name} server phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in t.phases.items())
+              + f"; outside them (client, HTTP) {t.seconds * 1e3 - sum(t.phases.values()):.1f}")
     print(f"(d) {args.batch_requests} concurrent x {args.batch_tokens} tokens: window {args.batch_window_ms} ms "
           f"{on:.0f} tokens/s, window 0 {zero:.0f}, merging off {off:.0f}: gain (on / off) {on / off:.2f}x, "
           f"(window 0 / off) {zero / off:.2f}x")

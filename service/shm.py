@@ -5,9 +5,9 @@ namespace of region names.
 
 A request names a region, an offset and a byte size for each tensor it passes this way;
 every such reference is bounds-checked against the region here. Inputs are copied out of
-a region once (into host memory, or from CUDA regions into the server's GPU memory), so
-nothing the kernels see can change or vanish under them; outputs are copied in after the
-launch.
+a region once (on a CPU server into host memory; on a GPU server into its GPU memory, from
+a system region by DMA, the mapping being page-locked on first use), so nothing the
+kernels see can change or vanish under them; outputs are copied in after the launch.
 
 A request holds a `lease` on the regions it names from decoding to its response, so an
 unregister arriving meanwhile takes the name away at once but unmaps the memory only
@@ -24,6 +24,7 @@ import logging
 import math
 import mmap
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from contextlib import ExitStack, contextmanager
@@ -115,6 +116,9 @@ class SystemRegion(_Region):
             self._map = mmap.mmap(fd, self._base + byte_size, offset=start)
         finally:
             os.close(fd)
+        self._host: Optional[torch.Tensor] = None  # uint8 over the mapping, for copies to and from a GPU
+        self._pinned = False  # the mapping is page-locked with CUDA (cudaHostRegister)
+        self._pin_lock = threading.Lock()
 
     def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -128,16 +132,61 @@ class SystemRegion(_Region):
         with memoryview(self._map) as whole:
             dest[:] = whole[begin:begin + dest.nbytes]
 
+    def read_into_tensor(self, offset: int, dest: torch.Tensor) -> None:
+        """Copy the ``dest.numel()`` bytes at ``offset`` into the uint8 tensor ``dest`` on a
+        GPU (bounds checked by the caller), on the device's copy stream, straight from the
+        mapping (page-locked on first use, so the copy is one DMA); the copy may be in flight
+        on return: synchronize the stream before the client may write the region again."""
+        if dest.numel():
+            source = self._device_view(dest.device)[self._base + offset:self._base + offset + dest.numel()]
+            with torch.cuda.stream(copy_stream(dest.device)):
+                dest.copy_(source, non_blocking=self._pinned)
+
     def write(self, offset: int, t: torch.Tensor) -> None:
-        data = tensor_bytes(t)
+        """``t`` (on the host, or on a GPU and complete: the launch synchronized) stored at
+        ``offset``, in place when this returns; from a GPU straight into the mapping."""
         begin = self._base + offset
+        if t.is_cuda:
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            stream = copy_stream(t.device)
+            with torch.cuda.stream(stream):
+                self._device_view(t.device)[begin:begin + data.numel()].copy_(data, non_blocking=self._pinned)
+            stream.synchronize()  # in place before the response says so
+            return
+        data = tensor_bytes(t)
         with memoryview(self._map) as whole:
             whole[begin:begin + data.size] = data
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the mapping is page-locked for DMA (after a first copy to or from a GPU)."""
+        return self._pinned
+
+    def _device_view(self, device: torch.device) -> torch.Tensor:
+        """The whole mapping as a uint8 host tensor, page-locked with CUDA the first time
+        (portable: for every device). Refused pinning (a memlock limit, say) leaves it
+        pageable: copies still work, through the driver's staging buffers."""
+        with self._pin_lock:
+            if self._host is None:
+                self._host = torch.frombuffer(self._map, dtype=torch.uint8)
+                with torch.cuda.device(device):
+                    code = torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), self._host.numel(),
+                                                                _CUDA_HOST_REGISTER_PORTABLE)
+                self._pinned = _cuda_success(code)
+                if not self._pinned:
+                    log.warning("shared memory region %r could not be page-locked (%s): its copies to and from "
+                                "the GPU go through pageable memory", self.name, code)
+            return self._host
 
     def status(self) -> dict[str, Union[str, int]]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
     def close(self) -> None:
+        if self._host is not None:
+            if self._pinned:
+                torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+                self._pinned = False
+            self._host = None  # its export of the mapping ends here, so the mapping can close
         self._map.close()
 
 
@@ -205,6 +254,12 @@ def _copy_streams(*devices: torch.device) -> Iterator[list[torch.cuda.Stream]]:
 
 
 Region = Union[SystemRegion, CudaRegion]
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
+
+
+def _cuda_success(code: object) -> bool:
+    """Whether a torch.cuda.cudart() call's return value is cudaSuccess."""
+    return int(getattr(code, "value", code)) == 0
 
 
 def _object_name(key: str) -> str:

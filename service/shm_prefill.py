@@ -13,12 +13,12 @@ inside it, ``byte_size`` equals dtype x shape for inputs and holds the result fo
 (o: T x HV x V in v's dtype; final_state: N x HV x V x K in the pool dtype). A failure is a
 400 problem and changes no slot. Inputs are copied out of the region once (the kernels
 never see memory the client may change), decoded into `PrefillInputs` and go through the
-same validation, per-slot ordering and batching as every transport: from system regions
-into one host buffer, reused by a later request once nothing references it; from CUDA
-regions, on a GPU server, into device memory (device to device, no trip through the
-host). Outputs are written into the named bytes before the response
-(`PrefillShmResponse`, JSON) says where they are; when every output region is CUDA
-memory they go there from the device directly.
+same validation, per-slot ordering and batching as every transport: on a CPU server into
+one host buffer, reused by a later request once nothing references it;
+on a GPU server q, k, v, g and beta straight into device memory (device to device from
+CUDA regions, one DMA from page-locked system regions: no host copy). Outputs are written
+into the named bytes before the response (`PrefillShmResponse`, JSON) says where they
+are; on a GPU server from the device directly.
 """
 from __future__ import annotations
 
@@ -151,11 +151,12 @@ def _room(regions: dict[str, Region], ref: ShmRef, need: int, field: str) -> Non
 
 def _copy_out(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: WarmBuffers,
               device: torch.device) -> dict[str, torch.Tensor]:
-    """Every input copied out of shared memory once: q, k, v, g and beta from CUDA regions
-    into one buffer on ``device`` when it is a GPU (a device-to-device copy; the launch then
-    moves nothing), the rest into one host buffer (`_copy_to_host`)."""
-    on_device = {name: t for name, t in tensors.items() if device.type == "cuda" and name in REQUIRED_TENSORS
-                 and isinstance(regions[t.shm.region], CudaRegion)}
+    """Every input copied out of shared memory once. On a GPU server q, k, v, g and beta go
+    into one buffer on ``device``, from CUDA regions device to device, from system regions
+    by DMA from the (page-locked) mapping: the launch then moves nothing, and no host copy
+    is made. Everything else (on a CPU server all of it) goes into one host buffer
+    (`_copy_to_host`)."""
+    on_device = {name: t for name, t in tensors.items() if device.type == "cuda" and name in REQUIRED_TENSORS}
     loaded = _copy_to_host({n: t for n, t in tensors.items() if n not in on_device}, regions, warm)
     if on_device:
         offsets, total = _packed_offsets(on_device)
@@ -163,10 +164,8 @@ def _copy_out(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: W
         with torch.cuda.stream(stream):
             buf = torch.empty(total, dtype=torch.uint8, device=device)
             for name, t in on_device.items():
-                region = regions[t.shm.region]
-                assert isinstance(region, CudaRegion)
                 start = offsets[name]
-                region.read_into_tensor(t.shm.offset, buf[start:start + t.shm.byte_size])
+                regions[t.shm.region].read_into_tensor(t.shm.offset, buf[start:start + t.shm.byte_size])
         stream.synchronize()  # copied before the client may reuse its memory (no launch in flight waited for)
         buf.record_stream(torch.cuda.default_stream(device))  # the launch reads it there
         loaded.update({name: buf[offsets[name]:offsets[name] + t.shm.byte_size].view(JSON_DTYPES[t.dtype])
@@ -226,8 +225,7 @@ def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: S
         _room(regions, final, N * g.num_heads * g.head_v_dim * g.head_k_dim * g.dtype.itemsize,
               "outputs.final_state")
     loaded = _copy_out(tensors, regions, warm, g.device)
-    device_outputs = g.device.type == "cuda" and all(isinstance(regions[ref.region], CudaRegion)
-                                                     for ref in (request.outputs.o, final) if ref is not None)
+    device_outputs = g.device.type == "cuda"  # written from the device into any region (`write_result`)
     inputs = PrefillInputs(
         layer=request.layer, slots=[s.slot for s in request.sequences], lengths=[s.length for s in request.sequences],
         **{name: loaded[name] for name in REQUIRED_TENSORS}, A_log=loaded.get("A_log"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Optional
+from typing import Hashable, Mapping, Optional, Sequence
 
 import torch
 
@@ -111,26 +111,44 @@ def _resolve_gate(x: PrefillInputs, geometry: PoolGeometry, server: Optional[Gat
     return Gate(x.A_log, dt_bias, x.lower_bound, key=gate_key(x.A_log, dt_bias, x.lower_bound))
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every value of the float tensor ``t`` is finite, in one pass over it that
-    allocates nothing of its size: min and max propagate NaN, and are infinite when any value is.
-    (``torch.isfinite(t).all()`` writes a bool tensor of t's size and reads it again: ~10x slower.)"""
-    if t.numel() == 0:
-        return True
-    if t.is_cuda:  # inputs copied out of CUDA shared memory: scanned on the stream that copied them,
-        with torch.cuda.stream(copy_stream(t.device)):  # so the answer never waits for a launch in flight
+def finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """For each float tensor of ``tensors``, whether every value is finite, in one pass over
+    it that allocates nothing of its size: min and max propagate NaN, and are infinite when
+    any value is. (``torch.isfinite(t).all()`` writes a bool tensor of t's size and reads it
+    again: ~10x slower.) Tensors on a GPU (inputs copied out of shared memory) are scanned on
+    the stream that copied them, so the answer never waits for a launch in flight, and are
+    read back with one synchronization per device for all of them."""
+    flags: list[Optional[bool]] = [None] * len(tensors)
+    on_gpu: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            flags[i] = True
+        elif t.is_cuda:
+            on_gpu.setdefault(t.device, []).append(i)
+        else:
             lo, hi = torch.aminmax(t)
-            return bool(torch.isfinite(lo) & torch.isfinite(hi))
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+            flags[i] = bool(torch.isfinite(lo) & torch.isfinite(hi))
+    for device, indices in on_gpu.items():
+        with torch.cuda.stream(copy_stream(device)):
+            ends = torch.stack([torch.stack(torch.aminmax(tensors[i])).float() for i in indices])  # [n, 2]
+            finite = torch.isfinite(ends).all(dim=1).tolist()
+        for i, ok in zip(indices, finite):
+            flags[i] = ok
+    return [bool(f) for f in flags]
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of the float tensor ``t`` is finite (`finite_flags`)."""
+    return finite_flags([t])[0]
 
 
 def _check_finite(x: PrefillInputs) -> None:
     if x.scale is not None and not (math.isfinite(x.scale) and x.scale > 0):
         raise _fail("scale", f"scale must be a finite number > 0, got {x.scale}")
-    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
-        t = getattr(x, name)
-        if t is not None and not all_finite(t):
+    named = [(name, t) for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+             if (t := getattr(x, name)) is not None]
+    for (name, t), finite in zip(named, finite_flags([t for _, t in named])):
+        if not finite:
             raise _fail(name, f"{name} {describe(t)} holds non-finite values (NaN or Inf)")
 
 

@@ -19,7 +19,7 @@ from service.errors import InvalidRequest, NotReady
 from service.gates import Gate
 from service.inputs import PrefillInputs
 from service.metrics import Metrics
-from service.validation import all_finite, validate_prefill
+from service.validation import all_finite, finite_flags, validate_prefill
 from service.worker import DeviceWorker
 from state_store import PoolGeometry, UnknownSlot
 
@@ -226,3 +226,20 @@ def test_apps_keep_their_own_metrics():
     a.state.core.metrics.tokens.inc(5)
     assert b"kda_prefill_tokens_total 5.0" in a.state.core.metrics.render()
     assert b"kda_prefill_tokens_total 0.0" in b.state.core.metrics.render()
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="needs a CUDA device")]),
+])
+def test_finite_flags_names_each_bad_tensor_of_a_mixed_list(device: str) -> None:
+    """One flag per tensor, in order, over dtypes and sizes mixed in one list (on a GPU the
+    flags of all of them are read back together)."""
+    gen = torch.Generator().manual_seed(7)
+    good = [torch.randn(300, 4, 64, generator=gen).to(dt) for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    nan, inf = torch.randn(1000, generator=gen), torch.randn(5, 3, generator=gen).to(torch.bfloat16)
+    nan[777], inf[4, 2] = float("nan"), float("-inf")
+    tensors = [t.to(device) for t in (good[0], nan, good[1], torch.empty(0), inf, good[2])]
+    assert finite_flags(tensors) == [True, False, True, True, False, True]
+    assert finite_flags([]) == []
