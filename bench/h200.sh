@@ -29,7 +29,7 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store ;;
     # the service's GPU paths only (shared memory, staging, validation), and the POSIX shared
     # memory tests unfiltered: their server is on the GPU there
-    service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store tests/kserve || rc=1
+    service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store || rc=1
         python3 -m pytest -q tests/transport/test_transport_shm.py || rc=1; exit $rc' ;;
     kernels) run_step "$name" "$limit" python3 bench/kernels.py --json "$OUT/kernels.json" ;;
     kernel-sweep) run_step "$name" "$limit" python3 bench/kernels.py --sweep --json "$OUT/kernel_sweep.json" ;;

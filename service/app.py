@@ -41,8 +41,8 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .problems import install_problem_handlers
 from .shm import SYSTEM, ShmRegistry
 from .shm_prefill import (
-    SHM_JSON, PrefillShmRequest, PrefillShmResponse, RegionRegister, RegionStatus, parse_shm_request, read_request,
-    region_names, write_result,
+    SHM_JSON, PrefillShmRequest, PrefillShmResponse, RegionRegister, RegionStatus, host_bytes, input_refs,
+    parse_shm_request, read_request, region_names, write_result,
 )
 from .wire.body import read_body
 from .wire.media import ENCODINGS, JSON, PROBLEM, SAFETENSORS, negotiate, request_encoding
@@ -298,15 +298,14 @@ def create_app(settings: Settings) -> FastAPI:
         parsed = parse_shm_request(await read_body(request))
         with registry.lease(region_names(parsed)) as regions:
             start = time.perf_counter()
-            size = sum(t.shm.byte_size for t in (parsed.q, parsed.k, parsed.v, parsed.g, parsed.beta))
-            plan = await run_cpu(read_request, parsed, regions, core, shm_inputs, nbytes=size)
+            plan = await run_cpu(read_request, parsed, regions, core, shm_inputs,
+                                 nbytes=host_bytes(input_refs(parsed), regions))
             decode_s = time.perf_counter() - start
             result = await core.prefill(plan.inputs)
             if result.allocated and (gone := await left.check(request, result.allocated)):
                 return gone
             start = time.perf_counter()
-            doc = await run_cpu(write_result, plan, result, regions,
-                                nbytes=result.o.numel() * result.o.element_size())
+            doc = await run_cpu(write_result, plan, result, regions, nbytes=host_bytes((plan.o, plan.final_state), regions))
         timing = _server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
                                 encode=time.perf_counter() - start)
         return JSONResponse(doc, headers=timing)

@@ -23,7 +23,7 @@ are; on a GPU server from the device directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Iterable, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -134,6 +134,18 @@ def region_names(request: PrefillShmRequest) -> set[str]:
     if request.outputs.final_state is not None:
         refs.append(request.outputs.final_state)
     return {ref.region for ref in refs}
+
+
+def host_bytes(refs: Iterable[Optional[ShmRef]], regions: dict[str, Region]) -> int:
+    """Bytes of ``refs`` in system regions: what reading or writing them costs the host (and
+    so whether that work should leave the event loop, `service.worker.run_cpu`); bytes in
+    CUDA regions move device to device and cost it nothing."""
+    return sum(ref.byte_size for ref in refs if ref is not None and not isinstance(regions[ref.region], CudaRegion))
+
+
+def input_refs(request: PrefillShmRequest) -> list[ShmRef]:
+    """Where q, k, v, g and beta lie."""
+    return [getattr(request, name).shm for name in REQUIRED_TENSORS]
 
 
 def _tensors(request: PrefillShmRequest) -> dict[str, ShmTensor]:
