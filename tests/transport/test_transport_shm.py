@@ -12,7 +12,8 @@ import httpx
 import pytest
 import torch
 from transport_helpers import (
-    HV, K, SHM_JSON, TOL, V, Region, Server, dumps, make_sequence, pool_image, reference, rel, shm_request,
+    HV, K, SHM_JSON, TOL, V, Region, Server, dumps, make_sequence, pool_image, prefill_and_continue, reference, rel,
+    shm_request,
 )
 
 from service.client import AsyncKDAClient, BadRequest, KDAClient
@@ -30,12 +31,8 @@ def test_client_shm_equals_binary_and_reference(server: Server, gen: torch.Gener
     first = [make_sequence(70, gen), make_sequence(1, gen), make_sequence(130, gen)]
     second = [make_sequence(40, gen), make_sequence(65, gen), make_sequence(3, gen)]
     with KDAClient(server.url) as binary, KDAClient(server.url, transport="shm") as shm:
-        outs = []
-        for client in (binary, shm):
-            a = client.prefill(0, [(None, *s) for s in first], use_qk_l2norm=True)
-            b = client.prefill(0, [(slot, *s) for slot, s in zip(a.slots, second)], use_qk_l2norm=True)
-            outs.append((a, b))
-            assert "kernel" in b.server_timing
+        outs = [prefill_and_continue(client, first, second, use_qk_l2norm=True) for client in (binary, shm)]
+        assert all("kernel" in b.server_timing for _, b in outs)
         for x, y in zip(outs[0], outs[1]):
             assert torch.equal(x.o_packed, y.o_packed)
             assert torch.equal(x.final_state, y.final_state)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from transport_helpers import Server, make_sequence, pool_image
+from transport_helpers import Server, make_sequence, pool_image, prefill_and_continue
 
 from service.client import BadRequest, KDAClient
 
@@ -25,11 +25,7 @@ def test_system_region_on_a_gpu_server_equals_binary_and_is_pinned(server: Serve
     first = [make_sequence(70, gen), make_sequence(1, gen), make_sequence(2100, gen)]
     second = [make_sequence(40, gen), make_sequence(65, gen), make_sequence(3, gen)]
     with KDAClient(server.url) as binary, KDAClient(server.url, transport="shm") as shm:
-        outs = []
-        for client in (binary, shm):
-            a = client.prefill(0, [(None, *s) for s in first], use_qk_l2norm=True)
-            b = client.prefill(0, [(slot, *s) for slot, s in zip(a.slots, second)], use_qk_l2norm=True)
-            outs.append((a, b))
+        outs = [prefill_and_continue(client, first, second, use_qk_l2norm=True) for client in (binary, shm)]
         (name,) = _regions(server)
         for x, y in zip(*outs):
             assert y.o_packed.device.type == "cpu"

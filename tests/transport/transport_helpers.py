@@ -84,6 +84,15 @@ def shm_request(region: Region, slots: Sequence[Optional[str]], seqs: Sequence[S
     return doc
 
 
+def prefill_and_continue(client: Any, first: Sequence[Sequence[torch.Tensor]], second: Sequence[Sequence[torch.Tensor]],
+                         **options: Any) -> tuple[Any, Any]:
+    """Two prefills through ``client`` (a KDAClient): ``first`` on new slots, then ``second``
+    continuing them; both outputs."""
+    a = client.prefill(0, [(None, *s) for s in first], **options)
+    b = client.prefill(0, [(slot, *s) for slot, s in zip(a.slots, second)], **options)
+    return a, b
+
+
 def dumps(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc).encode()
 
