@@ -44,6 +44,7 @@ from kernels.triton_kernels import LaunchConfig, select_config  # noqa: E402
 H, K, V = 32, 128, 128
 LOWER_BOUND = -5.0
 CASES = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (64, 512), (256, 128)]
+FP32_CASES = [(1, 4096)]  # fp32 inputs: full-precision products (DOT_PREC "ieee"), not tensor cores
 DECODE = (256, 1)
 # variants of our launch config timed with --sweep (overrides of the shape-chosen config);
 # each must first match the default on a small case in its own process (`_warm_ours`)
@@ -54,13 +55,15 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def make_case(n_seq: int, length: int, seed: int = 0, heads: int = H) -> dict:
-    """Random serving-config inputs for n_seq sequences of ``length`` tokens, on the GPU."""
+def make_case(n_seq: int, length: int, seed: int = 0, heads: int = H, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Random serving-config inputs for n_seq sequences of ``length`` tokens, on the GPU:
+    q, k, v, g, beta in ``dtype``, A_log, dt_bias and the pool in fp32."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     T = n_seq * length
     dev = dict(device="cuda")
+    input_dtype = dtype
 
-    def randn(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:
+    def randn(*shape: int, dtype=input_dtype) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, **dev).to(dtype)
 
     pool_rows = n_seq + 8
@@ -281,9 +284,10 @@ def main() -> None:
     print(f"warm-up {time.time() - t0:.0f}s", flush=True)
 
     rows = []
-    for n_seq, length in CASES + [DECODE]:
-        name = f"{n_seq}x{length}" + (" decode" if length == 1 else "")
-        c = make_case(n_seq, length)
+    cases = [(n, L, torch.bfloat16) for n, L in CASES + [DECODE]] + [(n, L, torch.float32) for n, L in FP32_CASES]
+    for n_seq, length, dtype in cases:
+        name = f"{n_seq}x{length}" + (" decode" if length == 1 else "") + (" fp32" if dtype == torch.float32 else "")
+        c = make_case(n_seq, length, dtype=dtype)
         row: dict = dict(case=name, tokens=n_seq * length)
         with torch.inference_mode():
             row["ours_ms"] = bench(ours_fn(c, c["pool"].clone()))
