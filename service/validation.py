@@ -127,7 +127,7 @@ def finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
             on_gpu.setdefault(t.device, []).append(i)
         else:
             lo, hi = torch.aminmax(t)
-            flags[i] = bool(torch.isfinite(lo) & torch.isfinite(hi))
+            flags[i] = math.isfinite(lo.item()) and math.isfinite(hi.item())  # two scalars: no more tensor ops
     for device, indices in on_gpu.items():
         with torch.cuda.stream(copy_stream(device)):
             ends = torch.stack([torch.stack(torch.aminmax(tensors[i])).float() for i in indices])  # [n, 2]
