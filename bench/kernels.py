@@ -16,7 +16,7 @@ timing runs advance those states, never a live one); ours is never autotuned. Ea
 also checks our o and final states against fla's on the same inputs (relative L2).
 
 Usage (GPU machine, fla-core on PYTHONPATH, FLA_FLASH_KDA=0):
-    python bench/kernels.py [--sweep] [--no-fla] [--json PATH]
+    python bench/kernels.py [--sweep] [--no-fla] [--json PATH] [--cases NAMES]
     ncu -k regex:chunk_intra --launch-skip 2 --launch-count 1 python bench/kernels.py --profile 8x4096
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ from kernels.triton_kernels import LaunchConfig, select_config  # noqa: E402
 H, K, V = 32, 128, 128
 LOWER_BOUND = -5.0
 CASES = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (64, 512), (256, 128)]
-FP32_CASES = [(1, 4096)]  # fp32 inputs: full-precision products (DOT_PREC "ieee"), not tensor cores
+FP32_CASES = [(1, 4096), (8, 4096)]  # fp32 inputs: products as `LaunchConfig.fp32_products` says
 DECODE = (256, 1)
 # variants of our launch config timed with --sweep (overrides of the shape-chosen config);
 # each must first match the default on a small case in its own process (`_warm_ours`)
@@ -52,6 +52,7 @@ VARIANTS: dict[str, dict] = {
     "full-width solve levels": dict(solve_diag16=False),
     "pairwise k decays": dict(factored_a=False),
     "decode BV 64": dict(rec_bv=64),
+    "fp32 products tf32x3": dict(fp32_products="tf32x3"),  # changes the fp32 cases only
 }
 
 
@@ -178,8 +179,8 @@ def _warm_ours(overrides: dict) -> tuple[str, bool]:
     t = time.time()
     worst = 0.0
     try:
-        for n, length in ((2, 130), (4, 1)):
-            c = make_case(n, length, seed=1)
+        for n, length, dtype in ((2, 130, torch.bfloat16), (4, 1, torch.bfloat16), (2, 130, torch.float32)):
+            c = make_case(n, length, seed=1, dtype=dtype)
             for fused in ((True, False) if length > 1 and cfg.fuse_output is None else (cfg.fuse_output,)):
                 pool_v, pool_d = c["pool"].clone(), c["pool"].clone()
                 o_v = ours_fn(c, pool_v, cfg.with_overrides(fuse_output=fused))()
@@ -256,6 +257,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the config variants")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core")
     ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--cases", help="only these cases, by name, comma-separated (e.g. '8x4096,1x4096 fp32')")
     ap.add_argument("--profile", metavar="NxL", help="only run ours on this case a few times (under ncu) and exit")
     args = ap.parse_args()
     if args.profile:
@@ -285,8 +287,11 @@ def main() -> None:
 
     rows = []
     cases = [(n, L, torch.bfloat16) for n, L in CASES + [DECODE]] + [(n, L, torch.float32) for n, L in FP32_CASES]
+    wanted = None if args.cases is None else {name.strip() for name in args.cases.split(",")}
     for n_seq, length, dtype in cases:
         name = f"{n_seq}x{length}" + (" decode" if length == 1 else "") + (" fp32" if dtype == torch.float32 else "")
+        if wanted is not None and name not in wanted:
+            continue
         c = make_case(n_seq, length, dtype=dtype)
         row: dict = dict(case=name, tokens=n_seq * length)
         with torch.inference_mode():

@@ -113,7 +113,7 @@ def run_triton(
     dt_bias = p.dt_bias.contiguous() if p.dt_bias is not None else q
     lower_bound = 0.0 if p.lower_bound is None else p.lower_bound
     fp32_inputs = f32 in (q.dtype, k.dtype, v.dtype)
-    dot_prec = "ieee" if fp32_inputs else "tf32"
+    dot_prec = cfg.fp32_products if fp32_inputs else "tf32"
     mat = torch.float16 if cfg.fp16_operands and not fp32_inputs else f32
     # bounded entries (see intra.solve_unit_lower): unit-norm keys, sigmoid betas, decays <= 1
     fp16_solve = (mat == torch.float16 and cfg.fp16_solve and p.use_qk_l2norm and p.use_beta_sigmoid

@@ -49,6 +49,10 @@ class LaunchConfig:
     solve_diag16: bool = False
     # The k side of A from block-level and in-block decay factors (`intra.chunk_matrices`).
     factored_a: bool = False
+    # How fp32 inputs' products run (`tl.dot` input_precision): "ieee" (fp32 FMAs, off the
+    # tensor cores) or "tf32x3" (three tf32 tensor-core products of the operands' high and
+    # low parts: about fp32's accuracy). 16-bit inputs always take fp16/tf32 products.
+    fp32_products: str = "ieee"
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)
@@ -81,6 +85,8 @@ FP16_SOLVE = True
 # o and final states within 1e-3 of the previous path's.
 SOLVE_DIAG16 = True
 FACTORED_A = True
+# fp32 inputs' products (`LaunchConfig.fp32_products`).
+FP32_PRODUCTS = "ieee"
 
 
 def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
@@ -131,7 +137,7 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
             wy_stages=1, wy_block_scan=True, state_bv=bv, state_warps=4, state_stages=1,
             out_bk=bk, out_bv=bv, out_warps=4, out_stages=1,
             rec_bv=bv, rec_warps=4, fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=PIECE_CHUNK_HEADS,
-            solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A,
+            solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A, fp32_products=FP32_PRODUCTS,
         )
     return LaunchConfig(
         intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, intra_stages=3, wy_bk=min(bk, 32), wy_bv=min(bv, 64),
@@ -139,5 +145,5 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
         out_bk=min(bk, 128), out_bv=min(bv, 64), out_warps=4, out_stages=2,
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
         fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=None,
-        solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A,
+        solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A, fp32_products=FP32_PRODUCTS,
     )

@@ -58,7 +58,7 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
     cfg = select_config(K, V, interpret=False)
     inp = "fp32" if fp32_inputs else "bf16"
     mat = "fp32" if fp32_inputs else "fp16"
-    dot_prec = "ieee" if fp32_inputs else "tf32"
+    dot_prec = cfg.fp32_products if fp32_inputs else "tf32"
     fp16_solve = not fp32_inputs and cfg.fp16_solve
     flags = dict(GATE=GATE_LOWER_BOUND, HAS_A_LOG=True, HAS_DT_BIAS=True, USE_L2NORM=True, BETA_SIGMOID=True,
                  NEG_EIGVAL=False)
