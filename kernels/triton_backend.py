@@ -13,7 +13,9 @@ error as rounding o itself, which would break the 5e-3 accuracy target). States,
 gate sums are fp32. For 16-bit inputs w, kg, qg and A_qk are stored in fp16 (an 11-bit
 significand, as tf32's) and multiplied in fp16, and so are the triangular solve and
 T diag(beta) where their entries are provably bounded (`LaunchConfig.fp16_solve`); other
-products run in tf32. fp32 inputs keep fp32 throughout, with full-precision ("ieee") products.
+products run in tf32. fp32 inputs keep fp32 throughout; their products run as three tf32
+products of high and low parts ("tf32x3", about fp32's accuracy, on tensor cores) unless
+`LaunchConfig.fp32_products` asks for fp32 FMAs ("ieee").
 """
 from __future__ import annotations
 

@@ -305,7 +305,8 @@ def create_app(settings: Settings) -> FastAPI:
             if result.allocated and (gone := await left.check(request, result.allocated)):
                 return gone
             start = time.perf_counter()
-            doc = await run_cpu(write_result, plan, result, regions, nbytes=host_bytes((plan.o, plan.final_state), regions))
+            doc = await run_cpu(write_result, plan, result, regions,
+                                nbytes=host_bytes((plan.o, plan.final_state), regions))
         timing = _server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
                                 encode=time.perf_counter() - start)
         return JSONResponse(doc, headers=timing)

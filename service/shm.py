@@ -157,11 +157,6 @@ class SystemRegion(_Region):
         with memoryview(self._map) as whole:
             whole[begin:begin + data.size] = data
 
-    @property
-    def pinned(self) -> bool:
-        """Whether the mapping is page-locked for DMA (after a first copy to or from a GPU)."""
-        return self._pinned
-
     def _device_view(self, device: torch.device) -> torch.Tensor:
         """The whole mapping as a uint8 host tensor, page-locked with CUDA the first time
         (portable: for every device). Refused pinning (a memlock limit, say) leaves it

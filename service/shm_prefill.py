@@ -14,11 +14,11 @@ inside it, ``byte_size`` equals dtype x shape for inputs and holds the result fo
 400 problem and changes no slot. Inputs are copied out of the region once (the kernels
 never see memory the client may change), decoded into `PrefillInputs` and go through the
 same validation, per-slot ordering and batching as every transport: on a CPU server into
-one host buffer, reused by a later request once nothing references it;
-on a GPU server q, k, v, g and beta straight into device memory (device to device from
-CUDA regions, one DMA from page-locked system regions: no host copy). Outputs are written
-into the named bytes before the response (`PrefillShmResponse`, JSON) says where they
-are; on a GPU server from the device directly.
+one host buffer, reused by a later request once nothing references it; on a GPU server q,
+k, v, g and beta straight into device memory (device to device from CUDA regions, one DMA
+from page-locked system regions: no host copy). Outputs are written into the named bytes
+before the response (`PrefillShmResponse`, JSON) says where they are; on a GPU server from
+the device directly.
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def test_head_dims(dims: tuple[int, int]) -> None:
 @pytest.mark.parametrize("dims", [(128, 128), (256, 256)])
 @pytest.mark.parametrize("lengths", [(300,), (300, 130, 64, 1, 200)], ids=["narrow", "wide"])
 def test_fp32_inputs(dims: tuple[int, int], lengths: tuple[int, ...]) -> None:
-    """fp32 inputs in the serving geometry: full-precision products on fp32 operand tiles,
+    """fp32 inputs in the serving geometry: tf32x3 products on fp32 operand tiles,
     twice the shared memory of 16-bit ones (the state pass's pipeline depth depends on it),
     one sequence-head group (narrow state blocks) and five (wide), against the float64
     reference at fp32's tolerance."""
