@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Everything the GPU machine is for, in three device calls (each at most 10 minutes):
-#   run(command="bash bench/h200.sh cuda-ipc:240 transport:200 gpu-tests:140", carry=[".whl", ".srvwhl"])
-#   run(command="bash bench/h200.sh kernel-sweep", carry=[".whl", ".srvwhl"])
-#   run(command="bash bench/h200.sh gpu-tests:300 kernel-variants:240", carry=[".whl", ".srvwhl"])
+# Everything the GPU machine is for, in three device calls (each at most 10 minutes; the
+# caps fit the times seen on 2026-12-01: GPU suite ~220 s, kernels ~250, service ~110):
+#   run(command="bash bench/h200.sh gpu-tests:300 kernels:285", carry=[".whl", ".srvwhl"])
+#   run(command="bash bench/h200.sh cuda-ipc:140 transport:190 service-tests:260", carry=[".whl", ".srvwhl"])
+#   run(command="bash bench/h200.sh kernel-sweep:400 kernel-variants:180", carry=[".whl", ".srvwhl"])
 # .whl holds fla-core 0.6.0 and einops, .srvwhl the server's wheels (fastapi, starlette,
 # pydantic, pydantic-core, uvicorn, httptools, ...), all cp312, downloaded as
 # /work/.library/device/README.md says (git-ignored). Figures land under $OUT; record them in

@@ -62,9 +62,8 @@ def make_case(n_seq: int, length: int, seed: int = 0, heads: int = H, dtype: tor
     gen = torch.Generator(device="cuda").manual_seed(seed)
     T = n_seq * length
     dev = dict(device="cuda")
-    input_dtype = dtype
 
-    def randn(*shape: int, dtype=input_dtype) -> torch.Tensor:
+    def randn(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, **dev).to(dtype)
 
     pool_rows = n_seq + 8

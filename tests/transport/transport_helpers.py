@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from service.client import KDAClient, PrefillOutput
 from service.wire.tensors import JSON_DTYPES, JSON_NAMES
 from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
     GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, pool_image, reference, rel, start_server,
@@ -84,10 +85,10 @@ def shm_request(region: Region, slots: Sequence[Optional[str]], seqs: Sequence[S
     return doc
 
 
-def prefill_and_continue(client: Any, first: Sequence[Sequence[torch.Tensor]], second: Sequence[Sequence[torch.Tensor]],
-                         **options: Any) -> tuple[Any, Any]:
-    """Two prefills through ``client`` (a KDAClient): ``first`` on new slots, then ``second``
-    continuing them; both outputs."""
+def prefill_and_continue(client: KDAClient, first: Sequence[Sequence[torch.Tensor]],
+                         second: Sequence[Sequence[torch.Tensor]], **options: Any) -> tuple[PrefillOutput, PrefillOutput]:
+    """Two prefills through ``client``: ``first`` on new slots, then ``second`` continuing
+    them; both outputs."""
     a = client.prefill(0, [(None, *s) for s in first], **options)
     b = client.prefill(0, [(slot, *s) for slot, s in zip(a.slots, second)], **options)
     return a, b
