@@ -41,5 +41,5 @@ ENV KDA_HOST=0.0.0.0 \
 EXPOSE 8000
 VOLUME ["/var/lib/kda-serve"]
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-m", "service.healthcheck"]
+    CMD ["python", "-m", "service.http.healthcheck"]
 ENTRYPOINT ["kda-serve"]

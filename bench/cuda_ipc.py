@@ -70,10 +70,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.server_process import start_server  # noqa: E402
 from kernels import chunk_kda  # noqa: E402
-from service.client import KDAClient, _server_timing  # noqa: E402
-from service.cuda_ipc import unavailable_reason  # noqa: E402
-from service.shm_client import cuda_ipc_handle  # noqa: E402
-from service.shm_prefill import SHM_JSON  # noqa: E402
+from kda_client.client import KDAClient, _server_timing  # noqa: E402
+from service.shm.cuda_ipc import unavailable_reason  # noqa: E402
+from kda_client.shm import cuda_ipc_handle  # noqa: E402
+from service.shm.prefill import SHM_JSON  # noqa: E402
 from service.wire.tensors import JSON_NAMES  # noqa: E402
 
 HEADS, DIM = 32, 128  # H = HV, K = V: the serving config

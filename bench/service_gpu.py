@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.server_process import start_server  # noqa: E402
 from kernels import chunk_kda  # noqa: E402
-from service.client import KDAClient  # noqa: E402
+from kda_client.client import KDAClient  # noqa: E402
 
 H, K = 32, 128
 CASES = [(1, 4096), (8, 512), (64, 128), (4, 4096)]

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.server_process import start_server  # noqa: E402
-from service.client import AsyncKDAClient, KDAClient  # noqa: E402
+from kda_client.client import AsyncKDAClient, KDAClient  # noqa: E402
 
 # Request geometry: bytes per token-head high, so 100 MB is few tokens (a short kernel).
 HV, K, V = 32, 128, 128

@@ -1,6 +1,8 @@
 """kda-serve: KDA chunked prefill over HTTP.
 
-`service.core.ServerCore` (pool, ordering, batcher, kernels; no HTTP), `service.app.create_app`
-(the FastAPI front end), `service.cli` (the ``kda-serve`` command) and `service.client`
-(`KDAClient`, `AsyncKDAClient`).
+Rooms by role (docs/ARCHITECTURE.md): `service.core` (`ServerCore`: pool, ordering,
+batcher, kernels; no front end), `service.http` (the FastAPI app, `create_app`),
+`service.kserve` (the Open Inference Protocol), `service.shm` (shared memory transports),
+`service.ray_serve` (scale-out), `service.wire` (the wire formats, shared with the client),
+`service.cli` (the ``kda-serve`` command). The client is the `kda_client` package.
 """

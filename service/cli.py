@@ -13,9 +13,9 @@ from typing import NoReturn, Optional, Sequence
 
 import uvicorn
 
-from .app import create_app
+from .http.app import create_app
 from .config import parse_settings
-from .http_protocol import KDAHttpConnection
+from .http.protocol import KDAHttpConnection
 
 
 def _exit_cleanly(signum: int, frame: object) -> NoReturn:

@@ -1,7 +1,7 @@
 """Errors the service raises for a request it refuses, each bound to one HTTP status.
 
 Plain Python, no FastAPI: the wire decoders, the validation and the server core raise these,
-and `service.problems` renders them as RFC 9457 problem details. The pool's own errors
+and `service.http.problem_details` renders them as RFC 9457 problem details. The pool's own errors
 (`state_store.PoolFull`, `UnknownSlot`, ...) pass through unchanged and are mapped there too.
 """
 from __future__ import annotations

@@ -125,7 +125,7 @@ def make_victims(url: str, gen: torch.Generator, layer: int) -> list[str]:
     """Four new slots: three live with random states (the first advanced 5 tokens on
     ``layer``, so token counts are recorded too), the fourth freed again (a freed id must be
     refused like an unknown one)."""
-    from service.client import KDAClient
+    from kda_client.client import KDAClient
 
     with KDAClient(url) as c:
         slots = c.alloc(4)

@@ -6,7 +6,7 @@ the service's errors under ``/v2`` as the protocol's ``{"error": ...}``. Modules
 each: `protocol` (JSON documents), `datatypes`, `options` (request parameters), `codec`
 (bodies <-> tensors), `sequences` (sequence id -> slot), `infer` (one request on the
 core), `errors`, `routes`. Shared memory regions live in the transport-neutral
-`service.shm` (and `service.cuda_ipc`), shared with ``POST /prefill``.
+`service.shm.registry` (and `service.shm.cuda_ipc`), shared with ``POST /prefill``.
 """
 from .errors import ProtocolErrors
 from .routes import kserve_router

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequest, MalformedBody
-from ..inputs import PrefillInputs
+from ..core.inputs import PrefillInputs
 from ..wire.schema import parse_model
 from ..wire.tensors import tensor_bytes, view_tensor
 from .datatypes import ACCEPTED, BINARY_ONLY, PROTOCOL_DATATYPES, datatype_name, torch_dtype
 from .options import InferOptions, parse_options
 from .protocol import InferenceRequest, Parameters, RequestInput, RequestOutput
-from ..shm import Region
+from ..shm.registry import Region
 
 REQUIRED_INPUTS = ("q", "k", "v", "g", "beta")
 OPTIONAL_INPUTS = ("A_log", "dt_bias")

@@ -22,9 +22,9 @@ from typing import Callable, Optional
 
 from state_store import UnknownSlot
 
-from ..core import ServerCore
+from ..core.server import ServerCore
 from ..errors import InvalidRequest
-from ..inputs import PrefillInputs, PrefillResult
+from ..core.inputs import PrefillInputs, PrefillResult
 from .options import InferOptions, SequenceId
 from .sequences import SequenceTable
 

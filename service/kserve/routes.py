@@ -27,12 +27,12 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import APIRouter, Request, Response
 
-from ..core import ServerCore
+from ..core.server import ServerCore
 from ..errors import InvalidRequest, UnsupportedMediaType
-from ..wire.body import read_body
+from ..http.body import read_body
 from ..wire.media import JSON
 from ..wire.schema import parse_model
-from ..worker import run_cpu
+from ..core.worker import off_loop
 from . import infer
 from .codec import (
     HEADER_LENGTH, OPTIONAL_INPUTS, encode_response, header_end, parse_request, plan_outputs, prefill_inputs, read_inputs,
@@ -41,7 +41,7 @@ from .datatypes import ACCEPTED, datatype_name
 from .errors import UnknownModel
 from .protocol import CudaShmRegister, SystemShmRegister
 from .sequences import SUFFIX, SequenceTable
-from ..shm import CUDA, SYSTEM, ShmRegistry
+from ..shm.registry import CUDA, SYSTEM, ShmRegistry
 
 MODEL, VERSION, PLATFORM = "kda", "1", "kda-serve"
 OCTET = "application/octet-stream"
@@ -136,10 +136,10 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
                                        field="Content-Encoding")
         body = await read_body(request)
         json_end = header_end(len(body), request.headers.get(HEADER_LENGTH))
-        parsed = await run_cpu(parse_request, body, json_end, nbytes=json_end)
+        parsed = await off_loop(parse_request, body, json_end, nbytes=json_end)
         g = core.geometry
         with registry.lease(parsed.regions) as regions:
-            tensors = await run_cpu(read_inputs, parsed, body, regions, nbytes=len(body))
+            tensors = await off_loop(read_inputs, parsed, body, regions, nbytes=len(body))
             v = tensors["v"]
             plan_outputs(parsed, v.dtype, v.numel() * v.element_size(), g.dtype,
                          g.num_heads * g.head_v_dim * g.head_k_dim * g.dtype.itemsize, regions)
@@ -150,7 +150,7 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
             if result.final_state is not None:
                 outputs["final_state"] = result.final_state[0]
             parameters = {} if outcome.slot is None else {"slot": outcome.slot}
-            content, json_length = await run_cpu(encode_response, parsed, MODEL, VERSION, outputs, parameters,
+            content, json_length = await off_loop(encode_response, parsed, MODEL, VERSION, outputs, parameters,
                                                  regions, nbytes=result.o.numel() * result.o.element_size())
         if json_length is None:
             return Response(content, media_type=JSON)

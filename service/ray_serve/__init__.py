@@ -1,4 +1,4 @@
-"""kda-serve on Ray Serve: one shard (a `service.core.ServerCore`: pool, batcher, kernels)
+"""kda-serve on Ray Serve: one shard (a `service.core.server.ServerCore`: pool, batcher, kernels)
 per GPU, behind an ingress that serves the single server's HTTP API.
 
 - `shard.ShardServer`: a shard; slot ids ``{shard}.{incarnation}.{token}`` name it;

@@ -3,9 +3,9 @@
 
 Same routes, bodies, media negotiation, errors (problem+json, via the single server's
 handlers), middleware (API key, body limit, per-route metrics) and freeing of the slots
-made for a client that left before learning their ids (`service.abandon`, 499; and, as
+made for a client that left before learning their ids (`service.http.abandon`, 499; and, as
 Serve cancels the request of a client that left, after a cancellation too) as
-`service.app`, so `service.client` works unchanged. Added:
+`service.http.app`, so `kda_client` works unchanged. Added:
 
 - ``POST /slots/{id}/move`` ``{"shard": name | null}``: move the slot (null: to the
   emptiest other shard); its id keeps working. 200 ``{"slot", "shard"}``.
@@ -22,21 +22,21 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.abandon import Abandonment
+from service.http.abandon import Abandonment
 from service.config import Settings
 from service.errors import NotReady
-from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from service.metrics import Metrics
-from service.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from service.problems import install_problem_handlers
-from service.wire.body import read_body
+from service.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from service.core.metrics import Metrics
+from service.http.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from service.http.problem_details import install_problem_handlers
+from service.http.body import read_body
 from service.wire.media import ENCODINGS, JSON, SAFETENSORS, negotiate, request_encoding
 from service.wire.prefill import (
     decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, encode_prefill_safetensors,
 )
 from service.wire.schema import AllocRequest, Forked, Info, SlotMetadata, SlotsCreated
 from service.wire.state import decode_state_json, decode_state_safetensors, encode_state_json
-from service.worker import run_cpu
+from service.core.worker import off_loop
 from state_store import UnknownSlot
 
 from .errors import SlotGone
@@ -101,7 +101,7 @@ def create_ingress_app(core: ShardedCore, settings: Settings) -> FastAPI:
         reply = negotiate(request.headers.get("accept"), ENCODINGS, default=SAFETENSORS)
         if reply == JSON:
             state = await core.get_state(slot_id)
-            data: Any = await run_cpu(encode_state_json, state, nbytes=state.numel() * state.element_size())
+            data: Any = await off_loop(encode_state_json, state, nbytes=state.numel() * state.element_size())
         else:
             data = await core.export_state(slot_id)
         return Response(_payload(data), media_type=reply)
@@ -111,7 +111,7 @@ def create_ingress_app(core: ShardedCore, settings: Settings) -> FastAPI:
         encoding = request_encoding(request.headers.get("content-type"))
         body = await read_body(request)
         decode = decode_state_json if encoding == JSON else decode_state_safetensors
-        await core.put_state(slot_id, await run_cpu(decode, body, nbytes=len(body)))
+        await core.put_state(slot_id, await off_loop(decode, body, nbytes=len(body)))
         return Response(status_code=204)
 
     @app.post("/slots/{slot_id}/move", response_model=Moved,
@@ -126,13 +126,13 @@ def create_ingress_app(core: ShardedCore, settings: Settings) -> FastAPI:
         reply = negotiate(request.headers.get("accept"), ENCODINGS, default=encoding)
         body = await read_body(request)
         decode = decode_prefill_json if encoding == JSON else decode_prefill_safetensors
-        inputs = await run_cpu(decode, body, nbytes=len(body))
+        inputs = await off_loop(decode, body, nbytes=len(body))
         result = await left.made(core.prefill(inputs), lambda made: made.allocated)
         if result.allocated and (gone := await left.check(request, result.allocated)):
             return gone
         encode = encode_prefill_json if reply == JSON else encode_prefill_safetensors
         size = result.o.numel() * result.o.element_size()
-        return Response(_payload(await run_cpu(encode, result, nbytes=size)), media_type=reply)
+        return Response(_payload(await off_loop(encode, result, nbytes=size)), media_type=reply)
 
     @app.get("/shards", summary="Each shard: up, draining, free and used slots, incarnation")
     async def shards() -> dict[str, Any]:

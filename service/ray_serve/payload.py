@@ -44,7 +44,7 @@ class Array:
 
 @dataclass(frozen=True)
 class ShardPrefill:
-    """One shard's part of a prefill: `service.inputs.PrefillInputs` with ids of this
+    """One shard's part of a prefill: `service.core.inputs.PrefillInputs` with ids of this
     shard (or None: allocate) and tensors as `Array`s."""
 
     layer: int
@@ -67,7 +67,7 @@ class ShardPrefill:
 
 @dataclass(frozen=True)
 class ShardResult:
-    """A shard's `service.inputs.PrefillResult`: ``slots`` and ``allocated`` are full ids."""
+    """A shard's `service.core.inputs.PrefillResult`: ``slots`` and ``allocated`` are full ids."""
 
     slots: list[str]
     lengths: list[int]

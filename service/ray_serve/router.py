@@ -33,10 +33,10 @@ import torch
 
 from service.config import Settings
 from service.errors import InvalidRequest, NotReady
-from service.gates import Gate, load_gate_params
-from service.inputs import PrefillInputs, PrefillResult
-from service.validation import validate_prefill
-from service.worker import run_cpu
+from service.core.gate_params import Gate, load_gate_params
+from service.core.inputs import PrefillInputs, PrefillResult
+from service.core.validation import validate_prefill
+from service.core.worker import off_loop
 from state_store import GeometryMismatch, PoolFull, PoolGeometry, SlotInfo, UnknownSlot
 
 from .errors import SlotGone, SlotMoving, UnknownShard
@@ -302,7 +302,7 @@ class ShardedCore:
 
     async def prefill(self, inputs: PrefillInputs) -> PrefillResult:
         """Validate whole, then run on the shards holding the slots (see the module docstring)."""
-        await run_cpu(validate_prefill, inputs, self.geometry, self.gates, nbytes=self._nbytes(inputs))
+        await off_loop(validate_prefill, inputs, self.geometry, self.gates, nbytes=self._nbytes(inputs))
         deadline = time.monotonic() + self._move_wait_s
         while True:
             try:
@@ -456,7 +456,7 @@ class ShardedCore:
                              order: Mapping[str, int], allocated: list[str]) -> PrefillResult:
         """Run the parts concurrently and put the outputs back in request order."""
         plist = list(parts.values())
-        requests = [await run_cpu(self._shard_request, x, part, nbytes=self._nbytes(x)) for part in plist]
+        requests = [await off_loop(self._shard_request, x, part, nbytes=self._nbytes(x)) for part in plist]
         replies = await asyncio.gather(*(self.shards[part.shard].call("prefill", request)
                                          for part, request in zip(plist, requests)), return_exceptions=True)
         errors = self._part_errors(plist, replies, names)

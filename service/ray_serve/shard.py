@@ -27,9 +27,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, T
 import numpy as np
 
 from service.config import Settings
-from service.core import ServerCore
+from service.core.server import ServerCore
 from service.errors import ServiceError
-from service.inputs import PrefillInputs
+from service.core.inputs import PrefillInputs
 from state_store import PoolError, SlotInfo, UnknownSlot
 
 from .errors import ShardFault, SlotGone, SlotMoving

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import MalformedBody, SchemaError
-from ..inputs import PrefillInputs, PrefillResult
+from ..core.inputs import PrefillInputs, PrefillResult
 from .media import JSON
 from .safetensors_codec import encode_safetensors, parse_safetensors, safetensors_pieces
 from .schema import PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, parse_model

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.app import create_app
+from service.http.app import create_app
 from service.config import Settings
-from service.healthcheck import READY_PATH
+from service.http.healthcheck import READY_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -52,7 +52,7 @@ def test_entrypoint_is_the_console_script() -> None:
 
 def test_healthcheck_probes_a_route_the_app_serves() -> None:
     cmd = json.loads(instruction("HEALTHCHECK").split("CMD", 1)[1])
-    assert cmd[:2] == ["python", "-m"] and cmd[2] == "service.healthcheck"
+    assert cmd[:2] == ["python", "-m"] and cmd[2] == "service.http.healthcheck"
     paths = {getattr(route, "path", None) for route in create_app(Settings()).routes}
     assert READY_PATH in paths
 
@@ -71,7 +71,7 @@ def test_container_command_line_starts_and_its_healthcheck_passes(tmp_path: Path
            "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": str(ROOT)}
     script = shutil.which("kda-serve", path=str(Path(sys.executable).parent))
     command = [script] if script else [sys.executable, "-m", "service.cli"]
-    probe = [sys.executable, "-m", "service.healthcheck"]
+    probe = [sys.executable, "-m", "service.http.healthcheck"]
     assert subprocess.run(probe, env=env, cwd=ROOT, capture_output=True).returncode == 1  # nothing listens yet
     log = open(tmp_path / "server.log", "wb")
     server = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

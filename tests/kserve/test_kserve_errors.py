@@ -18,7 +18,7 @@ from kserve_helpers import (
 )
 from tritonclient.utils import InferenceServerException
 
-from service.client import KDAClient
+from kda_client.client import KDAClient
 
 LIVE = ("live-sequence", 77)
 

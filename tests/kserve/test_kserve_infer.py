@@ -12,7 +12,7 @@ from kserve_helpers import (
 )
 from tritonclient.utils import InferenceServerException
 
-from service.client import KDAClient
+from kda_client.client import KDAClient
 
 
 def cat(seqs: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:

@@ -17,12 +17,12 @@ import pytest
 import torch
 from kserve_helpers import HV, K, LAYERS, TOL, V, make_sequence, reference, rel, seq_inputs
 
-from service.app import create_app
+from service.http.app import create_app
 from service.config import Settings
 from service.errors import InvalidRequest
 from service.kserve.options import UINT64_MAX, parse_options
 from service.kserve.sequences import SUFFIX, SequenceTable
-from service.shm import ShmRegistry
+from service.shm.registry import ShmRegistry
 
 SETTINGS = dict(num_layers=LAYERS, num_slots=8, num_heads=HV, head_dim=K, head_v_dim=V)
 

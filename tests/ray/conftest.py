@@ -12,7 +12,7 @@ import torch
 
 from ray_helpers import APP, HV, K, LAYERS, MAX_BODY_MB, ROOT, SHARD_SLOTS, V, Cluster, free_port
 
-from service.client import KDAClient
+from kda_client.client import KDAClient
 from service.config import Settings
 from service.ray_serve.config import ScaleOut
 from server_harness import one_torch_thread  # noqa: F401  (autouse fixture for this folder)

@@ -13,7 +13,7 @@ from ray_helpers import (  # noqa: E402
     HV, K, LAYERS, MAX_BODY_MB, SHARD_SLOTS, TOL, V, Cluster, make_sequence, reference, rel, shard_of,
 )
 
-from service.client import BadRequest, KDAClient, SlotNotFound  # noqa: E402
+from kda_client.client import BadRequest, KDAClient, SlotNotFound  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)  # the first test also starts the cluster (~50 s on 2 cores)
 

@@ -23,7 +23,7 @@ from ray_helpers import HV, K, LAYERS, ROOT, TOL, V, make_sequence, reference, r
 
 from service.config import Settings  # noqa: E402
 from service.errors import InvalidRequest, SchemaError  # noqa: E402
-from service.metrics import Metrics  # noqa: E402
+from service.core.metrics import Metrics  # noqa: E402
 from service.ray_serve.config import parse_scale_out  # noqa: E402
 from service.ray_serve.directory import SlotDirectory  # noqa: E402
 from service.ray_serve.errors import ShardFault, SlotGone, SlotMoving  # noqa: E402

@@ -16,10 +16,10 @@ import torch
 from reliability_helpers import GEOMETRY_ARGS, Server, start_server
 from starlette.routing import Route
 
-from service.app import create_app
-from service.client import KDAClient
+from service.http.app import create_app
+from kda_client.client import KDAClient
 from service.config import Settings
-from service.middleware import AuthMiddleware
+from service.http.middleware import AuthMiddleware
 from state_store import StatePool
 
 KEY = "kda-test-key-7f3a9c1e"

@@ -20,7 +20,7 @@ from reliability_helpers import (
     kill_9, read_response, reference, rel, request_head, start_server, wait_for,
 )
 
-from service.client import KDAClient, SlotNotFound
+from kda_client.client import KDAClient, SlotNotFound
 from service.wire.prefill import decode_prefill_response
 from service.wire.safetensors_codec import encode_safetensors
 from state_store import PoolGeometry, snapshot

@@ -29,7 +29,7 @@ from schemathesis.checks import (
     response_schema_conformance, status_code_conformance,
 )
 
-from service.client import KDAClient
+from kda_client.client import KDAClient
 from service.kserve.routes import MODEL, VERSION
 from service.wire.prefill import decode_prefill_response
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from server_harness import GEOMETRY_ARGS, MAX_BODY_MB, Server, start_server
 
-from service.client import KDAClient
+from kda_client.client import KDAClient
 from server_harness import one_torch_thread  # noqa: F401  (autouse fixture for this folder)
 
 

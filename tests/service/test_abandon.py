@@ -1,4 +1,4 @@
-"""`service.abandon.Abandonment.made`: cancelling a request while its slots are being made
+"""`service.http.abandon.Abandonment.made`: cancelling a request while its slots are being made
 (Ray Serve cancels the request of a client that left) frees them once they exist."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from service.abandon import Abandonment
+from service.http.abandon import Abandonment
 from state_store import UnknownSlot
 
 

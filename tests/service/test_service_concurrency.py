@@ -8,7 +8,7 @@ import httpx
 import torch
 from server_harness import TOL, make_sequence, metric, reference, rel
 
-from service.client import AsyncKDAClient
+from kda_client.client import AsyncKDAClient
 
 CLIENTS, REQUESTS = 20, 10
 

@@ -17,7 +17,7 @@ from server_harness import (
     wait_for,
 )
 
-from service.client import KDAClient, PoolFullError
+from kda_client.client import KDAClient, PoolFullError
 from service.wire.safetensors_codec import encode_safetensors
 from service.wire.tensors import tensor_to_json
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from server_harness import GEOMETRY_ARGS, HV, K, LAYERS, TOL, V, make_sequence, metric, reference, rel, start_server
 
-from service.client import BadRequest, KDAClient, SlotNotFound, Unauthorized
+from kda_client.client import BadRequest, KDAClient, SlotNotFound, Unauthorized
 
 KEY = "test-key-0123456789"
 

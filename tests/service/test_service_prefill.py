@@ -8,7 +8,7 @@ import pytest
 import torch
 from server_harness import HV, K, TOL, V, make_sequence, random_state, reference, rel
 
-from service.client import KDAClient
+from kda_client.client import KDAClient
 from service.wire.safetensors_codec import encode_safetensors, parse_safetensors
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load as st_load
 from server_harness import HV, K, LAYERS, SLOTS, TOL, V, make_sequence, metric, random_state, reference, rel
 
-from service.client import KDAClient, SlotNotFound
+from kda_client.client import KDAClient, SlotNotFound
 
 
 def test_alloc_free_and_counts(client):

@@ -11,16 +11,16 @@ import pytest
 import torch
 from server_harness import H, HV, K, LAYERS, ROOT, SLOTS, TOL, V, make_sequence, reference, rel
 
-from service.app import create_app
-from service.batcher import Batcher
+from service.http.app import create_app
+from service.core.batcher import Batcher
 from service.config import Settings, parse_settings
-from service.core import ServerCore
+from service.core.server import ServerCore
 from service.errors import InvalidRequest, NotReady
-from service.gates import Gate
-from service.inputs import PrefillInputs
-from service.metrics import Metrics
-from service.validation import all_finite, finite_flags, validate_prefill
-from service.worker import DeviceWorker
+from service.core.gate_params import Gate
+from service.core.inputs import PrefillInputs
+from service.core.metrics import Metrics
+from service.core.validation import all_finite, finite_flags, validate_prefill
+from service.core.worker import DeviceWorker
 from state_store import PoolGeometry, UnknownSlot
 
 GEOMETRY = PoolGeometry(LAYERS, SLOTS, HV, K, V, torch.float32, torch.device("cpu"))

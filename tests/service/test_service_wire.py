@@ -11,7 +11,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service.errors import MalformedBody, NotAcceptable, UnsupportedMediaType
-from service.wire.body import BodyBuffer
+from service.wire.buffers import BodyBuffer
 from service.wire.media import JSON, SAFETENSORS, negotiate, request_encoding
 from service.wire.safetensors_codec import MAX_HEADER_BYTES, encode_safetensors, parse_safetensors
 from service.wire.tensors import tensor_from_json, tensor_to_json

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.staging import PinnedStaging
+from service.core.staging import PinnedStaging
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -13,7 +13,7 @@ from bench.cuda_ipc import (
     ALIGN, INPUTS, PHASES, TOL, Case, Result, fill_inputs, free, kernel_call, make_layout, median_phases,
     parse_cases, parse_dtypes, prefill, prefill_doc, rel, table, view,
 )
-from service.shm_prefill import parse_shm_request
+from service.shm.prefill import parse_shm_request
 
 
 def test_parse_cases_and_dtypes() -> None:

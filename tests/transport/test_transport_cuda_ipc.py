@@ -12,8 +12,8 @@ import pytest
 import torch
 from transport_helpers import HV, K, NAMES, SHM_JSON, V, Server, dumps, make_sequence
 
-from service.client import KDAClient
-from service.shm_client import cuda_ipc_handle
+from kda_client.client import KDAClient
+from kda_client.shm import cuda_ipc_handle
 from service.wire.tensors import JSON_NAMES
 
 pytestmark = [

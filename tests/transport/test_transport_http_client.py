@@ -1,4 +1,4 @@
-"""`service.http_transport.StdlibTransport`, the sync client's transport for ``http://``:
+"""`kda_client.transport.StdlibTransport`, the sync client's transport for ``http://``:
 bodies sent as memoryviews, responses read whole, connections kept alive and reused,
 httpx's timeouts and exceptions. Against a small stdlib HTTP/1.1 server in a thread that
 records what it saw (the client's port, headers, the body's digest) and misbehaves on
@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from server_harness import free_port
-from service.client import KDAClient
-from service.http_transport import StdlibTransport
+from kda_client.client import KDAClient
+from kda_client.transport import StdlibTransport
 
 BIG = bytes(range(256)) * (5 * 4096 + 7)  # 5 MB and a bit: several socket reads
 

@@ -1,4 +1,4 @@
-"""`service.http_protocol.KDAHttpConnection` (and the `KDAHttpProtocol` it wraps) and `service.wire.warm.WarmBuffers`.
+"""`service.http.protocol.KDAHttpConnection` (and the `KDAHttpProtocol` it wraps) and `service.wire.buffers.WarmBuffers`.
 
 The protocol is served here by uvicorn (loop "auto", as ``kda-serve`` runs it) in a thread, in
 front of a small ASGI app that reports what it received: the body's length and SHA-256,
@@ -20,8 +20,8 @@ import uvicorn
 from transport_helpers import read_response, request_head
 
 from server_harness import free_port
-from service.http_protocol import PROGRESS_S, KDAHttpConnection, declared_length
-from service.wire.warm import MIN_BYTES, WarmBuffers
+from service.http.protocol import PROGRESS_S, KDAHttpConnection, declared_length
+from service.wire.buffers import MIN_BYTES, WarmBuffers
 
 HELD: list[Any] = []  # bodies the /hold route keeps referenced; cleared by the fixture
 

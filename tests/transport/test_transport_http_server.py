@@ -1,4 +1,4 @@
-"""kda-serve's HTTP framing through `service.http_protocol.KDAHttpConnection`: framing the
+"""kda-serve's HTTP framing through `service.http.protocol.KDAHttpConnection`: framing the
 parser refuses is an RFC 9457 problem on a closed connection, a client that leaves mid-body
 changes nothing, and large prefills on one keep-alive connection (warm buffers reused)
 give the reference's results every time."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transport_helpers import TOL, Server, make_sequence, pool_image, read_response, reference, rel, request_head
 
-from service.client import KDAClient
+from kda_client.client import KDAClient
 from service.wire.media import PROBLEM, SAFETENSORS
 from service.wire.safetensors_codec import safetensors_pieces
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.cuda_ipc import IpcMappings
-from service.shm_client import raw_ipc_handle
+from service.shm.cuda_ipc import IpcMappings
+from kda_client.shm import raw_ipc_handle
 
 HANDLE = bytes(range(64))
 

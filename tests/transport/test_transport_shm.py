@@ -16,7 +16,7 @@ from transport_helpers import (
     shm_request,
 )
 
-from service.client import AsyncKDAClient, BadRequest, KDAClient
+from kda_client.client import AsyncKDAClient, BadRequest, KDAClient
 
 
 def _server_maps(server: Server) -> str:

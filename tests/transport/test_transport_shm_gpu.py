@@ -11,7 +11,7 @@ import pytest
 import torch
 from transport_helpers import Server, make_sequence, pool_image, prefill_and_continue
 
-from service.client import BadRequest, KDAClient
+from kda_client.client import BadRequest, KDAClient
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

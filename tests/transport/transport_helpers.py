@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from service.client import KDAClient, PrefillOutput
+from kda_client.client import KDAClient, PrefillOutput
 from service.wire.tensors import JSON_DTYPES, JSON_NAMES
 from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
     GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, pool_image, reference, rel, start_server,

@@ -39,7 +39,7 @@ INLINE_BYTES = 1 << 20
 """Work on more bytes than this (decoding, validating, encoding) leaves the event loop."""
 
 
-async def run_cpu(fn: Callable[..., _T], *args: Any, nbytes: int) -> _T:
+async def off_loop(fn: Callable[..., _T], *args: Any, nbytes: int) -> _T:
     """``fn(*args)``: inline for small inputs, on a thread of the default pool for large
     ones (torch and base64 release the GIL), so a big request never stalls the loop."""
     if nbytes <= INLINE_BYTES:

@@ -39,14 +39,14 @@ import kernels
 from state_store import Persistence, SlotInfo, SlotOrdering, SnapshotError, StatePool, UnknownSlot
 
 from .batcher import Batcher
-from .config import Settings
-from .errors import InvalidRequest, StateLost
-from .gates import Gate, load_gate_params
+from ..config import Settings
+from ..errors import InvalidRequest, StateLost
+from .gate_params import Gate, load_gate_params
 from .inputs import PrefillInputs, PrefillResult
 from .metrics import Metrics
 from .staging import PinnedStaging
 from .validation import ValidPrefill, validate_prefill, validate_state
-from .worker import DeviceWorker, run_cpu
+from .worker import DeviceWorker, off_loop
 
 log = logging.getLogger("kda_serve.core")
 _WARMUP_LENGTHS = (1, 67)  # the one-token (recurrent) path and two chunks of the chunked path
@@ -267,7 +267,7 @@ class ServerCore:
 
     async def put_state(self, slot_id: str, state: torch.Tensor) -> None:
         """Replace the slot's state with ``state`` [L, HV, V, K] (pool dtype, finite)."""
-        await run_cpu(validate_state, state, self.geometry, nbytes=state.numel() * state.element_size())
+        await off_loop(validate_state, state, self.geometry, nbytes=state.numel() * state.element_size())
         async with self.ordering.hold(self._all_layers(slot_id)):
             await self.worker.run(self._write_state, slot_id, state)
 
@@ -288,7 +288,7 @@ class ServerCore:
         size = sum(t.numel() * t.element_size() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
                    if not t.is_cuda)  # a scan of device memory is GPU work: the loop only waits microseconds
         start = time.perf_counter()
-        valid = await run_cpu(validate_prefill, inputs, self.geometry, self.gates, nbytes=size)
+        valid = await off_loop(validate_prefill, inputs, self.geometry, self.gates, nbytes=size)
         validate_s = time.perf_counter() - start
         named = [slot_id for slot_id in inputs.slots if slot_id is not None]
         for slot_id in named:

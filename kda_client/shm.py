@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import torch
 
-from .wire.tensors import JSON_DTYPES, JSON_NAMES
+from service.wire.tensors import JSON_DTYPES, JSON_NAMES
 
 SHM_JSON = "application/vnd.kda.shm+json"
 SHM_DIR = "/dev/shm"

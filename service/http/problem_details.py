@@ -14,8 +14,8 @@ from starlette.requests import ClientDisconnect
 
 from state_store import GeometryMismatch, PoolFull, SnapshotError, UnknownSlot
 
-from .errors import ServiceError
-from .wire.media import PROBLEM
+from ..errors import ServiceError
+from ..wire.media import PROBLEM
 
 TYPE_PREFIX = "urn:kda-serve:problem:"
 RETRY_AFTER_S = 1

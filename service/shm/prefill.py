@@ -28,15 +28,15 @@ from typing import Annotated, Any, Iterable, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .core import ServerCore
-from .errors import InvalidRequest
-from .inputs import PrefillInputs, PrefillResult
+from ..core.server import ServerCore
+from ..errors import InvalidRequest
+from ..core.inputs import PrefillInputs, PrefillResult
 from .cuda_ipc import copy_stream
-from .shm import CudaRegion, Region
-from .wire.prefill import OPTIONAL_TENSORS, REQUIRED_TENSORS
-from .wire.schema import PrefillOptions, parse_model
-from .wire.tensors import JSON_DTYPES, JSON_NAMES, nbytes, view_tensor
-from .wire.warm import WarmBuffers
+from .registry import CudaRegion, Region
+from ..wire.prefill import OPTIONAL_TENSORS, REQUIRED_TENSORS
+from ..wire.schema import PrefillOptions, parse_model
+from ..wire.tensors import JSON_DTYPES, JSON_NAMES, nbytes, view_tensor
+from ..wire.buffers import WarmBuffers
 
 SHM_JSON = "application/vnd.kda.shm+json"
 _ALIGN = 64  # where each copied-out input starts in the host buffer
@@ -138,7 +138,7 @@ def region_names(request: PrefillShmRequest) -> set[str]:
 
 def host_bytes(refs: Iterable[Optional[ShmRef]], regions: dict[str, Region]) -> int:
     """Bytes of ``refs`` in system regions: what reading or writing them costs the host (and
-    so whether that work should leave the event loop, `service.worker.run_cpu`); bytes in
+    so whether that work should leave the event loop, `service.core.worker.off_loop`); bytes in
     CUDA regions move device to device and cost it nothing."""
     return sum(ref.byte_size for ref in refs if ref is not None and not isinstance(regions[ref.region], CudaRegion))
 

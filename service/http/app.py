@@ -7,7 +7,7 @@ POST/GET /shm/regions, GET/DELETE /shm/regions/{name}.
 /prefill and the state routes read the raw body themselves (JSON or safetensors, chosen
 by Content-Type; the response by Accept), so their OpenAPI bodies are declared by hand.
 /prefill also takes tensors by reference to registered shared memory
-(``application/vnd.kda.shm+json``, see `service.shm_prefill`); the regions are the app's
+(``application/vnd.kda.shm+json``, see `service.shm.prefill`); the regions are the app's
 `ShmRegistry`, shared with the KServe v2 shared memory extensions. Every /prefill response
 carries ``Server-Timing: decode, validate, kernel, encode`` (milliseconds) so a client can
 tell transport time from compute.
@@ -32,28 +32,28 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from .abandon import Abandonment
-from .config import Settings
-from .core import ServerCore
-from .errors import NotReady
-from .kserve import ProtocolErrors, kserve_router
+from ..config import Settings
+from ..core.server import ServerCore
+from ..errors import NotReady
+from ..kserve import ProtocolErrors, kserve_router
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .problems import install_problem_handlers
-from .shm import SYSTEM, ShmRegistry
-from .shm_prefill import (
+from ..core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .problem_details import install_problem_handlers
+from ..shm.registry import SYSTEM, ShmRegistry
+from ..shm.prefill import (
     SHM_JSON, PrefillShmRequest, PrefillShmResponse, RegionRegister, RegionStatus, host_bytes, input_refs,
     parse_shm_request, read_request, region_names, write_result,
 )
-from .wire.body import read_body
-from .wire.media import ENCODINGS, JSON, PROBLEM, SAFETENSORS, negotiate, request_encoding
-from .wire.prefill import decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, prefill_safetensors_pieces
-from .wire.schema import (
+from .body import read_body
+from ..wire.media import ENCODINGS, JSON, PROBLEM, SAFETENSORS, negotiate, request_encoding
+from ..wire.prefill import decode_prefill_json, decode_prefill_safetensors, encode_prefill_json, prefill_safetensors_pieces
+from ..wire.schema import (
     AllocRequest, Forked, Info, PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, Problem, SlotMetadata,
     SlotsCreated, StateJSON,
 )
-from .wire.state import decode_state_json, decode_state_safetensors, encode_state_json
-from .wire.warm import WarmBuffers
-from .worker import run_cpu
+from ..wire.state import decode_state_json, decode_state_safetensors, encode_state_json
+from ..wire.buffers import WarmBuffers
+from ..core.worker import off_loop
 
 log = logging.getLogger("kda_serve.app")
 _REF = "#/components/schemas/{model}"
@@ -240,7 +240,7 @@ def create_app(settings: Settings) -> FastAPI:
         reply = negotiate(request.headers.get("accept"), ENCODINGS, default=SAFETENSORS)
         if reply == JSON:
             state = await core.get_state(slot_id)
-            data = await run_cpu(encode_state_json, state, nbytes=state.numel() * state.element_size())
+            data = await off_loop(encode_state_json, state, nbytes=state.numel() * state.element_size())
         else:
             data = await core.export_state(slot_id)
         return Response(_payload(data), media_type=reply)
@@ -252,7 +252,7 @@ def create_app(settings: Settings) -> FastAPI:
         encoding = request_encoding(request.headers.get("content-type"))
         body = await read_body(request)
         decode = decode_state_json if encoding == JSON else decode_state_safetensors
-        await core.put_state(slot_id, await run_cpu(decode, body, nbytes=len(body)))
+        await core.put_state(slot_id, await off_loop(decode, body, nbytes=len(body)))
         return Response(status_code=204)
 
     @app.post("/prefill", responses={
@@ -274,7 +274,7 @@ def create_app(settings: Settings) -> FastAPI:
         body = await read_body(request)
         decode = decode_prefill_json if encoding == JSON else decode_prefill_safetensors
         start = time.perf_counter()
-        inputs = await run_cpu(decode, body, nbytes=len(body))
+        inputs = await off_loop(decode, body, nbytes=len(body))
         decode_s = time.perf_counter() - start
         result = await core.prefill(inputs)
         if result.allocated and (gone := await left.check(request, result.allocated)):
@@ -282,7 +282,7 @@ def create_app(settings: Settings) -> FastAPI:
         size = result.o.numel() * result.o.element_size()
         start = time.perf_counter()
         if reply == JSON:
-            pieces = [memoryview(await run_cpu(encode_prefill_json, result, nbytes=size))]
+            pieces = [memoryview(await off_loop(encode_prefill_json, result, nbytes=size))]
         else:
             pieces = prefill_safetensors_pieces(result)
         timing = _server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
@@ -292,20 +292,20 @@ def create_app(settings: Settings) -> FastAPI:
         return PiecesResponse(pieces, reply, timing)
 
     async def prefill_shm(request: Request) -> Response:
-        """/prefill with tensors in shared memory (`service.shm_prefill`): the regions stay
+        """/prefill with tensors in shared memory (`service.shm.prefill`): the regions stay
         mapped from the bounds checks until the outputs are written."""
         negotiate(request.headers.get("accept"), (JSON,), default=JSON)
         parsed = parse_shm_request(await read_body(request))
         with registry.lease(region_names(parsed)) as regions:
             start = time.perf_counter()
-            plan = await run_cpu(read_request, parsed, regions, core, shm_inputs,
+            plan = await off_loop(read_request, parsed, regions, core, shm_inputs,
                                  nbytes=host_bytes(input_refs(parsed), regions))
             decode_s = time.perf_counter() - start
             result = await core.prefill(plan.inputs)
             if result.allocated and (gone := await left.check(request, result.allocated)):
                 return gone
             start = time.perf_counter()
-            doc = await run_cpu(write_result, plan, result, regions,
+            doc = await off_loop(write_result, plan, result, regions,
                                 nbytes=host_bytes((plan.o, plan.final_state), regions))
         timing = _server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
                                 encode=time.perf_counter() - start)

@@ -13,11 +13,11 @@ import torch
 
 from state_store import PoolGeometry
 
-from .cuda_ipc import copy_stream
-from .errors import InvalidRequest
-from .gates import Gate, check_lower_bound, gate_key
+from ..shm.cuda_ipc import copy_stream
+from ..errors import InvalidRequest
+from .gate_params import Gate, check_lower_bound, gate_key
 from .inputs import PrefillInputs
-from .wire.tensors import describe
+from ..wire.tensors import describe
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 

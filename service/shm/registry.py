@@ -1,6 +1,6 @@
 """Registered shared memory regions of one app, shared by every transport that passes
 tensors this way (the KServe v2 system and CUDA shared memory extensions, and ``POST
-/prefill`` with `service.shm_prefill`): system (POSIX) and CUDA regions share one
+/prefill`` with `service.shm.prefill`): system (POSIX) and CUDA regions share one
 namespace of region names.
 
 A request names a region, an offset and a byte size for each tensor it passes this way;
@@ -33,8 +33,8 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from .cuda_ipc import IpcMappings, IpcMemory, copy_stream, unavailable_reason
-from .errors import InvalidRequest
-from .wire.tensors import tensor_bytes, view_tensor
+from ..errors import InvalidRequest
+from ..wire.tensors import tensor_bytes, view_tensor
 
 log = logging.getLogger("kda_serve.shm")
 SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX shared memory objects

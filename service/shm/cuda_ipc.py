@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 log = logging.getLogger("kda_serve.cuda_ipc")
 

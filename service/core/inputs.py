@@ -25,7 +25,7 @@ class PrefillInputs:
     ``slots[n]`` is sequence n's slot id, or None to allocate a new slot for it.
     ``device_outputs``: o and final_state stay on the pool's device (results written into
     CUDA shared memory) instead of coming to the host.
-    Nothing here is checked yet: see `service.validation`.
+    Nothing here is checked yet: see `service.core.validation`.
     """
 
     layer: int

@@ -14,8 +14,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .metrics import Metrics
-from .problems import PAYLOAD_TOO_LARGE, problem
+from ..core.metrics import Metrics
+from .problem_details import PAYLOAD_TOO_LARGE, problem
 
 OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
 """The only paths served without the API key: the liveness and readiness probes (ours and

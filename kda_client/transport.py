@@ -6,8 +6,8 @@ before sending it, and reads a response through h11's receive buffer in 64 KiB p
 (two more copies of every byte). Here each request chunk (the client's memoryviews of
 tensors) goes to the socket as it is (``sendall``), and a response with a Content-Length
 is read with ``readinto`` straight into one buffer of that size, handed to httpx as one
-bytearray chunk (`service.wire.body.BodyBuffer` takes it over without a copy). Buffers of
-large responses are reused once nothing references them any more (`service.wire.warm`:
+bytearray chunk (`service.wire.buffers.BodyBuffer` takes it over without a copy). Buffers of
+large responses are reused once nothing references them any more (`service.wire.buffers`:
 the transport keeps the last two), so a response of the size before it lands in memory
 already paged in.
 
@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 
 import httpx
 
-from .wire.warm import WarmBuffers
+from service.wire.buffers import WarmBuffers
 
 _Key = tuple[str, int]
 MAX_IDLE = 8

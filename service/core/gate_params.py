@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from state_store import PoolGeometry
 
-from .wire.tensors import tensor_bytes
+from ..wire.tensors import tensor_bytes
 
 LOWER_BOUND_RANGE = (-5.0, 0.0)  # [-5, 0): the kernels' contract
 _GATE_KEY = re.compile(r"^layers\.(\d+)\.(A_log|dt_bias|lower_bound)$")

@@ -1,6 +1,6 @@
 """Container health probe: exit 0 when this host's kda-serve answers /health/ready with 200.
 
-The Docker image's HEALTHCHECK runs ``python -m service.healthcheck``. It reads the same
+The Docker image's HEALTHCHECK runs ``python -m service.http.healthcheck``. It reads the same
 ``KDA_*`` variables (and flags) as the server, so it probes the port the server listens
 on; a wildcard listen address is probed on loopback.
 """
@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import httpx
 
-from .config import parse_settings
+from ..config import parse_settings
 
 READY_PATH = "/health/ready"
 _WILDCARDS = {"0.0.0.0", "::", ""}

@@ -18,7 +18,7 @@ that buffer (a bytearray, handed over, not copied). While the body arrives the a
 a slow upload from a stalled one. A client that announces a large body and sends a few
 bytes still costs a few bytes: the buffer grows as bytes arrive. The server keeps the
 buffers of its last two large bodies, whichever connections they came on
-(`service.wire.warm`, in uvicorn's per-server ``app_state``): the next body of that size is
+(`service.wire.buffers`, in uvicorn's per-server ``app_state``): the next body of that size is
 read into memory already paged in (page faults on fresh memory cost ~8x the copy here),
 and idle keep-alive connections hold no body memory.
 
@@ -49,8 +49,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from .problems import PAYLOAD_TOO_LARGE, problem
-from .wire.warm import WarmBuffers
+from .problem_details import PAYLOAD_TOO_LARGE, problem
+from ..wire.buffers import WarmBuffers
 
 PROGRESS_S = 0.1
 """How often the app is woken, with no bytes, while a whole body is being collected."""
@@ -149,7 +149,7 @@ class _Collect:
 
 class KDAHttpProtocol(HttpToolsProtocol):
     """See the module docstring. One instance per connection, as uvicorn's; the warm
-    buffers (`service.wire.warm`) are the server's, shared by its connections."""
+    buffers (`service.wire.buffers`) are the server's, shared by its connections."""
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: Optional[asyncio.AbstractEventLoop] = None) -> None:

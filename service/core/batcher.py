@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, Optional, Sequence, TypeVar, Union
 
-from .errors import NotReady
+from ..errors import NotReady
 from .metrics import Metrics
 from .worker import DeviceWorker
 

@@ -1,0 +1,14 @@
+"""Python clients for kda-serve: `KDAClient` (sync) and `AsyncKDAClient` (asyncio), on httpx.
+
+A package of its own: importing it loads httpx, torch and the wire formats
+(`service.wire`), never the server (no fastapi, starlette, uvicorn or triton).
+"""
+from .client import (
+    AsyncKDAClient, BadRequest, KDAClient, KDAError, PoolFullError, PrefillOutput, SequenceInput, ServerError,
+    ServiceUnavailable, SlotNotFound, Unauthorized,
+)
+
+__all__ = [
+    "KDAClient", "AsyncKDAClient", "PrefillOutput", "SequenceInput", "KDAError", "BadRequest", "Unauthorized",
+    "SlotNotFound", "ServiceUnavailable", "PoolFullError", "ServerError",
+]

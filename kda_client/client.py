@@ -1,0 +1,586 @@
+"""Python clients for kda-serve: `KDAClient` (sync) and `AsyncKDAClient` (asyncio), on httpx.
+
+Binary transport (safetensors) by default, JSON with ``encoding="json"``. Tensors may be
+on any device and in float32, bfloat16 or float16; results come back as CPU tensors
+viewing the response buffer (no copy). Errors raise `KDAError` subclasses carrying the
+server's problem details; network failures raise httpx's exceptions.
+
+`KDAClient` sends ``http://`` requests through `kda_client.transport.StdlibTransport`:
+the body goes to the socket as views of the tensors' own bytes and the response is read
+into one buffer of its Content-Length (httpx's default transport copies each byte about
+three times more). `AsyncKDAClient` keeps httpx's default asyncio transport: an asyncio
+fast path would need its own HTTP/1.1 client, and the sync client is what moves large
+bodies (one prefill at a time per connection either way).
+
+``transport="shm"`` (a client on the server's host) passes prefill tensors through a
+POSIX shared memory region instead of the HTTP body (`kda_client.shm`): the client
+creates and registers it on first use, grows it as needed and unregisters it on close.
+Its results are copies unless ``shm_views=True`` (views of the region, valid until the
+next prefill on this client). One region per client: its shared memory prefills run one
+at a time (use one client per concurrent stream). ``transport="cuda"`` does the same with
+a region of this process's GPU memory shared by CUDA IPC (`kda_client.shm.CudaArena`):
+for a client whose tensors are already on the server's GPU; the server copies them device
+to device and its results arrive as tensors on that GPU::
+
+    with KDAClient("http://127.0.0.1:8000") as kda:
+        out = kda.prefill(0, [(None, q, k, v, g, beta)])      # None: allocate a slot
+        slot = out.slots[0]
+        out = kda.prefill(0, [(slot, q2, k2, v2, g2, beta2)])  # continue the sequence
+        out.o[0]            # [T2, HV, V]
+        out.final_state[0]  # [HV, V, K]
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.parse
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Generic, Iterator, Literal, Optional, Sequence, TypeVar, Union
+
+import httpx
+import torch
+
+from .transport import StdlibTransport
+from .shm import (
+    SHM_JSON, Arena, CudaArena, Geometry, Placed, Registration, ShmArena, is_unknown_region, split_sequences,
+)
+from service.wire.buffers import BodyBuffer
+from service.wire.media import JSON, PROBLEM, SAFETENSORS, media_type
+from service.wire.prefill import REQUIRED_TENSORS, decode_prefill_response
+from service.wire.safetensors_codec import safetensors_pieces
+from service.wire.state import decode_state_json, decode_state_safetensors, encode_state_json, encode_state_safetensors
+from service.wire.tensors import tensor_to_json
+
+__all__ = [
+    "KDAClient", "AsyncKDAClient", "PrefillOutput", "SequenceInput",
+    "KDAError", "BadRequest", "Unauthorized", "SlotNotFound", "ServiceUnavailable", "PoolFullError", "ServerError",
+]
+
+Encoding = Literal["safetensors", "json"]
+Transport = Literal["http", "shm", "cuda"]
+SequenceInput = tuple[Optional[str], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""One sequence of a prefill: (slot id or None, q [T,H,K], k [T,H,K], v [T,HV,V], g [T,HV,K], beta [T,HV])."""
+_T = TypeVar("_T")
+Body = Union[bytes, bytearray, list[memoryview]]
+"""A request body: one buffer, or pieces sent back to back without joining them."""
+
+
+def _body_size(body: Body) -> int:
+    return sum(piece.nbytes for piece in body) if isinstance(body, list) else len(body)
+
+
+# -- errors ----------------------------------------------------------------------------
+
+class KDAError(Exception):
+    """An error response. ``status``: the HTTP status; ``problem``: the RFC 9457 document
+    (type, title, status, detail and members such as ``field``)."""
+
+    def __init__(self, status: int, problem: dict[str, Any]) -> None:
+        self.status = status
+        self.problem = problem
+        super().__init__(f"{status} {problem.get('title', '')}: {problem.get('detail', '')}".strip())
+
+
+class BadRequest(KDAError):
+    """The request was refused as it stands (400, 406, 413, 415, 422); nothing changed."""
+
+
+class Unauthorized(KDAError):
+    """401: missing or wrong API key."""
+
+
+class SlotNotFound(KDAError):
+    """404: the slot id was never issued, was freed, or expired."""
+
+
+class ServiceUnavailable(KDAError):
+    """503: try again after ``retry_after`` seconds (None when the server gave none)."""
+
+    def __init__(self, status: int, problem: dict[str, Any], retry_after: Optional[float]) -> None:
+        super().__init__(status, problem)
+        self.retry_after = retry_after
+
+
+class PoolFullError(ServiceUnavailable):
+    """503: no free slot for the allocation (nothing was allocated)."""
+
+
+class ServerError(KDAError):
+    """500 and other server-side failures."""
+
+
+def _raise_for(status: int, headers: httpx.Headers, body: bytearray) -> None:
+    if status < 400:
+        return
+    try:
+        problem = json.loads(body) if media_type(headers.get("content-type")) in (PROBLEM, JSON) else None
+    except ValueError:
+        problem = None
+    if not isinstance(problem, dict):
+        problem = {"status": status, "detail": bytes(body[:2000]).decode("utf-8", "replace")}
+    if status == 503:
+        retry = headers.get("retry-after")
+        retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
+        cls = PoolFullError if str(problem.get("type", "")).endswith(":pool-full") else ServiceUnavailable
+        raise cls(status, problem, retry_after)
+    cls = {401: Unauthorized, 404: SlotNotFound}.get(status, BadRequest if status < 500 else ServerError)
+    raise cls(status, problem)
+
+
+# -- results ---------------------------------------------------------------------------
+
+@dataclass
+class PrefillOutput:
+    """The result of `prefill`: ``slots`` (each sequence's slot id, new ones included),
+    ``lengths``, ``o_packed`` [T, HV, V] in v's dtype and ``final_state`` [N, HV, V, K]
+    (None when declined). ``o`` splits o_packed per sequence (views, no copy).
+    ``server_timing``: the server's phases in milliseconds (decode, validate, kernel, encode), from
+    its ``Server-Timing`` header."""
+
+    slots: list[str]
+    lengths: list[int]
+    o_packed: torch.Tensor
+    final_state: Optional[torch.Tensor]
+    server_timing: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def o(self) -> list[torch.Tensor]:
+        return list(self.o_packed.split(self.lengths))
+
+
+# -- calls: what to send and how to read the answer, shared by both clients --------------
+
+@dataclass
+class _Call(Generic[_T]):
+    method: str
+    path: str
+    parse: Callable[[httpx.Headers, bytearray], _T]
+    body: Optional[Body] = None
+    content_type: Optional[str] = None
+    accept: Optional[str] = None
+
+    def headers(self) -> dict[str, str]:
+        h = {}
+        if self.body is not None:
+            h["content-type"] = self.content_type or JSON
+            h["content-length"] = str(_body_size(self.body))
+        if self.accept:
+            h["accept"] = self.accept
+        return h
+
+
+def _q(slot: str) -> str:
+    """A slot id as one URL path segment."""
+    return urllib.parse.quote(slot, safe="")
+
+
+def _json(_: httpx.Headers, body: bytearray) -> Any:
+    return json.loads(body)
+
+
+def _nothing(_: httpx.Headers, __: bytearray) -> None:
+    return None
+
+
+def _media(encoding: Encoding) -> str:
+    if encoding not in ("safetensors", "json"):
+        raise ValueError(f"encoding must be 'safetensors' or 'json', got {encoding!r}")
+    return SAFETENSORS if encoding == "safetensors" else JSON
+
+
+def _server_timing(headers: httpx.Headers) -> dict[str, float]:
+    """``Server-Timing: kernel;dur=1.5, encode;dur=0.2`` -> {"kernel": 1.5, "encode": 0.2}."""
+    phases = {}
+    for metric in headers.get("server-timing", "").split(","):
+        name, *params = (p.strip() for p in metric.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if name and key == "dur":
+                with suppress(ValueError):
+                    phases[name] = float(value)
+    return phases
+
+
+def _read_state(headers: httpx.Headers, body: bytearray) -> torch.Tensor:
+    if media_type(headers.get("content-type")) == JSON:
+        return decode_state_json(body)
+    return decode_state_safetensors(body)  # an export: its geometry metadata is not needed here
+
+
+def _prefill_options(
+    layer: int, sequences: Sequence[SequenceInput], *, lower_bound: Optional[float], use_qk_l2norm: bool,
+    use_beta_sigmoid: bool, allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
+) -> tuple[list[Optional[str]], dict[str, list[torch.Tensor]], list[int], dict[str, Any]]:
+    """(slots, each tensor's per-sequence parts, lengths, the request options) of a prefill."""
+    if not sequences:
+        raise ValueError("prefill needs at least one sequence")
+    slots, parts = split_sequences(sequences, REQUIRED_TENSORS)
+    lengths = [int(q.shape[0]) for q in parts["q"]]
+    options: dict[str, Any] = {
+        "layer": layer, "sequences": [{"slot": s, "length": n} for s, n in zip(slots, lengths)],
+        "use_qk_l2norm": use_qk_l2norm, "use_beta_sigmoid": use_beta_sigmoid,
+        "allow_neg_eigval": allow_neg_eigval, "return_final_state": return_final_state,
+    }
+    if lower_bound is not None:
+        options["lower_bound"] = float(lower_bound)
+    if scale is not None:
+        options["scale"] = float(scale)
+    return slots, parts, lengths, options
+
+
+@dataclass
+class _ShmPrefill:
+    """A shared memory prefill, laid out: what goes where, and how to read the answer."""
+
+    tensors: dict[str, list[torch.Tensor]]
+    places: dict[str, Placed]
+    need: int
+    options: dict[str, Any]
+    lengths: list[int]
+
+    def call(self, arena: Arena) -> _Call[PrefillOutput]:
+        """Copy the inputs in and build the request (after the region is large enough)."""
+        body = arena.fill(self.tensors, self.places, self.options)
+
+        def parse(headers: httpx.Headers, data: bytearray) -> PrefillOutput:
+            doc = json.loads(data)
+            o = arena.result(doc, "o")
+            assert o is not None
+            return PrefillOutput(doc["slots"], self.lengths, o, arena.result(doc, "final_state"),
+                                 _server_timing(headers))
+
+        return _Call("POST", "/prefill", parse, body, SHM_JSON, JSON)
+
+
+def _shm_prefill(
+    arena: Arena, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+    allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
+) -> _ShmPrefill:
+    _, parts, lengths, options = _prefill_options(
+        layer, sequences, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state)
+    tensors = {**parts, **{name: [t] for name, t in (("A_log", A_log), ("dt_bias", dt_bias)) if t is not None}}
+    places, need = arena.layout(tensors, lengths, return_final_state)
+    return _ShmPrefill(tensors, places, need, options, lengths)
+
+
+def _prefill_call(
+    media: str, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+    allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
+) -> _Call[PrefillOutput]:
+    slots, parts, lengths, options = _prefill_options(
+        layer, sequences, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state)
+    extra = {name: t for name, t in (("A_log", A_log), ("dt_bias", dt_bias)) if t is not None}
+    if media == SAFETENSORS:  # sent as the header and views of the tensors' own bytes: no copy, no join
+        body: Body = safetensors_pieces({**parts, **extra}, {"request": json.dumps(options)})
+    else:
+        tensors = {name: torch.cat(ps) if len(ps) > 1 else ps[0] for name, ps in parts.items()}
+        doc = {**options, **{name: tensor_to_json(t) for name, t in {**tensors, **extra}.items()}}
+        body = json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+    def parse(headers: httpx.Headers, data: bytearray) -> PrefillOutput:
+        got_slots, o, final = decode_prefill_response(data, media_type(headers.get("content-type")) or media)
+        return PrefillOutput(got_slots, lengths, o, final, _server_timing(headers))
+
+    return _Call("POST", "/prefill", parse, body, media, media)
+
+
+class _Calls:
+    """Builds every call; `KDAClient` and `AsyncKDAClient` only differ in how they send."""
+
+    def __init__(self, encoding: Encoding) -> None:
+        self.media = _media(encoding)
+
+    def alloc(self, count: int) -> _Call[list[str]]:
+        return _Call("POST", "/slots", lambda h, b: _json(h, b)["slots"], json.dumps({"count": count}).encode())
+
+    def free(self, slot: str) -> _Call[None]:
+        return _Call("DELETE", f"/slots/{_q(slot)}", _nothing)
+
+    def fork(self, slot: str) -> _Call[str]:
+        return _Call("POST", f"/slots/{_q(slot)}/fork", lambda h, b: _json(h, b)["slot"])
+
+    def slot_info(self, slot: str) -> _Call[dict[str, Any]]:
+        return _Call("GET", f"/slots/{_q(slot)}", _json)
+
+    def get_state(self, slot: str) -> _Call[torch.Tensor]:
+        return _Call("GET", f"/slots/{_q(slot)}/state", _read_state, accept=self.media)
+
+    def put_state(self, slot: str, state: torch.Tensor) -> _Call[None]:
+        body = encode_state_safetensors(state) if self.media == SAFETENSORS else encode_state_json(state)
+        return _Call("PUT", f"/slots/{_q(slot)}/state", _nothing, body, self.media)
+
+    def info(self) -> _Call[dict[str, Any]]:
+        return _Call("GET", "/info", _json)
+
+    def prefill(self, layer: int, sequences: Sequence[SequenceInput], **options: Any) -> _Call[PrefillOutput]:
+        return _prefill_call(self.media, layer, sequences, **options)
+
+    def register_region(self, registration: Registration) -> _Call[None]:
+        return _Call("POST", registration.path, _nothing, json.dumps(registration.body).encode())
+
+    def unregister_region(self, arena: Arena, name: str) -> _Call[None]:
+        method, path = arena.unregistration(name)
+        return _Call(method, path, _nothing)
+
+
+_SEND_CHUNK = 1 << 20
+"""Bodies go out in 1 MiB views: httpx would copy a bytearray into bytes, and httpcore
+(the async client's transport) re-slices what a socket send leaves over, which is
+quadratic on one large buffer (62 MB: ~200 MB/s in one piece, ~320 MB/s in 1 MiB pieces,
+on loopback)."""
+
+
+def _chunks(body: Body) -> Iterator[memoryview]:
+    for piece in body if isinstance(body, list) else [memoryview(body)]:
+        view = piece.cast("B")
+        for start in range(0, len(view), _SEND_CHUNK):
+            yield view[start:start + _SEND_CHUNK]
+
+
+async def _achunks(body: Body) -> AsyncIterator[memoryview]:
+    for chunk in _chunks(body):
+        yield chunk
+
+
+def _client_headers(api_key: Optional[str]) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _arena(transport: Transport, ttl_s: float, views: bool) -> Optional[Arena]:
+    if transport == "shm":
+        return ShmArena(ttl_s, views)
+    if transport == "cuda":
+        return CudaArena(ttl_s, views)
+    if transport != "http":
+        raise ValueError(f"transport must be 'http', 'shm' or 'cuda', got {transport!r}")
+    return None
+
+
+class KDAClient:
+    """Synchronous client. ``base_url`` of the server; ``api_key`` when it has one;
+    ``encoding`` of request and response bodies; ``timeout`` in seconds per request.
+    ``transport="shm"``: prefill tensors through shared memory (same host only), the
+    region leased for ``shm_ttl_s`` seconds past its last use; ``transport="cuda"``: the
+    same through GPU memory shared by CUDA IPC (same GPU; results on it); ``shm_views``:
+    results view the region (valid until the next prefill) instead of being copies."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: Optional[str] = None,
+                 encoding: Encoding = "safetensors", timeout: float = 300.0, transport: Transport = "http",
+                 shm_ttl_s: float = 300.0, shm_views: bool = False) -> None:
+        self._calls = _Calls(encoding)
+        self._arena = _arena(transport, shm_ttl_s, shm_views)
+        self._arena_lock = threading.Lock()  # one region: one shared memory prefill at a time
+        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_client_headers(api_key),
+                                  mounts={"http://": StdlibTransport()})
+
+    def _run(self, call: _Call[_T]) -> _T:
+        content = None if call.body is None else _chunks(call.body)
+        with self._http.stream(call.method, call.path, content=content, headers=call.headers()) as r:
+            length = r.headers.get("content-length")
+            buf = BodyBuffer(int(length) if length is not None else None)
+            for chunk in r.iter_bytes():
+                buf.add(chunk)
+        body = buf.finish()
+        _raise_for(r.status_code, r.headers, body)
+        return call.parse(r.headers, body)
+
+    def alloc(self, count: int = 1) -> list[str]:
+        """``count`` new slots with zero state, all or none (PoolFullError when short)."""
+        return self._run(self._calls.alloc(count))
+
+    def free(self, slot: str) -> None:
+        self._run(self._calls.free(slot))
+
+    def fork(self, slot: str) -> str:
+        """A new slot holding a copy of ``slot``'s state."""
+        return self._run(self._calls.fork(slot))
+
+    def slot_info(self, slot: str) -> dict[str, Any]:
+        """created, last_used (unix s), tokens_per_layer, state_lost."""
+        return self._run(self._calls.slot_info(slot))
+
+    def get_state(self, slot: str) -> torch.Tensor:
+        """The slot's state [L, HV, V, K] in the pool dtype."""
+        return self._run(self._calls.get_state(slot))
+
+    def put_state(self, slot: str, state: torch.Tensor) -> None:
+        """Replace the slot's state with ``state`` [L, HV, V, K] (the pool dtype)."""
+        self._run(self._calls.put_state(slot, state))
+
+    def info(self) -> dict[str, Any]:
+        """Pool geometry, device, backend, free and used slots."""
+        return self._run(self._calls.info())
+
+    def ready(self) -> bool:
+        """Whether the server answers /health/ready with 200."""
+        try:
+            return self._http.get("/health/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def prefill(
+        self, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor] = None,
+        dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None, use_qk_l2norm: bool = False,
+        use_beta_sigmoid: bool = False, allow_neg_eigval: bool = False, scale: Optional[float] = None,
+        return_final_state: bool = True,
+    ) -> PrefillOutput:
+        """Prefill ``sequences`` on ``layer``, each ``(slot or None, q, k, v, g, beta)``; see
+        the module docstring. g is the log decay unless a gate applies (A_log or
+        lower_bound here, or the server's gate parameters for the layer)."""
+        options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+                       use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
+                       return_final_state=return_final_state)
+        arena = self._arena
+        if arena is None:
+            return self._run(self._calls.prefill(layer, sequences, **options))
+        if arena.geometry is None:
+            arena.geometry = Geometry.from_info(self.info())
+        plan = _shm_prefill(arena, layer, sequences, **options)
+        with self._arena_lock:
+            if not arena.fits(plan.need):
+                self._register(arena, plan.need)
+            try:
+                return self._run(plan.call(arena))
+            except BadRequest as e:
+                if not is_unknown_region(e.problem):
+                    raise
+            arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
+            self._register(arena, plan.need)
+            return self._run(plan.call(arena))
+
+    def _register(self, arena: Arena, need: int) -> None:
+        registration = arena.create(need)
+        try:
+            self._run(self._calls.register_region(registration))
+        except BaseException:
+            arena.abandon()
+            raise
+        old = arena.registered()
+        if old is not None:
+            self._run(self._calls.unregister_region(arena, old))
+
+    def close(self) -> None:
+        """Unregister the shared memory region (if any) and close the connection."""
+        try:
+            name = self._arena.close() if self._arena is not None else None
+            if name is not None:
+                with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
+                    self._run(self._calls.unregister_region(self._arena, name))
+        finally:
+            self._http.close()
+
+    def __enter__(self) -> "KDAClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncKDAClient:
+    """`KDAClient`'s asyncio twin: the same methods, as coroutines."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: Optional[str] = None,
+                 encoding: Encoding = "safetensors", timeout: float = 300.0, transport: Transport = "http",
+                 shm_ttl_s: float = 300.0, shm_views: bool = False) -> None:
+        self._calls = _Calls(encoding)
+        self._arena = _arena(transport, shm_ttl_s, shm_views)
+        self._arena_lock = asyncio.Lock()  # one region: one shared memory prefill at a time
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_client_headers(api_key))
+
+    async def _run(self, call: _Call[_T]) -> _T:
+        content = None if call.body is None else _achunks(call.body)
+        async with self._http.stream(call.method, call.path, content=content, headers=call.headers()) as r:
+            length = r.headers.get("content-length")
+            buf = BodyBuffer(int(length) if length is not None else None)
+            async for chunk in r.aiter_bytes():
+                buf.add(chunk)
+        body = buf.finish()
+        _raise_for(r.status_code, r.headers, body)
+        return call.parse(r.headers, body)
+
+    async def alloc(self, count: int = 1) -> list[str]:
+        return await self._run(self._calls.alloc(count))
+
+    async def free(self, slot: str) -> None:
+        await self._run(self._calls.free(slot))
+
+    async def fork(self, slot: str) -> str:
+        return await self._run(self._calls.fork(slot))
+
+    async def slot_info(self, slot: str) -> dict[str, Any]:
+        return await self._run(self._calls.slot_info(slot))
+
+    async def get_state(self, slot: str) -> torch.Tensor:
+        return await self._run(self._calls.get_state(slot))
+
+    async def put_state(self, slot: str, state: torch.Tensor) -> None:
+        await self._run(self._calls.put_state(slot, state))
+
+    async def info(self) -> dict[str, Any]:
+        return await self._run(self._calls.info())
+
+    async def ready(self) -> bool:
+        try:
+            return (await self._http.get("/health/ready")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def prefill(
+        self, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor] = None,
+        dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None, use_qk_l2norm: bool = False,
+        use_beta_sigmoid: bool = False, allow_neg_eigval: bool = False, scale: Optional[float] = None,
+        return_final_state: bool = True,
+    ) -> PrefillOutput:
+        options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+                       use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
+                       return_final_state=return_final_state)
+        arena = self._arena
+        if arena is None:
+            return await self._run(self._calls.prefill(layer, sequences, **options))
+        if arena.geometry is None:
+            arena.geometry = Geometry.from_info(await self.info())
+        plan = _shm_prefill(arena, layer, sequences, **options)
+        async with self._arena_lock:
+            if not arena.fits(plan.need):
+                await self._register(arena, plan.need)
+            try:
+                return await self._run(plan.call(arena))
+            except BadRequest as e:
+                if not is_unknown_region(e.problem):
+                    raise
+            arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
+            await self._register(arena, plan.need)
+            return await self._run(plan.call(arena))
+
+    async def _register(self, arena: Arena, need: int) -> None:
+        registration = arena.create(need)
+        try:
+            await self._run(self._calls.register_region(registration))
+        except BaseException:
+            arena.abandon()
+            raise
+        old = arena.registered()
+        if old is not None:
+            await self._run(self._calls.unregister_region(arena, old))
+
+    async def aclose(self) -> None:
+        """Unregister the shared memory region (if any) and close the connection."""
+        try:
+            name = self._arena.close() if self._arena is not None else None
+            if name is not None:
+                with suppress(httpx.TransportError, KDAError):
+                    await self._run(self._calls.unregister_region(self._arena, name))
+        finally:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncKDAClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
