@@ -25,6 +25,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 
 COPY README.md ./
 COPY kernels ./kernels
+COPY tensor_io ./tensor_io
 COPY state_store ./state_store
 COPY service ./service
 RUN pip install --no-cache-dir --no-deps .

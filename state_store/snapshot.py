@@ -23,7 +23,9 @@ from typing import Any, Iterator, Union
 
 import torch
 
-from . import container
+from tensor_io import safetensors_format
+from tensor_io.views import tensor_bytes
+
 from .errors import GeometryMismatch, SnapshotError
 from .geometry import PoolGeometry
 from .records import SlotInfo
@@ -77,7 +79,7 @@ def write(
     )
     pool_hash = hashlib.sha256()
     for layer in _layers(pool):
-        pool_hash.update(container.as_bytes(layer))
+        pool_hash.update(tensor_bytes(layer))
     metadata = {
         "format": FORMAT,
         "version": VERSION,
@@ -90,7 +92,7 @@ def write(
         fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as out:
-                container.write(out, TENSOR_NAME, geometry.dtype, geometry.shape, _layers(pool), metadata)
+                safetensors_format.write(out, TENSOR_NAME, geometry.dtype, geometry.shape, _layers(pool), metadata)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(temp, path)
@@ -125,26 +127,27 @@ def read(path: PathLike, geometry: PoolGeometry) -> Snapshot:
     """
     try:
         with open(path, "rb") as stream:
-            header = container.read_header(stream, os.fstat(stream.fileno()).st_size, TENSOR_NAME)
+            header = safetensors_format.read_header(stream, os.fstat(stream.fileno()).st_size)
+            entry = header.only(TENSOR_NAME)
             index = _verified_index(header.metadata)
             expected = geometry.pool_fields()
             if index.get("geometry") != expected:
                 raise GeometryMismatch(expected, index.get("geometry"))
-            if header.entry.shape != geometry.shape:
-                raise container.ContainerError(
-                    f"tensor {TENSOR_NAME!r} has shape {list(header.entry.shape)}, the index "
-                    f"declares {list(geometry.shape)}"
+            if entry.shape != geometry.shape or entry.dtype != geometry.dtype:
+                raise safetensors_format.ContainerError(
+                    f"tensor {TENSOR_NAME!r} is {entry.dtype}{list(entry.shape)}, the index "
+                    f"declares {geometry.dtype}{list(geometry.shape)}"
                 )
             slots = _slots(index.get("slots"), geometry)
             saved_at = _finite(index.get("saved_at"), "saved_at")
             generation = index.get("generation", 0)
             if not _count(generation):
-                raise container.ContainerError(f"index generation is not a count: {generation!r}")
+                raise safetensors_format.ContainerError(f"index generation is not a count: {generation!r}")
             pool_hash = hashlib.sha256()
-            pool = container.read_tensor(stream, header, geometry.dtype, pool_hash)
+            pool = safetensors_format.read_tensor(stream, header, TENSOR_NAME, pool_hash)
     except OSError as exc:
         raise SnapshotError(path, f"cannot read: {exc}") from exc
-    except container.ContainerError as exc:
+    except safetensors_format.ContainerError as exc:
         raise SnapshotError(path, str(exc)) from None
     if pool_hash.hexdigest() != header.metadata["pool_sha256"]:
         raise SnapshotError(path, "pool tensor checksum mismatch: the data is corrupted")
@@ -153,34 +156,34 @@ def read(path: PathLike, geometry: PoolGeometry) -> Snapshot:
 
 def _verified_index(metadata: dict[str, str]) -> dict[str, Any]:
     if metadata.get("format") != FORMAT:
-        raise container.ContainerError(f"not a kda-serve pool snapshot (format {metadata.get('format')!r})")
+        raise safetensors_format.ContainerError(f"not a kda-serve pool snapshot (format {metadata.get('format')!r})")
     if metadata.get("version") != VERSION:
-        raise container.ContainerError(f"unsupported snapshot version {metadata.get('version')!r}")
+        raise safetensors_format.ContainerError(f"unsupported snapshot version {metadata.get('version')!r}")
     missing = [key for key in ("index", "index_sha256", "pool_sha256") if key not in metadata]
     if missing:
-        raise container.ContainerError(f"metadata lacks {missing}")
+        raise safetensors_format.ContainerError(f"metadata lacks {missing}")
     if hashlib.sha256(metadata["index"].encode()).hexdigest() != metadata["index_sha256"]:
-        raise container.ContainerError("index checksum mismatch: the id map is corrupted")
-    index = container.parse_json(metadata["index"], "the index")
+        raise safetensors_format.ContainerError("index checksum mismatch: the id map is corrupted")
+    index = safetensors_format.parse_json(metadata["index"], "the index")
     if not isinstance(index, dict):
-        raise container.ContainerError("index is not a JSON object")
+        raise safetensors_format.ContainerError("index is not a JSON object")
     return index
 
 
 def _slots(raw: Any, geometry: PoolGeometry) -> list[SlotInfo]:
     if not isinstance(raw, list):
-        raise container.ContainerError("index slots is not a list")
+        raise safetensors_format.ContainerError("index slots is not a list")
     slots = [_slot(item, geometry) for item in raw]
     if len({slot.slot_id for slot in slots}) != len(slots):
-        raise container.ContainerError("index maps one slot id twice")
+        raise safetensors_format.ContainerError("index maps one slot id twice")
     if len({slot.row for slot in slots}) != len(slots):
-        raise container.ContainerError("index maps one row to two slot ids")
+        raise safetensors_format.ContainerError("index maps one row to two slot ids")
     return slots
 
 
 def _slot(item: Any, geometry: PoolGeometry) -> SlotInfo:
     if not isinstance(item, dict) or set(item) != _SLOT_KEYS:
-        raise container.ContainerError(f"malformed slot entry {item!r}")
+        raise safetensors_format.ContainerError(f"malformed slot entry {item!r}")
     slot = SlotInfo(**item)
     tokens = slot.tokens_per_layer
     if not (
@@ -193,7 +196,7 @@ def _slot(item: Any, geometry: PoolGeometry) -> SlotInfo:
         and all(_count(t) for t in tokens)
         and isinstance(slot.state_lost, bool)
     ):
-        raise container.ContainerError(f"malformed slot entry {item!r}")
+        raise safetensors_format.ContainerError(f"malformed slot entry {item!r}")
     _finite(slot.created, "created")
     _finite(slot.last_used, "last_used")
     return slot
@@ -205,5 +208,5 @@ def _count(value: Any) -> bool:
 
 def _finite(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise container.ContainerError(f"index {name} is not a finite number: {value!r}")
+        raise safetensors_format.ContainerError(f"index {name} is not a finite number: {value!r}")
     return float(value)

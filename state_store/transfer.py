@@ -9,7 +9,8 @@ from typing import Optional, Union
 
 import torch
 
-from . import container
+from tensor_io import safetensors_format
+
 from .errors import GeometryMismatch, SnapshotError
 from .geometry import PoolGeometry
 
@@ -22,7 +23,7 @@ def encode(geometry: PoolGeometry, layers: list[torch.Tensor], tokens_per_layer:
     metadata = {key: str(value) for key, value in geometry.state_fields().items()}
     metadata["tokens_per_layer"] = json.dumps(tokens_per_layer)
     out = io.BytesIO()
-    container.write(out, TENSOR_NAME, geometry.dtype, geometry.slot_shape, layers, metadata)
+    safetensors_format.write(out, TENSOR_NAME, geometry.dtype, geometry.slot_shape, layers, metadata)
     return out.getvalue()
 
 
@@ -38,19 +39,20 @@ def decode(
     raw = memoryview(data).cast("B")
     stream = io.BytesIO(raw)
     try:
-        header = container.read_header(stream, len(raw), TENSOR_NAME)
+        header = safetensors_format.read_header(stream, len(raw))
+        entry = header.only(TENSOR_NAME)
         got = _declared_geometry(header.metadata)
         expected = geometry.state_fields()
         if got != expected:
             raise GeometryMismatch(expected, got)
-        if header.entry.shape != geometry.slot_shape:
-            raise container.ContainerError(
-                f"tensor {TENSOR_NAME!r} has shape {list(header.entry.shape)}, its metadata "
-                f"declares {list(geometry.slot_shape)}"
+        if entry.shape != geometry.slot_shape or entry.dtype != geometry.dtype:
+            raise safetensors_format.ContainerError(
+                f"tensor {TENSOR_NAME!r} is {entry.dtype}{list(entry.shape)}, its metadata "
+                f"declares {geometry.dtype}{list(geometry.slot_shape)}"
             )
         tokens = _tokens(header.metadata, geometry.num_layers)
-        state = container.read_tensor(stream, header, geometry.dtype)
-    except container.ContainerError as exc:
+        state = safetensors_format.read_tensor(stream, header, TENSOR_NAME)
+    except safetensors_format.ContainerError as exc:
         raise SnapshotError(None, str(exc)) from None
     return state, tokens
 
@@ -59,7 +61,7 @@ def _declared_geometry(metadata: dict[str, str]) -> dict[str, Union[int, str]]:
     """The geometry an export declares, in the form of `PoolGeometry.state_fields`."""
     missing = [key for key in _GEOMETRY_KEYS if key not in metadata]
     if missing:
-        raise container.ContainerError(f"metadata lacks the geometry fields {missing}")
+        raise safetensors_format.ContainerError(f"metadata lacks the geometry fields {missing}")
     declared: dict[str, Union[int, str]] = {}
     for key in _GEOMETRY_KEYS:
         value = metadata[key]
@@ -68,20 +70,20 @@ def _declared_geometry(metadata: dict[str, str]) -> dict[str, Union[int, str]]:
         elif value.isascii() and value.isdigit():
             declared[key] = int(value)
         else:
-            raise container.ContainerError(f"metadata {key}={value!r} is not an integer")
+            raise safetensors_format.ContainerError(f"metadata {key}={value!r} is not an integer")
     return declared
 
 
 def _tokens(metadata: dict[str, str], num_layers: int) -> Optional[list[int]]:
     if "tokens_per_layer" not in metadata:
         return None
-    tokens = container.parse_json(metadata["tokens_per_layer"], "metadata tokens_per_layer")
+    tokens = safetensors_format.parse_json(metadata["tokens_per_layer"], "metadata tokens_per_layer")
     if not (
         isinstance(tokens, list)
         and len(tokens) == num_layers
         and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
     ):
-        raise container.ContainerError(
+        raise safetensors_format.ContainerError(
             f"metadata tokens_per_layer must be a list of {num_layers} non-negative integers"
         )
     return tokens

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Hashable, Optional
 
 import torch
-from safetensors.torch import load_file
 
 from state_store import PoolGeometry
-
-from ..wire.tensors import tensor_bytes
+from tensor_io.safetensors_format import ContainerError, load
+from tensor_io.views import tensor_bytes
 
 LOWER_BOUND_RANGE = (-5.0, 0.0)  # [-5, 0): the kernels' contract
 _GATE_KEY = re.compile(r"^layers\.(\d+)\.(A_log|dt_bias|lower_bound)$")
@@ -66,7 +65,11 @@ def load_gate_params(path: str, geometry: PoolGeometry) -> dict[int, Gate]:
     """
     HV, K = geometry.num_heads, geometry.head_k_dim
     entries: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in load_file(path).items():
+    try:
+        tensors, _ = load(path)
+    except ContainerError as e:
+        raise ValueError(f"{path}: not a safetensors file: {e}") from None
+    for name, t in tensors.items():
         m = _GATE_KEY.match(name)
         if m is None or int(m.group(1)) >= geometry.num_layers:
             raise ValueError(

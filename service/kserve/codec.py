@@ -24,10 +24,11 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 import torch
 
+from tensor_io.views import tensor_bytes, view_tensor
+
 from ..errors import InvalidRequest, MalformedBody
 from ..core.inputs import PrefillInputs
 from ..wire.schema import parse_model
-from ..wire.tensors import tensor_bytes, view_tensor
 from .datatypes import ACCEPTED, BINARY_ONLY, PROTOCOL_DATATYPES, datatype_name, torch_dtype
 from .options import InferOptions, parse_options
 from .protocol import InferenceRequest, Parameters, RequestInput, RequestOutput

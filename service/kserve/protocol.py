@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from ..wire.tensors import MAX_RANK
+from tensor_io.safetensors_format import MAX_RANK
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 ParameterValue = Union[StrictBool, StrictInt, StrictFloat, StrictStr]

@@ -15,7 +15,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from service.wire.tensors import JSON_DTYPES, JSON_NAMES, tensor_bytes
+from service.wire.tensors import JSON_DTYPES, JSON_NAMES
+from tensor_io.views import tensor_bytes
 
 from .errors import ShardFault
 

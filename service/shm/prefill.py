@@ -28,6 +28,8 @@ from typing import Annotated, Any, Iterable, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from tensor_io.views import nbytes, view_tensor
+
 from ..core.server import ServerCore
 from ..errors import InvalidRequest
 from ..core.inputs import PrefillInputs, PrefillResult
@@ -35,7 +37,7 @@ from .cuda_ipc import copy_stream
 from .registry import CudaRegion, Region
 from ..wire.prefill import OPTIONAL_TENSORS, REQUIRED_TENSORS
 from ..wire.schema import PrefillOptions, parse_model
-from ..wire.tensors import JSON_DTYPES, JSON_NAMES, nbytes, view_tensor
+from ..wire.tensors import JSON_DTYPES, JSON_NAMES
 from ..wire.buffers import WarmBuffers
 
 SHM_JSON = "application/vnd.kda.shm+json"

@@ -32,9 +32,10 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
+from tensor_io.views import tensor_bytes, view_tensor
+
 from .cuda_ipc import IpcMappings, IpcMemory, copy_stream, unavailable_reason
 from ..errors import InvalidRequest
-from ..wire.tensors import tensor_bytes, view_tensor
 
 log = logging.getLogger("kda_serve.shm")
 SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX shared memory objects

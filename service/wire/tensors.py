@@ -1,67 +1,28 @@
-"""Tensors on the wire: the dtype tables, and the JSON form ``{"dtype", "shape", "data"}``.
+"""Tensors on the wire: the dtypes it carries, and the JSON form ``{"dtype", "shape", "data"}``.
 
 ``data`` is the base64 of the tensor's little-endian, row-major bytes. Decoded tensors are
-CPU tensors over a fresh buffer; `tensor_bytes` gives a tensor's bytes without a copy when
-it already is a contiguous CPU tensor.
+CPU tensors over a fresh buffer (`tensor_io.views`).
 """
 from __future__ import annotations
 
 import base64
 import binascii
-import math
-import sys
 from typing import Any, Optional
 
-import numpy as np
 import torch
+
+from tensor_io.safetensors_format import CODES
+from tensor_io.views import nbytes, tensor_bytes, view_tensor
 
 from ..errors import MalformedBody
 
-if sys.byteorder != "little":  # the wire is little-endian and tensors are viewed in place
-    raise ImportError("service.wire needs a little-endian host")
-
-# JSON dtype name <-> torch dtype <-> safetensors dtype code. One table, read both ways.
-_DTYPES: tuple[tuple[str, torch.dtype, str], ...] = (
-    ("float32", torch.float32, "F32"),
-    ("bfloat16", torch.bfloat16, "BF16"),
-    ("float16", torch.float16, "F16"),
-    ("int64", torch.int64, "I64"),
-    ("int32", torch.int32, "I32"),
-)
-JSON_DTYPES: dict[str, torch.dtype] = {name: dt for name, dt, _ in _DTYPES}
-JSON_NAMES: dict[torch.dtype, str] = {dt: name for name, dt, _ in _DTYPES}
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {code: dt for _, dt, code in _DTYPES}
-SAFETENSORS_CODES: dict[torch.dtype, str] = {dt: code for _, dt, code in _DTYPES}
-MAX_RANK = 8
-
-
-def nbytes(shape: list[int], dtype: torch.dtype) -> int:
-    """Bytes a tensor of ``shape`` and ``dtype`` occupies (exact Python int, no overflow)."""
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-
-
-def tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    """``t``'s bytes as a flat uint8 array: a view when ``t`` is a contiguous CPU tensor,
-    else one copy (to the host, to contiguous). The array keeps the memory alive."""
-    t = t.detach().to("cpu").contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def view_tensor(buf: bytearray | memoryview, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """A CPU tensor of ``shape``/``dtype`` over ``buf[offset:]``, without a copy when
-    ``offset`` is aligned to the dtype's size (a misaligned one is copied out).
-
-    ``buf`` must be writable (a bytearray, or a memoryview of one) so the tensor is too.
-    The caller has checked that the bytes are in range.
-    """
-    count = math.prod(shape)
-    if count == 0:
-        return torch.empty(shape, dtype=dtype)
-    size = torch.empty((), dtype=dtype).element_size()
-    if offset % size:
-        chunk = bytearray(memoryview(buf)[offset:offset + count * size])
-        return torch.frombuffer(chunk, dtype=dtype).view(shape)
-    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
+# The dtypes the wire carries, by JSON name; their safetensors codes are `tensor_io`'s.
+JSON_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "int64": torch.int64, "int32": torch.int32,
+}
+JSON_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in JSON_DTYPES.items()}
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {CODES[dt]: dt for dt in JSON_DTYPES.values()}
 
 
 def tensor_to_json(t: torch.Tensor) -> dict[str, Any]:

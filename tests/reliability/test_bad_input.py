@@ -21,7 +21,8 @@ from reliability_helpers import (
 )
 from server_harness import make_victims
 
-from service.wire.safetensors_codec import MAX_HEADER_BYTES, encode_safetensors
+from service.wire.safetensors_codec import encode_safetensors
+from tensor_io.safetensors_format import MAX_REQUEST_HEADER_BYTES
 from service.wire.tensors import tensor_to_json
 
 errors = load_module("service_error_cases", ROOT / "tests" / "service" / "test_service_errors.py")
@@ -217,9 +218,9 @@ def test_a_real_header_over_the_cap_is_refused_unparsed(pool, victims):
     """An 8 MiB + 8 header inside a body well under the body limit: refused for its size
     before a byte of it is parsed as JSON."""
     before = pool.image()
-    header = b"{" + b" " * (MAX_HEADER_BYTES + 6) + b"}"
+    header = b"{" + b" " * (MAX_REQUEST_HEADER_BYTES + 6) + b"}"
     r = pool.http.post("/prefill", content=raw_safetensors(header), headers={"content-type": ST})
-    assert f"exceeds the {MAX_HEADER_BYTES}-byte limit" in assert_problem(r, 400, "malformed-body")["detail"]
+    assert f"exceeds the {MAX_REQUEST_HEADER_BYTES}-byte limit" in assert_problem(r, 400, "malformed-body")["detail"]
     assert pool.image() == before
 
 

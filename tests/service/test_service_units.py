@@ -16,7 +16,7 @@ from service.core.batcher import Batcher
 from service.config import Settings, parse_settings
 from service.core.server import ServerCore
 from service.errors import InvalidRequest, NotReady
-from service.core.gate_params import Gate
+from service.core.gate_params import Gate, load_gate_params
 from service.core.inputs import PrefillInputs
 from service.core.metrics import Metrics
 from service.core.validation import all_finite, finite_flags, validate_prefill
@@ -107,6 +107,24 @@ def test_server_gates_take_over_the_layer(gen):
         validate_prefill(inputs(gen, lower_bound=-1.0), GEOMETRY, server)
     assert e.value.field == "lower_bound"
     assert validate_prefill(inputs(gen, layer=1, lower_bound=-1.0), GEOMETRY, server).gate.lower_bound == -1.0
+
+
+def test_gate_files_load_in_any_float_dtype_the_safetensors_package_writes(tmp_path):
+    """fp64 and bf16 entries load as fp32 values; a file that is not safetensors is a
+    ValueError naming it."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(5)
+    A_log, dt_bias = torch.randn(HV, generator=gen, dtype=torch.float64), torch.randn(HV * K, generator=gen)
+    save_file({"layers.0.A_log": A_log, "layers.0.dt_bias": dt_bias.bfloat16(),
+               "layers.1.lower_bound": torch.tensor([-2.5], dtype=torch.float64)}, tmp_path / "gates.safetensors")
+    gates = load_gate_params(str(tmp_path / "gates.safetensors"), GEOMETRY)
+    assert torch.equal(gates[0].A_log, A_log.float()) and gates[0].A_log.dtype == torch.float32
+    assert torch.equal(gates[0].dt_bias, dt_bias.bfloat16().float().reshape(HV, K))
+    assert gates[1].lower_bound == -2.5 and gates[1].A_log is None
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{not json}      ")
+    with pytest.raises(ValueError, match="bad.safetensors: not a safetensors file"):
+        load_gate_params(str(tmp_path / "bad.safetensors"), GEOMETRY)
 
 
 # -- batcher -------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from safetensors.torch import save as st_save
 from service.errors import MalformedBody, NotAcceptable, UnsupportedMediaType
 from service.wire.buffers import BodyBuffer
 from service.wire.media import JSON, SAFETENSORS, negotiate, request_encoding
-from service.wire.safetensors_codec import MAX_HEADER_BYTES, encode_safetensors, parse_safetensors
+from service.wire.safetensors_codec import encode_safetensors, parse_safetensors
+from tensor_io.safetensors_format import MAX_REQUEST_HEADER_BYTES
 from service.wire.tensors import tensor_from_json, tensor_to_json
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -74,7 +75,7 @@ def _t(dtype="F32", shape=(4,), offsets=(0, 16)):
 MALFORMED = {
     "empty": (bytearray(), "shorter than the 8-byte"),
     "header past end": (_raw({}, header_len=100), "past the end"),
-    "header over cap": (_raw({}, header_len=MAX_HEADER_BYTES + 1), "exceeds"),
+    "header over cap": (_raw({}, header_len=MAX_REQUEST_HEADER_BYTES + 1), "exceeds"),
     "not utf-8": (_raw(b"\xff\xfe"), "not valid JSON"),
     "not json": (_raw(b"{'a': 1}"), "not valid JSON"),
     "not an object": (_raw([]), "must be a JSON object"),

@@ -9,6 +9,7 @@ import torch
 from pool_helpers import PoolImage, assert_bit_equal, fill_random, make_pool, random_state
 
 from state_store import GeometryMismatch, PoolError, PoolFull, SnapshotError, UnknownSlot
+from tensor_io.safetensors_format import MAX_HEADER_BYTES, MAX_REQUEST_HEADER_BYTES
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -64,6 +65,17 @@ def test_import_of_a_third_party_safetensors_body():
     slot_id = pool.import_(safetensors.torch.save({"state": state}, metadata=meta))
     assert_bit_equal(pool.read_state(slot_id), state)
     assert pool.slot_info(slot_id).tokens_per_layer == [0, 0, 0]
+
+
+def test_import_takes_a_header_over_the_request_cap():
+    """Files (exports, snapshots) get the file header cap, not the request bodies' one."""
+    pool = make_pool()
+    state = random_state(pool, 10)
+    assert MAX_REQUEST_HEADER_BYTES < MAX_HEADER_BYTES
+    meta = {"num_layers": "3", "num_heads": "2", "head_k_dim": "8", "head_v_dim": "4", "dtype": "float32",
+            "note": "x" * (MAX_REQUEST_HEADER_BYTES + 1)}
+    slot_id = pool.import_(safetensors.torch.save({"state": state}, metadata=meta))
+    assert_bit_equal(pool.read_state(slot_id), state)
 
 
 def _export_of(seed: int, **geometry) -> bytes:
