@@ -1,6 +1,8 @@
-"""Public entry points: `chunk_kda` (SGLang's serving contract) and `kda_prefill`.
+"""Public entry points: `chunk_kda` (SGLang's serving contract), `kda_prefill`, and
+`run_problem` for callers that build and check their `PrefillProblem` themselves.
 
-Both validate their arguments into a `PrefillProblem` and hand it to one backend.
+`chunk_kda` and `kda_prefill` validate their arguments into a `PrefillProblem`
+(`build_problem`) and hand it to one backend through `run_problem`.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from .backends import resolve_backend
-from .problem import MAX_HEAD_DIM, PrefillProblem
+from .problem import FLOAT_INPUTS, POOL_DTYPES, PrefillProblem, head_dims_error, lower_bound_error, packed_problem
 
 POOL_REQUIRED = "KDA prefill requires an indexed initial-state pool"
 G_BETA_SHORT = "g and beta must cover every q token"
@@ -17,8 +19,6 @@ TRAINING_KNOBS = (
     "kda_prefill is the inference forward path: cp_context, and disable_recompute "
     "are training-side knobs it does not implement"
 )
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
-_POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _reject_training_knobs(knobs: dict[str, Any]) -> None:
@@ -116,10 +116,10 @@ def build_problem(
         raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T} as in q, got {_shape(v)}")
     if HV % H != 0:
         raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's heads H={H} (GVA)")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM or K < 1 or V < 1:
-        raise ValueError(f"head dims must be in 1..{MAX_HEAD_DIM}, got K={K}, V={V}")
+    if why := head_dims_error(K, V):
+        raise ValueError(why)
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if x.dtype not in _FLOAT_INPUTS:
+        if x.dtype not in FLOAT_INPUTS:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, q on {q.device}")
@@ -136,18 +136,16 @@ def build_problem(
     if tuple(pool.shape[1:]) != want:
         layout = "[num_slots, HV, V, K]" if state_v_first else "[num_slots, HV, K, V]"
         raise ValueError(f"initial_state must be {layout} = [S, {', '.join(map(str, want))}], got {_shape(pool)}")
-    if pool.dtype not in _POOL_DTYPES:
+    if pool.dtype not in POOL_DTYPES:
         raise ValueError(f"initial_state must be float32 or bfloat16, got {pool.dtype}")
     if pool.device != q.device:
         raise ValueError(f"initial_state is on {pool.device}, q on {q.device}")
     if A_log is not None and tuple(A_log.shape) != (HV,):
         raise ValueError(f"A_log must have shape ({HV},), got {_shape(A_log)}")
-    if dt_bias is not None:
-        if dt_bias.numel() != HV * K:
-            raise ValueError(f"dt_bias must have shape ({HV}, {K}) or ({HV * K},), got {_shape(dt_bias)}")
-        dt_bias = dt_bias.reshape(HV, K)
-    if lower_bound is not None and not (-5.0 <= float(lower_bound) < 0.0):
-        raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}")
+    if dt_bias is not None and dt_bias.numel() != HV * K:
+        raise ValueError(f"dt_bias must have shape ({HV}, {K}) or ({HV * K},), got {_shape(dt_bias)}")
+    if lower_bound is not None and (why := lower_bound_error(lower_bound)):
+        raise ValueError(why)
 
     cu, bounds = _packed_bounds(B, T, cu_seqlens, q.device)
     n_seq = len(bounds) - 1
@@ -156,15 +154,25 @@ def build_problem(
     def packed(x: torch.Tensor) -> torch.Tensor:
         return x[:, :T].reshape(B * T, *x.shape[2:])
 
-    return PrefillProblem(
-        q=packed(q), k=packed(k), v=packed(v), g=packed(g), beta=packed(beta),
-        cu_seqlens=cu, bounds=bounds, pool=pool, indices=idx, state_v_first=state_v_first,
-        scale=float(K ** -0.5 if scale is None else scale),
-        A_log=A_log, dt_bias=dt_bias,
-        lower_bound=None if lower_bound is None else float(lower_bound),
-        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
-        allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
+    return packed_problem(
+        packed(q), packed(k), packed(v), packed(g), packed(beta), bounds=bounds, cu_seqlens=cu, pool=pool,
+        indices=idx, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first, output_intermediate_states=output_intermediate_states,
     )
+
+
+def run_problem(
+    problem: PrefillProblem, backend: Optional[str] = None
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run a `PrefillProblem` its caller built (`kernels.problem.packed_problem`) and checked
+    against the contract itself: no check is repeated here, no host synchronization added.
+
+    ``backend``: "torch", "triton" or None (the default for the inputs' device). Returns
+    o [T, HV, V] in v's dtype and, with ``output_intermediate_states``, h [NT, HV, V, K]
+    (fp32; [NT, HV, K, V] when not v-first); final states are written into the pool rows.
+    """
+    return resolve_backend(backend, problem.q.device)(problem)
 
 
 def chunk_kda(
@@ -211,7 +219,7 @@ def chunk_kda(
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
         output_intermediate_states=output_intermediate_states,
     )
-    o, h = resolve_backend(backend, q.device)(problem)
+    o, h = run_problem(problem, backend)
     o = o.reshape(v.shape)
     if output_intermediate_states:
         return o, h.unsqueeze(0)

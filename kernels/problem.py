@@ -1,17 +1,39 @@
-"""The validated, backend-neutral description of one prefill launch.
+"""The validated, backend-neutral description of one prefill launch, and the contract a
+launch must meet (what the public entry points and the service's validation check).
 
-`kernels.api` turns the public arguments into a `PrefillProblem`; every backend takes one
-and returns outputs, writing final states into the pool in place.
+`kernels.api` checks the public arguments and builds a `PrefillProblem` with
+`packed_problem`; the service checks requests against its pool (`service.core.validation`,
+with the limits and checks defined here) and builds the problem of a launch the same way.
+Every backend takes one and returns outputs, writing final states into the pool in place.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 CHUNK_SIZE = 64
 MAX_HEAD_DIM = 256
+FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # q, k, v, g, beta
+POOL_DTYPES = (torch.float32, torch.bfloat16)  # the state pool
+LOWER_BOUND_RANGE = (-5.0, 0.0)  # [lo, hi): the lower-bound gate's L
+
+
+def lower_bound_error(value: float) -> Optional[str]:
+    """Why ``value`` is not a lower bound L of the gate (L in [-5, 0)), or None when it is."""
+    lo, hi = LOWER_BOUND_RANGE
+    if not (math.isfinite(float(value)) and lo <= float(value) < hi):
+        return f"lower_bound must lie in [{lo:g}, {hi:g}), got {value}"
+    return None
+
+
+def head_dims_error(K: int, V: int) -> Optional[str]:
+    """Why head dims K, V cannot run (each in 1..`MAX_HEAD_DIM`), or None when they can."""
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM or K < 1 or V < 1:
+        return f"head dims must be in 1..{MAX_HEAD_DIM}, got K={K}, V={V}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -47,10 +69,6 @@ class PrefillProblem:
     output_intermediate_states: bool
 
     @property
-    def num_sequences(self) -> int:
-        return len(self.bounds) - 1
-
-    @property
     def lengths(self) -> list[int]:
         return [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:])]
 
@@ -59,9 +77,47 @@ class PrefillProblem:
         """NT: chunks over all sequences, ceil(length / 64) each (a 1-token sequence is one)."""
         return sum((n + CHUNK_SIZE - 1) // CHUNK_SIZE for n in self.lengths)
 
-    @property
-    def gate_fused(self) -> bool:
-        return self.A_log is not None or self.lower_bound is not None
+
+def packed_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    bounds: Sequence[int],
+    pool: torch.Tensor,
+    indices: torch.Tensor,
+    scale: Optional[float],
+    A_log: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor],
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+    allow_neg_eigval: bool,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    state_v_first: bool = True,
+    output_intermediate_states: bool = False,
+) -> PrefillProblem:
+    """The problem of packed inputs its caller has checked against the contract above
+    (shapes as `PrefillProblem` gives them, all on one device; nothing is checked here).
+
+    ``bounds``: the host offsets [0, ..., T] of the N sequences (``cu_seqlens``, int64 on
+    the inputs' device, is made from them when not given); ``indices``: [N] int64 pool rows
+    on that device; ``scale`` None means K ** -0.5; dt_bias [HV, K] or [HV * K].
+    """
+    HV, K = v.shape[1], q.shape[2]
+    bounds = tuple(bounds)
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int64, device=q.device)
+    return PrefillProblem(
+        q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, bounds=bounds, pool=pool, indices=indices,
+        state_v_first=state_v_first, scale=float(K ** -0.5 if scale is None else scale),
+        A_log=A_log, dt_bias=None if dt_bias is None else dt_bias.reshape(HV, K),
+        lower_bound=None if lower_bound is None else float(lower_bound),
+        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
+    )
 
 
 # A backend runs a problem: returns o [T, HV, V] in v's dtype and, when

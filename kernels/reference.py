@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .gate import beta_transform, l2norm, log_decay
+from .transforms import beta_transform, l2norm, log_decay
 
 
 def naive_recurrent_kda(

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .gate import beta_transform, l2norm, log_decay
+from .transforms import beta_transform, l2norm, log_decay
 from .problem import CHUNK_SIZE, PrefillProblem
 
 SUB_BLOCK = 16

@@ -17,6 +17,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from kernels.problem import head_dims_error
+
 ENV_PREFIX = "KDA_"
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKEND_CHOICES = ("auto", "torch", "triton")
@@ -67,6 +69,8 @@ class Settings:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.head_v_dim is not None and self.head_v_dim < 1:
             problems.append(f"head_v_dim must be >= 1, got {self.head_v_dim}")
+        elif self.head_dim >= 1 and (why := head_dims_error(self.head_dim, self.v_dim)):
+            problems.append(why)  # the kernels' limit: checked here, not at every launch
         if not 0 <= self.port <= 65535:
             problems.append(f"port must be in 0..65535, got {self.port}")
         if not _DEVICE_RE.match(self.device):

@@ -1,24 +1,23 @@
 """The KDA gate of a prefill: how the raw ``g`` becomes the log decay, and where its
 parameters come from (the request, or the server's per-layer ``--gate-params`` file).
 
-Formulas (DESIGN.md, computed by the kernels): with ``lower_bound`` L,
+Formulas (computed by the kernels, `kernels.transforms`): with ``lower_bound`` L,
 ``g = L * sigmoid(exp(A_log[h]) * (g_raw + dt_bias[h]))``; with only ``A_log``,
 ``g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h])``; with neither, g is the log decay.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Hashable, Optional
 
 import torch
 
+from kernels.problem import lower_bound_error
 from state_store import PoolGeometry
 from tensor_io.safetensors_format import ContainerError, load
 from tensor_io.views import tensor_bytes
 
-LOWER_BOUND_RANGE = (-5.0, 0.0)  # [-5, 0): the kernels' contract
 _GATE_KEY = re.compile(r"^layers\.(\d+)\.(A_log|dt_bias|lower_bound)$")
 
 
@@ -46,14 +45,6 @@ def gate_key(A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], low
         return None if t is None else (str(t.dtype), tuple(t.shape), tensor_bytes(t).tobytes())
 
     return (one(A_log), one(dt_bias), lower_bound)
-
-
-def check_lower_bound(value: float) -> Optional[str]:
-    """Why ``value`` is not a valid lower bound, or None when it is."""
-    lo, hi = LOWER_BOUND_RANGE
-    if not (math.isfinite(value) and lo <= value < hi):
-        return f"lower_bound must lie in [{lo:g}, {hi:g}), got {value}"
-    return None
 
 
 def load_gate_params(path: str, geometry: PoolGeometry) -> dict[int, Gate]:
@@ -89,7 +80,7 @@ def load_gate_params(path: str, geometry: PoolGeometry) -> dict[int, Gate]:
         if lb is not None and lb.numel() != 1:
             raise ValueError(f"{path}: layers.{layer}.lower_bound must hold one value, got {list(lb.shape)}")
         lower_bound = None if lb is None else float(lb.reshape(()))
-        if lower_bound is not None and (why := check_lower_bound(lower_bound)):
+        if lower_bound is not None and (why := lower_bound_error(lower_bound)):
             raise ValueError(f"{path}: layers.{layer}: {why}")
         if A_log is None and lower_bound is None:
             raise ValueError(f"{path}: layers.{layer} has dt_bias but neither A_log nor lower_bound")

@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 import kernels
+from kernels.problem import packed_problem
 from state_store import Persistence, SlotInfo, SlotOrdering, SnapshotError, StatePool, UnknownSlot
 
 from .batcher import Batcher
@@ -375,7 +376,6 @@ class ServerCore:
             return torch.cat(parts).to(device)
 
         lengths = [n for job in jobs for n in job.valid.inputs.lengths]
-        cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, device=device)
         indices = torch.tensor(rows, dtype=torch.int64, device=device)
         pool_layer = self.pool.layer_view(layer)
         slots = [s for job in jobs for s in job.slots]
@@ -385,16 +385,15 @@ class ServerCore:
         start = time.perf_counter()
         staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in names])
         try:
-            q, k, v, g, beta = (t[None] for t in (staged or [packed(name) for name in names]))
-            o = kernels.chunk_kda(
-                q, k, v, g, beta,
-                scale=x.scale, initial_state=pool_layer, initial_state_indices=indices,
-                use_qk_l2norm_in_kernel=x.use_qk_l2norm, cu_seqlens=cu_seqlens,
-                A_log=None if gate.A_log is None else gate.A_log.to(device),
-                dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device),
-                lower_bound=gate.lower_bound, use_beta_sigmoid_in_kernel=x.use_beta_sigmoid,
-                allow_neg_eigval=x.allow_neg_eigval, backend=self.backend,
-            )[0]
+            q, k, v, g, beta = staged or [packed(name) for name in names]
+            problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
+                q, k, v, g, beta, bounds=[0, *itertools.accumulate(lengths)], pool=pool_layer, indices=indices,
+                scale=x.scale, A_log=None if gate.A_log is None else gate.A_log.to(device),
+                dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device), lower_bound=gate.lower_bound,
+                use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
+                allow_neg_eigval=x.allow_neg_eigval,
+            )
+            o, _ = kernels.run_problem(problem, self.backend)
             finals = pool_layer.index_select(0, indices) if wants_final else None
             o_host = o.cpu() if to_host else None  # (a kernel's asynchronous failure surfaces here)
             finals_host = finals.cpu() if to_host and finals is not None else None

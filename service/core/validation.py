@@ -11,15 +11,14 @@ from typing import Hashable, Mapping, Optional, Sequence
 
 import torch
 
+from kernels.problem import FLOAT_INPUTS, lower_bound_error
 from state_store import PoolGeometry
 
 from ..shm.cuda_ipc import copy_stream
 from ..errors import InvalidRequest
-from .gate_params import Gate, check_lower_bound, gate_key
+from .gate_params import Gate, gate_key
 from .inputs import PrefillInputs
 from ..wire.tensors import describe
-
-FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ def _resolve_gate(x: PrefillInputs, geometry: PoolGeometry, server: Optional[Gat
             raise _fail(given[0], f"layer {x.layer} uses the server's gate parameters (--gate-params); "
                                   f"the request must not send {', '.join(given)}")
         return server
-    if x.lower_bound is not None and (why := check_lower_bound(x.lower_bound)):
+    if x.lower_bound is not None and (why := lower_bound_error(x.lower_bound)):
         raise _fail("lower_bound", why)
     if x.A_log is not None:
         if x.A_log.dtype not in FLOAT_INPUTS or tuple(x.A_log.shape) != (HV,):

@@ -191,9 +191,17 @@ def test_settings_defaults_env_and_flags():
     assert Settings(max_body_mb=1).max_body_bytes == 1 << 20
 
 
+def test_head_dims_the_kernels_cannot_run_are_refused_in_the_settings():
+    """The kernels' limit is checked once, before a pool exists, not at every launch."""
+    with pytest.raises(ValueError, match="head dims must be in 1..256, got K=64, V=257"):
+        Settings(head_v_dim=257)
+    assert Settings(head_dim=256).v_dim == 256
+
+
 @pytest.mark.parametrize("argv,env", [
     (["--num-slots", "0"], {}), (["--device", "tpu"], {}), (["--state-dtype", "float16"], {}),
     (["--batch-window-ms", "-1"], {}), ([], {"KDA_PORT": "eighty"}), (["--bogus"], {}),
+    (["--head-dim", "257"], {}),
 ])
 def test_bad_settings_exit_with_usage(argv, env, capsys):
     with pytest.raises(SystemExit) as e:

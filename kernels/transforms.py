@@ -1,4 +1,5 @@
-"""KDA gate and input transforms, written from the math in DESIGN.md.
+"""KDA's per-token input transforms in torch: the gates (raw g to the log decay: softplus
+or lower bound), the q/k L2 norm and the beta activation.
 
 All functions compute in the dtype of their (upcast) inputs and are used by the
 reference and by the torch backend alike; the Triton kernels fuse the same formulas.
