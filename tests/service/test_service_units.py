@@ -245,6 +245,43 @@ def test_server_core_runs_without_fastapi(gen):
     assert torch.equal(state[0], result.final_state[1])
 
 
+def test_a_prefill_is_validated_once(gen, monkeypatch):
+    """The core validates a request once (`validate_prefill`) and runs the launch's problem
+    as built: the kernels' argument checks (`build_problem`) never run on its path, and the
+    result still matches the reference."""
+    import kernels.api
+    import service.core.server as server_module
+
+    settings = Settings(num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V, batch_window_ms=0)
+    seqs = [make_sequence(T, gen) for T in (5, 70)]
+    validations = []
+
+    def counted(*args, **kwargs):
+        validations.append(1)
+        return validate_prefill(*args, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the kernels' checks ran again on the service's path")
+
+    async def main():
+        core = ServerCore(settings)
+        await core.start()
+        await core.warmup()  # the public chunk_kda, on a scratch pool: checks run here, once per start
+        monkeypatch.setattr(kernels.api, "build_problem", refused)
+        monkeypatch.setattr(server_module, "validate_prefill", counted)
+        try:
+            x = inputs(gen, lengths=(5, 70), **dict(zip(("q", "k", "v", "g", "beta"),
+                                                        (torch.cat(t) for t in zip(*seqs)))))
+            return await core.prefill(x)
+        finally:
+            await core.close()
+
+    result = asyncio.run(main())
+    o_ref, final_ref = reference(seqs)
+    assert validations == [1]
+    assert rel(result.o, o_ref) < TOL and rel(result.final_state, final_ref) < TOL
+
+
 def test_apps_keep_their_own_metrics():
     """Each app registers on its own registry: two in one process neither clash nor mix."""
     settings = Settings(num_layers=1, num_slots=2, num_heads=2, head_dim=8)
