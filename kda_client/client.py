@@ -48,7 +48,8 @@ from .shm import (
 )
 from service.wire.buffers import BodyBuffer
 from service.wire.media import JSON, PROBLEM, SAFETENSORS, media_type
-from service.wire.prefill import REQUIRED_TENSORS, decode_prefill_response
+from service.core.inputs import REQUIRED_TENSORS
+from service.wire.prefill import decode_prefill_response
 from service.wire.safetensors_codec import safetensors_pieces
 from service.wire.state import decode_state_json, decode_state_safetensors, encode_state_json, encode_state_safetensors
 from service.wire.tensors import tensor_to_json

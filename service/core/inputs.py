@@ -1,15 +1,45 @@
 """The transport-neutral form of a prefill: what every decoder produces and the core consumes.
 
-HTTP JSON, HTTP safetensors and any later transport (shared memory, CUDA IPC, the KServe
-v2 endpoint) decode into `PrefillInputs`; validation, batching and the kernels never see
-the wire. `PrefillResult` is what comes back, before it is encoded.
+HTTP JSON, HTTP safetensors, shared memory, the KServe v2 endpoint and the Ray shards'
+payload all build `PrefillInputs` with `PrefillInputs.of` from a `PrefillParams` and the
+tensors by name (`REQUIRED_TENSORS`, `OPTIONAL_TENSORS`); validation, batching and the
+kernels never see the wire. `PrefillResult` is what comes back, before it is encoded.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Hashable, Mapping, Optional, Sequence
 
 import torch
+
+REQUIRED_TENSORS = ("q", "k", "v", "g", "beta")  # packed along tokens
+OPTIONAL_TENSORS = ("A_log", "dt_bias")  # the request's gate parameters, per head
+TENSORS = REQUIRED_TENSORS + OPTIONAL_TENSORS
+
+
+@dataclass(frozen=True)
+class PrefillParams:
+    """Everything of a prefill but its sequences and tensors: the layer, the lower-bound
+    gate L (in [-5, 0), or None), the q scale (None: K ** -0.5), the fused transforms
+    (q/k L2 norm, beta sigmoid, beta doubled for negative eigenvalues) and whether final
+    states come back. Front ends name these fields through `PARAM_NAMES`."""
+
+    layer: int = 0
+    lower_bound: Optional[float] = None
+    scale: Optional[float] = None
+    use_qk_l2norm: bool = False
+    use_beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+    return_final_state: bool = True
+
+    @property
+    def launch_key(self) -> Hashable:
+        """What requests must share to run in one launch: every field but return_final_state."""
+        return dataclasses.replace(self, return_final_state=True)
+
+
+PARAM_NAMES = tuple(f.name for f in dataclasses.fields(PrefillParams))
 
 
 @dataclass
@@ -20,15 +50,15 @@ class PrefillInputs:
     q, k: [T, H, K]; v: [T, HV, V]; g: [T, HV, K] (the log decay, or the raw gate when a
     gate is fused: A_log or lower_bound given, or server gate parameters for the layer);
     beta: [T, HV] (logits with ``use_beta_sigmoid``) -- float32, bfloat16 or float16,
-    typically CPU views over the request body (on the pool's GPU when they came from CUDA
+    typically CPU views over the request body (on the pool's GPU when they came from
     shared memory). A_log: [HV]; dt_bias: [HV, K] or [HV * K] (on the host).
     ``slots[n]`` is sequence n's slot id, or None to allocate a new slot for it.
     ``device_outputs``: o and final_state stay on the pool's device (results written into
-    CUDA shared memory) instead of coming to the host.
-    Nothing here is checked yet: see `service.core.validation`.
+    shared memory from there) instead of coming to the host.
+    Nothing here is checked yet: see `service.core.validation`. Build one with `of`.
     """
 
-    layer: int
+    params: PrefillParams
     slots: list[Optional[str]]
     lengths: list[int]
     q: torch.Tensor
@@ -38,13 +68,20 @@ class PrefillInputs:
     beta: torch.Tensor
     A_log: Optional[torch.Tensor] = None
     dt_bias: Optional[torch.Tensor] = None
-    lower_bound: Optional[float] = None
-    scale: Optional[float] = None
-    use_qk_l2norm: bool = False
-    use_beta_sigmoid: bool = False
-    allow_neg_eigval: bool = False
-    return_final_state: bool = True
     device_outputs: bool = False
+
+    @classmethod
+    def of(cls, params: PrefillParams, slots: Sequence[Optional[str]], lengths: Sequence[int],
+           tensors: Mapping[str, torch.Tensor], device_outputs: bool = False) -> "PrefillInputs":
+        """The prefill of ``tensors`` by name: every one of `REQUIRED_TENSORS`, and those of
+        `OPTIONAL_TENSORS` the request gives (a missing one is None)."""
+        return cls(params=params, slots=list(slots), lengths=list(lengths),
+                   **{name: tensors[name] for name in REQUIRED_TENSORS},
+                   **{name: tensors.get(name) for name in OPTIONAL_TENSORS}, device_outputs=device_outputs)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors given, by name, in `TENSORS` order (absent optional ones left out)."""
+        return {name: t for name in TENSORS if (t := getattr(self, name)) is not None}
 
 
 @dataclass

@@ -43,7 +43,7 @@ from .batcher import Batcher
 from ..config import Settings
 from ..errors import InvalidRequest, StateLost
 from .gate_params import Gate, load_gate_params
-from .inputs import PrefillInputs, PrefillResult
+from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics
 from .staging import PinnedStaging
 from .validation import ValidPrefill, validate_prefill, validate_state
@@ -286,8 +286,9 @@ class ServerCore:
 
     async def prefill(self, inputs: PrefillInputs) -> PrefillResult:
         """Run one prefill request; see the module docstring for the order of checks."""
-        size = sum(t.numel() * t.element_size() for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
-                   if not t.is_cuda)  # a scan of device memory is GPU work: the loop only waits microseconds
+        # a scan of device memory is GPU work: the loop only waits microseconds for it
+        host = [t for t in (getattr(inputs, name) for name in REQUIRED_TENSORS) if not t.is_cuda]
+        size = sum(t.numel() * t.element_size() for t in host)
         start = time.perf_counter()
         valid = await off_loop(validate_prefill, inputs, self.geometry, self.gates, nbytes=size)
         validate_s = time.perf_counter() - start
@@ -303,7 +304,7 @@ class ServerCore:
         try:
             fresh = iter(created)
             slots = [s if s is not None else next(fresh) for s in inputs.slots]
-            async with self.ordering.hold([(s, inputs.layer) for s in slots]):
+            async with self.ordering.hold([(s, inputs.params.layer) for s in slots]):
                 result = await self.batcher.submit(valid.batch_key, valid.tokens, _Job(valid, slots, created))
                 return dataclasses.replace(result, validate_s=validate_s)
         except BaseException:
@@ -365,7 +366,7 @@ class ServerCore:
     def _launch(self, jobs: list[_Job], rows: list[int]) -> list[PrefillResult]:
         device = self.geometry.device
         first = jobs[0].valid
-        x, gate, layer = first.inputs, first.gate, first.inputs.layer
+        x, gate, layer = first.inputs.params, first.gate, first.inputs.params.layer
 
         def packed(name: str) -> torch.Tensor:
             parts = [getattr(job.valid.inputs, name) for job in jobs]
@@ -379,13 +380,12 @@ class ServerCore:
         indices = torch.tensor(rows, dtype=torch.int64, device=device)
         pool_layer = self.pool.layer_view(layer)
         slots = [s for job in jobs for s in job.slots]
-        wants_final = any(job.valid.inputs.return_final_state for job in jobs)
+        wants_final = any(job.valid.inputs.params.return_final_state for job in jobs)
         to_host = any(not job.valid.inputs.device_outputs for job in jobs)
-        names = ("q", "k", "v", "g", "beta")
         start = time.perf_counter()
-        staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in names])
+        staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in REQUIRED_TENSORS])
         try:
-            q, k, v, g, beta = staged or [packed(name) for name in names]
+            q, k, v, g, beta = staged or [packed(name) for name in REQUIRED_TENSORS]
             problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
                 q, k, v, g, beta, bounds=[0, *itertools.accumulate(lengths)], pool=pool_layer, indices=indices,
                 scale=x.scale, A_log=None if gate.A_log is None else gate.A_log.to(device),
@@ -416,7 +416,7 @@ class ServerCore:
             job_lengths = job.valid.inputs.lengths
             t1, n1 = t0 + sum(job_lengths), n0 + len(job_lengths)
             o_all, final_all = (o, finals) if job.valid.inputs.device_outputs else (o_host, finals_host)
-            final = final_all[n0:n1] if final_all is not None and job.valid.inputs.return_final_state else None
+            final = final_all[n0:n1] if final_all is not None and job.valid.inputs.params.return_final_state else None
             results.append(PrefillResult(job.slots, list(job_lengths), o_all[t0:t1], final, job.allocated, kernel_s))
             t0, n0 = t1, n1
         return results

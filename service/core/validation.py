@@ -17,7 +17,7 @@ from state_store import PoolGeometry
 from ..shm.cuda_ipc import copy_stream
 from ..errors import InvalidRequest
 from .gate_params import Gate, gate_key
-from .inputs import PrefillInputs
+from .inputs import OPTIONAL_TENSORS, REQUIRED_TENSORS, TENSORS, PrefillInputs
 from ..wire.tensors import describe
 
 
@@ -41,8 +41,9 @@ def _fail(field: str, detail: str) -> InvalidRequest:
 
 
 def _check_sequences(x: PrefillInputs, geometry: PoolGeometry) -> None:
-    if not 0 <= x.layer < geometry.num_layers:
-        raise _fail("layer", f"layer {x.layer} out of range: the pool has {geometry.num_layers} layers "
+    layer = x.params.layer
+    if not 0 <= layer < geometry.num_layers:
+        raise _fail("layer", f"layer {layer} out of range: the pool has {geometry.num_layers} layers "
                              f"(0..{geometry.num_layers - 1})")
     n = len(x.slots)
     if n != len(x.lengths):
@@ -65,7 +66,7 @@ def _check_sequences(x: PrefillInputs, geometry: PoolGeometry) -> None:
 def _check_tensors(x: PrefillInputs, geometry: PoolGeometry) -> int:
     """Shapes and dtypes of q, k, v, g, beta against each other and the pool; returns H."""
     HV, K, V = geometry.num_heads, geometry.head_k_dim, geometry.head_v_dim
-    for name in ("q", "k", "v", "g", "beta"):
+    for name in REQUIRED_TENSORS:
         t = getattr(x, name)
         if t.dtype not in FLOAT_INPUTS:
             raise _fail(name, f"{name} must be float32, bfloat16 or float16, got {describe(t)}")
@@ -88,26 +89,29 @@ def _check_tensors(x: PrefillInputs, geometry: PoolGeometry) -> int:
 def _resolve_gate(x: PrefillInputs, geometry: PoolGeometry, server: Optional[Gate]) -> Gate:
     """The gate that applies: the server's for the layer, else the request's (checked)."""
     HV, K = geometry.num_heads, geometry.head_k_dim
-    given = [n for n in ("A_log", "dt_bias", "lower_bound") if getattr(x, n) is not None]
+    lower_bound = x.params.lower_bound
+    given = [n for n in OPTIONAL_TENSORS if getattr(x, n) is not None]  # the request's gate parameters
+    if lower_bound is not None:
+        given.append("lower_bound")
     if server is not None:
         if given:
-            raise _fail(given[0], f"layer {x.layer} uses the server's gate parameters (--gate-params); "
+            raise _fail(given[0], f"layer {x.params.layer} uses the server's gate parameters (--gate-params); "
                                   f"the request must not send {', '.join(given)}")
         return server
-    if x.lower_bound is not None and (why := lower_bound_error(x.lower_bound)):
+    if lower_bound is not None and (why := lower_bound_error(lower_bound)):
         raise _fail("lower_bound", why)
     if x.A_log is not None:
         if x.A_log.dtype not in FLOAT_INPUTS or tuple(x.A_log.shape) != (HV,):
             raise _fail("A_log", f"A_log must be a float tensor of shape [{HV}], got {describe(x.A_log)}")
     dt_bias = x.dt_bias
     if dt_bias is not None:
-        if x.A_log is None and x.lower_bound is None:
+        if x.A_log is None and lower_bound is None:
             raise _fail("dt_bias", "dt_bias needs A_log or lower_bound (without either, g is taken as the log decay)")
         if dt_bias.dtype not in FLOAT_INPUTS or tuple(dt_bias.shape) not in ((HV, K), (HV * K,)):
             raise _fail("dt_bias", f"dt_bias must be a float tensor of shape [{HV}, {K}] or [{HV * K}], "
                                    f"got {describe(dt_bias)}")
         dt_bias = dt_bias.reshape(HV, K)
-    return Gate(x.A_log, dt_bias, x.lower_bound, key=gate_key(x.A_log, dt_bias, x.lower_bound))
+    return Gate(x.A_log, dt_bias, lower_bound, key=gate_key(x.A_log, dt_bias, lower_bound))
 
 
 def finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
@@ -142,10 +146,10 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def _check_finite(x: PrefillInputs) -> None:
-    if x.scale is not None and not (math.isfinite(x.scale) and x.scale > 0):
-        raise _fail("scale", f"scale must be a finite number > 0, got {x.scale}")
-    named = [(name, t) for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-             if (t := getattr(x, name)) is not None]
+    scale = x.params.scale
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise _fail("scale", f"scale must be a finite number > 0, got {scale}")
+    named = [(name, t) for name in TENSORS if (t := getattr(x, name)) is not None]
     for (name, t), finite in zip(named, finite_flags([t for _, t in named])):
         if not finite:
             raise _fail(name, f"{name} {describe(t)} holds non-finite values (NaN or Inf)")
@@ -157,12 +161,9 @@ def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Map
     then finiteness of every value. Raises InvalidRequest (400) on the first failure."""
     _check_sequences(x, geometry)
     heads = _check_tensors(x, geometry)
-    gate = _resolve_gate(x, geometry, server_gates.get(x.layer))
+    gate = _resolve_gate(x, geometry, server_gates.get(x.params.layer))
     _check_finite(x)
-    key = (
-        x.layer, heads, tuple(getattr(x, n).dtype for n in ("q", "k", "v", "g", "beta")),
-        x.scale, x.use_qk_l2norm, x.use_beta_sigmoid, x.allow_neg_eigval, gate.key,
-    )
+    key = (x.params.launch_key, heads, tuple(getattr(x, n).dtype for n in REQUIRED_TENSORS), gate.key)
     return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=key)
 
 

@@ -16,6 +16,7 @@ datatype and shared memory room) before the launch.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -27,15 +28,13 @@ import torch
 from tensor_io.views import tensor_bytes, view_tensor
 
 from ..errors import InvalidRequest, MalformedBody
-from ..core.inputs import PrefillInputs
+from ..core.inputs import OPTIONAL_TENSORS, REQUIRED_TENSORS, TENSORS, PrefillInputs
 from ..wire.schema import parse_model
 from .datatypes import ACCEPTED, BINARY_ONLY, PROTOCOL_DATATYPES, datatype_name, torch_dtype
 from .options import InferOptions, parse_options
 from .protocol import InferenceRequest, Parameters, RequestInput, RequestOutput
 from ..shm.registry import Region
 
-REQUIRED_INPUTS = ("q", "k", "v", "g", "beta")
-OPTIONAL_INPUTS = ("A_log", "dt_bias")
 OUTPUTS = ("o", "final_state")
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _INPUT_PARAMETERS = ("binary_data_size", "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
@@ -188,13 +187,13 @@ def parse_request(body: bytearray, json_end: int) -> ParsedRequest:
     doc = parse_model(InferenceRequest, raw, where="request")
     options = parse_options(doc.parameters)
     names = [x.name for x in doc.inputs]
-    unknown = [n for n in names if n not in REQUIRED_INPUTS + OPTIONAL_INPUTS]
+    unknown = [n for n in names if n not in TENSORS]
     twice = sorted({n for n in names if names.count(n) > 1})
-    missing = [n for n in REQUIRED_INPUTS if n not in names]
+    missing = [n for n in REQUIRED_TENSORS if n not in names]
     if unknown or twice or missing:
         what = (f"unknown input(s) {unknown}" if unknown else f"input(s) {twice} given twice" if twice
                 else f"missing input(s) {missing}")
-        raise _bad("inputs", f"{what}; the model takes {list(REQUIRED_INPUTS)} and optionally {list(OPTIONAL_INPUTS)}")
+        raise _bad("inputs", f"{what}; the model takes {list(REQUIRED_TENSORS)} and optionally {list(OPTIONAL_TENSORS)}")
     inputs = [_input_spec(x) for x in doc.inputs]
     binary = sum(s.binary_size for s in inputs if s.binary_size is not None)
     if binary != len(body) - json_end:
@@ -245,15 +244,9 @@ def read_inputs(request: ParsedRequest, body: bytearray, regions: Mapping[str, R
 
 def prefill_inputs(request: ParsedRequest, tensors: Mapping[str, torch.Tensor], slot: Optional[str]) -> PrefillInputs:
     """The prefill of one sequence on ``slot`` (None: a new slot): T = q's first dim."""
-    x = request.options
     q = tensors["q"]
-    return PrefillInputs(
-        layer=x.layer, slots=[slot], lengths=[q.shape[0] if q.dim() else 0],
-        q=q, k=tensors["k"], v=tensors["v"], g=tensors["g"], beta=tensors["beta"],
-        A_log=tensors.get("A_log"), dt_bias=tensors.get("dt_bias"), lower_bound=x.lower_bound, scale=x.scale,
-        use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid, allow_neg_eigval=x.allow_neg_eigval,
-        return_final_state=request.wants_final_state,
-    )
+    params = dataclasses.replace(request.options.prefill, return_final_state=request.wants_final_state)
+    return PrefillInputs.of(params, [slot], [q.shape[0] if q.dim() else 0], tensors)
 
 
 def plan_outputs(request: ParsedRequest, o_dtype: torch.dtype, o_nbytes: int, state_dtype: torch.dtype,

@@ -2,16 +2,19 @@
 
 Sequence (Triton's sequence batcher): ``sequence_id`` (uint64 or string; 0 and "" mean no
 sequence), ``sequence_start``, ``sequence_end``. Slots managed through the REST API
-instead: ``slot``. Prefill options as on ``/prefill``: ``layer`` (default 0),
-``lower_bound``, ``scale``, ``use_qk_l2norm``, ``use_beta_sigmoid``, ``allow_neg_eigval``.
-Binary tensor data: ``binary_data_output``. Any other name is refused, so a typo never
-runs with a default.
+instead: ``slot``. Prefill options as on ``/prefill``: each field of
+`service.core.inputs.PrefillParams` (``layer``, default 0, ``lower_bound``, ``scale``,
+``use_qk_l2norm``, ``use_beta_sigmoid``, ``allow_neg_eigval``) but ``return_final_state``,
+which the outputs requested decide. Binary tensor data: ``binary_data_output``. Any other
+name is refused, so a typo never runs with a default.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+import typing
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
 
+from ..core.inputs import PARAM_NAMES, PrefillParams
 from ..errors import InvalidRequest
 from .protocol import Parameters, ParameterValue
 
@@ -20,24 +23,20 @@ SequenceId = Union[int, str]
 
 UINT64_MAX = (1 << 64) - 1
 SEQUENCE_ID_MAX_CHARS = 256
-KNOWN = ("sequence_id", "sequence_start", "sequence_end", "slot", "layer", "lower_bound", "scale",
-         "use_qk_l2norm", "use_beta_sigmoid", "allow_neg_eigval", "binary_data_output")
+PREFILL_PARAMETERS = tuple(name for name in PARAM_NAMES if name != "return_final_state")  # outputs decide it
+KNOWN = ("sequence_id", "sequence_start", "sequence_end", "slot", *PREFILL_PARAMETERS, "binary_data_output")
 
 
 @dataclass(frozen=True)
 class InferOptions:
-    """What a request's parameters ask for. ``sequence`` is None outside a sequence."""
+    """What a request's parameters ask for. ``sequence`` is None outside a sequence;
+    ``prefill`` has the default ``return_final_state`` (the outputs requested decide it)."""
 
     sequence: Optional[SequenceId] = None
     start: bool = False
     end: bool = False
     slot: Optional[str] = None
-    layer: int = 0
-    lower_bound: Optional[float] = None
-    scale: Optional[float] = None
-    use_qk_l2norm: bool = False
-    use_beta_sigmoid: bool = False
-    allow_neg_eigval: bool = False
+    prefill: PrefillParams = field(default_factory=PrefillParams)
     binary_data_output: bool = False
 
 
@@ -76,11 +75,21 @@ def _number(params: Parameters, name: str) -> Optional[float]:
     return None if value is None else float(value)
 
 
-def _layer(params: Parameters) -> int:
-    value = params.get("layer", 0)
+def _int(params: Parameters, name: str) -> int:
+    value = params[name]
     if type(value) is not int:
-        raise _fail("layer", f"layer must be an integer, got a {_type_name(value)}")
+        raise _fail(name, f"{name} must be an integer, got a {_type_name(value)}")
     return value
+
+
+_READERS: dict[object, Callable[[Parameters, str], object]] = {int: _int, Optional[float]: _number, bool: _bool}
+_PREFILL_TYPES = typing.get_type_hints(PrefillParams)
+
+
+def _prefill(params: Parameters) -> PrefillParams:
+    """The prefill options among ``params``, each read by its field's type (the rest default)."""
+    return PrefillParams(**{name: _READERS[_PREFILL_TYPES[name]](params, name)
+                            for name in PREFILL_PARAMETERS if name in params})
 
 
 def _slot(params: Parameters) -> Optional[str]:
@@ -102,12 +111,7 @@ def parse_options(params: Parameters) -> InferOptions:
         start=_bool(params, "sequence_start"),
         end=_bool(params, "sequence_end"),
         slot=_slot(params),
-        layer=_layer(params),
-        lower_bound=_number(params, "lower_bound"),
-        scale=_number(params, "scale"),
-        use_qk_l2norm=_bool(params, "use_qk_l2norm"),
-        use_beta_sigmoid=_bool(params, "use_beta_sigmoid"),
-        allow_neg_eigval=_bool(params, "allow_neg_eigval"),
+        prefill=_prefill(params),
         binary_data_output=_bool(params, "binary_data_output"),
     )
     if options.sequence is None and (options.start or options.end):

@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import APIRouter, Request, Response
 
+from ..core.inputs import OPTIONAL_TENSORS
 from ..core.server import ServerCore
 from ..errors import InvalidRequest, UnsupportedMediaType
 from ..http.body import read_body
@@ -35,7 +36,7 @@ from ..wire.schema import parse_model
 from ..core.worker import off_loop
 from . import infer
 from .codec import (
-    HEADER_LENGTH, OPTIONAL_INPUTS, encode_response, header_end, parse_request, plan_outputs, prefill_inputs, read_inputs,
+    HEADER_LENGTH, encode_response, header_end, parse_request, plan_outputs, prefill_inputs, read_inputs,
 )
 from .datatypes import ACCEPTED, datatype_name
 from .errors import UnknownModel
@@ -71,7 +72,7 @@ def model_metadata(core: ServerCore) -> dict[str, Any]:
     shapes = {"q": [-1, -1, K], "k": [-1, -1, K], "v": [-1, HV, V], "g": [-1, HV, K], "beta": [-1, HV],
               "A_log": [HV], "dt_bias": [HV, K]}
     inputs = [{"name": name, "datatype": "FP32", "shape": shape,
-               "parameters": {"datatypes": ACCEPTED, "optional": name in OPTIONAL_INPUTS}}
+               "parameters": {"datatypes": ACCEPTED, "optional": name in OPTIONAL_TENSORS}}
               for name, shape in shapes.items()]
     state = datatype_name(g.dtype)
     outputs = [

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from service.core.inputs import PrefillInputs, PrefillParams
 from service.wire.tensors import JSON_DTYPES, JSON_NAMES
 from tensor_io.views import tensor_bytes
 
@@ -45,25 +46,18 @@ class Array:
 
 @dataclass(frozen=True)
 class ShardPrefill:
-    """One shard's part of a prefill: `service.core.inputs.PrefillInputs` with ids of this
-    shard (or None: allocate) and tensors as `Array`s."""
+    """One shard's part of a prefill (`service.core.inputs.PrefillInputs`): slot ids of this
+    shard (or None: allocate), lengths, the request's params, and its tensors by name
+    (`service.core.inputs.TENSORS`, those given) as `Array`s."""
 
-    layer: int
     slots: list[Optional[str]]
     lengths: list[int]
-    q: Array
-    k: Array
-    v: Array
-    g: Array
-    beta: Array
-    A_log: Optional[Array]
-    dt_bias: Optional[Array]
-    lower_bound: Optional[float]
-    scale: Optional[float]
-    use_qk_l2norm: bool
-    use_beta_sigmoid: bool
-    allow_neg_eigval: bool
-    return_final_state: bool
+    params: PrefillParams
+    tensors: dict[str, Array]
+
+    def inputs(self, slots: list[Optional[str]]) -> PrefillInputs:
+        """The prefill on the shard's own slot tokens ``slots``, over the received bytes."""
+        return PrefillInputs.of(self.params, slots, self.lengths, {n: a.tensor() for n, a in self.tensors.items()})
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch
 from service.config import Settings
 from service.errors import InvalidRequest, NotReady
 from service.core.gate_params import Gate, load_gate_params
-from service.core.inputs import PrefillInputs, PrefillResult
+from service.core.inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from service.core.validation import validate_prefill
 from service.core.worker import off_loop
 from state_store import GeometryMismatch, PoolFull, PoolGeometry, SlotInfo, UnknownSlot
@@ -368,21 +368,15 @@ class ShardedCore:
         bounds = [(starts[i], starts[i + 1]) for i in part.indices]
         whole = len(part.indices) == len(x.lengths)
 
-        def pick(t: torch.Tensor) -> Array:
-            return Array.of(t if whole else _rows(t, bounds))
+        def pick(name: str, t: torch.Tensor) -> Array:  # the part's tokens of a packed tensor; gate tensors whole
+            return Array.of(t if whole or name not in REQUIRED_TENSORS else _rows(t, bounds))
 
-        return ShardPrefill(
-            layer=x.layer, slots=part.slots, lengths=[x.lengths[i] for i in part.indices],
-            q=pick(x.q), k=pick(x.k), v=pick(x.v), g=pick(x.g), beta=pick(x.beta),
-            A_log=None if x.A_log is None else Array.of(x.A_log),
-            dt_bias=None if x.dt_bias is None else Array.of(x.dt_bias), lower_bound=x.lower_bound, scale=x.scale,
-            use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid, allow_neg_eigval=x.allow_neg_eigval,
-            return_final_state=x.return_final_state,
-        )
+        return ShardPrefill(part.slots, [x.lengths[i] for i in part.indices], x.params,
+                            {name: pick(name, t) for name, t in x.tensors().items()})
 
     @staticmethod
     def _nbytes(x: PrefillInputs) -> int:
-        return sum(t.numel() * t.element_size() for t in (x.q, x.k, x.v, x.g, x.beta))
+        return sum(t.numel() * t.element_size() for t in (getattr(x, name) for name in REQUIRED_TENSORS))
 
     async def _prefill_one(self, x: PrefillInputs, part: _Part, names: dict[str, str],
                            deadline: float) -> PrefillResult:
@@ -477,7 +471,7 @@ class ShardedCore:
                 if final is not None:
                     finals[i] = final[j:j + 1]
         o = torch.cat([t for t in o_parts if t is not None])
-        final_state = torch.cat([t for t in finals if t is not None]) if x.return_final_state else None
+        final_state = torch.cat([t for t in finals if t is not None]) if x.params.return_final_state else None
         return PrefillResult(slots, list(x.lengths), o, final_state, allocated)
 
     # -- moves -------------------------------------------------------------------------

@@ -29,7 +29,6 @@ import numpy as np
 from service.config import Settings
 from service.core.server import ServerCore
 from service.errors import ServiceError
-from service.core.inputs import PrefillInputs
 from state_store import PoolError, SlotInfo, UnknownSlot
 
 from .errors import ShardFault, SlotGone, SlotMoving
@@ -226,16 +225,8 @@ class ShardServer:
     async def prefill(self, request: ShardPrefill) -> ShardResult:
         tokens = [None if slot_id is None else self._token(slot_id) for slot_id in request.slots]
         ids = {token: slot_id for token, slot_id in zip(tokens, request.slots) if token is not None and slot_id}
-        x = request
-        inputs = PrefillInputs(
-            layer=x.layer, slots=tokens, lengths=list(x.lengths), q=x.q.tensor(), k=x.k.tensor(), v=x.v.tensor(),
-            g=x.g.tensor(), beta=x.beta.tensor(), A_log=None if x.A_log is None else x.A_log.tensor(),
-            dt_bias=None if x.dt_bias is None else x.dt_bias.tensor(), lower_bound=x.lower_bound, scale=x.scale,
-            use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid, allow_neg_eigval=x.allow_neg_eigval,
-            return_final_state=x.return_final_state,
-        )
         async with self._using(ids):
-            result = await self.core.prefill(inputs)
+            result = await self.core.prefill(request.inputs(tokens))
         issued = {token: self._issue(token) for token in result.allocated}
         return ShardResult(
             slots=[ids.get(token) or issued[token] for token in result.slots], lengths=result.lengths,

@@ -32,10 +32,10 @@ from tensor_io.views import nbytes, view_tensor
 
 from ..core.server import ServerCore
 from ..errors import InvalidRequest
-from ..core.inputs import PrefillInputs, PrefillResult
+from ..core.inputs import REQUIRED_TENSORS, TENSORS, PrefillInputs, PrefillResult
 from .cuda_ipc import copy_stream
 from .registry import CudaRegion, Region
-from ..wire.prefill import OPTIONAL_TENSORS, REQUIRED_TENSORS
+from ..wire.prefill import prefill_inputs_of
 from ..wire.schema import PrefillOptions, parse_model
 from ..wire.tensors import JSON_DTYPES, JSON_NAMES
 from ..wire.buffers import WarmBuffers
@@ -151,8 +151,7 @@ def input_refs(request: PrefillShmRequest) -> list[ShmRef]:
 
 
 def _tensors(request: PrefillShmRequest) -> dict[str, ShmTensor]:
-    return {name: getattr(request, name) for name in REQUIRED_TENSORS + OPTIONAL_TENSORS
-            if getattr(request, name) is not None}
+    return {name: getattr(request, name) for name in TENSORS if getattr(request, name) is not None}
 
 
 def _room(regions: dict[str, Region], ref: ShmRef, need: int, field: str) -> None:
@@ -240,15 +239,7 @@ def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: S
               "outputs.final_state")
     loaded = _copy_out(tensors, regions, warm, g.device)
     device_outputs = g.device.type == "cuda"  # written from the device into any region (`write_result`)
-    inputs = PrefillInputs(
-        layer=request.layer, slots=[s.slot for s in request.sequences], lengths=[s.length for s in request.sequences],
-        **{name: loaded[name] for name in REQUIRED_TENSORS}, A_log=loaded.get("A_log"),
-        dt_bias=loaded.get("dt_bias"), lower_bound=request.lower_bound, scale=request.scale,
-        use_qk_l2norm=request.use_qk_l2norm, use_beta_sigmoid=request.use_beta_sigmoid,
-        allow_neg_eigval=request.allow_neg_eigval, return_final_state=request.return_final_state,
-        device_outputs=device_outputs,
-    )
-    return ShmPlan(inputs, request.outputs.o, o_dtype, final)
+    return ShmPlan(prefill_inputs_of(request, loaded, device_outputs), request.outputs.o, o_dtype, final)
 
 
 def _placed(t: torch.Tensor, ref: ShmRef) -> dict[str, Any]:

@@ -11,52 +11,43 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from ..errors import MalformedBody, SchemaError
-from ..core.inputs import PrefillInputs, PrefillResult
+from ..core.inputs import (
+    OPTIONAL_TENSORS, PARAM_NAMES, REQUIRED_TENSORS, TENSORS, PrefillInputs, PrefillParams, PrefillResult,
+)
 from .media import JSON
 from .safetensors_codec import encode_safetensors, parse_safetensors, safetensors_pieces
 from .schema import PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, parse_model
 from .tensors import tensor_to_json
 
-REQUIRED_TENSORS = ("q", "k", "v", "g", "beta")
-OPTIONAL_TENSORS = ("A_log", "dt_bias")
 
-
-def _inputs(options: PrefillOptions, tensors: dict[str, torch.Tensor]) -> PrefillInputs:
-    return PrefillInputs(
-        layer=options.layer,
-        slots=[s.slot for s in options.sequences],
-        lengths=[s.length for s in options.sequences],
-        **{name: tensors[name] for name in REQUIRED_TENSORS},
-        A_log=tensors.get("A_log"),
-        dt_bias=tensors.get("dt_bias"),
-        lower_bound=options.lower_bound,
-        scale=options.scale,
-        use_qk_l2norm=options.use_qk_l2norm,
-        use_beta_sigmoid=options.use_beta_sigmoid,
-        allow_neg_eigval=options.allow_neg_eigval,
-        return_final_state=options.return_final_state,
-    )
+def prefill_inputs_of(options: PrefillOptions, tensors: Mapping[str, torch.Tensor],
+                      device_outputs: bool = False) -> PrefillInputs:
+    """The prefill a request document (JSON, safetensors metadata, shared memory) asks for,
+    over ``tensors`` by name (`PrefillInputs.of`)."""
+    params = PrefillParams(**{name: getattr(options, name) for name in PARAM_NAMES})
+    return PrefillInputs.of(params, [s.slot for s in options.sequences], [s.length for s in options.sequences],
+                            tensors, device_outputs)
 
 
 def decode_prefill_json(body: bytes | bytearray) -> PrefillInputs:
     request = parse_model(PrefillJSONRequest, body)
     tensors = {
         name: getattr(request, name).to_tensor(name)
-        for name in REQUIRED_TENSORS + OPTIONAL_TENSORS
+        for name in TENSORS
         if getattr(request, name) is not None
     }
-    return _inputs(request, tensors)
+    return prefill_inputs_of(request, tensors)
 
 
 def decode_prefill_safetensors(body: bytearray) -> PrefillInputs:
     tensors, metadata = parse_safetensors(body)
     missing = [n for n in REQUIRED_TENSORS if n not in tensors]
-    unknown = [n for n in tensors if n not in REQUIRED_TENSORS + OPTIONAL_TENSORS]
+    unknown = [n for n in tensors if n not in TENSORS]
     if missing or unknown:
         errors = [{"loc": ["body", n], "msg": "Field required", "type": "missing"} for n in missing]
         errors += [{"loc": ["body", n], "msg": "Extra inputs are not permitted", "type": "extra_forbidden"}
@@ -68,7 +59,7 @@ def decode_prefill_safetensors(body: bytearray) -> PrefillInputs:
         raise MalformedBody('safetensors body lacks __metadata__["request"] (the request options as JSON)',
                             field="__metadata__.request")
     options = parse_model(PrefillOptions, metadata["request"], where="__metadata__.request")
-    return _inputs(options, tensors)
+    return prefill_inputs_of(options, tensors)
 
 
 def encode_prefill_json(result: PrefillResult) -> bytes:

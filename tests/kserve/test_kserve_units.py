@@ -140,7 +140,7 @@ def test_registry_leases_defer_unmapping_and_close_unmaps_everything(shm_object:
 def test_request_parameters_are_strict():
     assert parse_options({"sequence_id": UINT64_MAX, "sequence_start": True}).sequence == UINT64_MAX
     assert parse_options({"sequence_id": 0}).sequence is None and parse_options({"sequence_id": ""}).sequence is None
-    assert parse_options({"scale": 1}).scale == 1.0
+    assert parse_options({"scale": 1}).prefill.scale == 1.0
     for params, words in [
         ({"sequence_id": UINT64_MAX + 1}, "uint64"),
         ({"sequence_id": True}, "got a boolean"),

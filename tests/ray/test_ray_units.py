@@ -31,6 +31,7 @@ from service.ray_serve.ids import SlotName, check_shard_name, parse_slot_id  # n
 from service.ray_serve.incarnation import Incarnation, ShardFiles  # noqa: E402
 from service.ray_serve.metrics import merge_metrics  # noqa: E402
 from service.ray_serve.payload import Array, ShardPrefill, SlotCargo, TakeFailed  # noqa: E402
+from service.core.inputs import REQUIRED_TENSORS, PrefillParams  # noqa: E402
 from service.ray_serve.router import plan_placement  # noqa: E402
 from service.ray_serve.shard import ShardServer  # noqa: E402
 from state_store import PoolFull, UnknownSlot  # noqa: E402
@@ -140,10 +141,10 @@ def test_arrays_travel_out_of_band() -> None:
     request = _request([None, "a.1.x"], [make_sequence(300, gen), make_sequence(200, gen)])
     buffers: list[pickle.PickleBuffer] = []
     stream = pickle.dumps(request, protocol=5, buffer_callback=buffers.append)
-    tensor_bytes = sum(getattr(request, n).data.nbytes for n in ("q", "k", "v", "g", "beta"))
+    tensor_bytes = sum(request.tensors[n].data.nbytes for n in ("q", "k", "v", "g", "beta"))
     assert sum(memoryview(b).nbytes for b in buffers) == tensor_bytes and len(stream) < 4096
     back = pickle.loads(stream, buffers=buffers)
-    assert torch.equal(back.v.tensor(), request.v.tensor())
+    assert torch.equal(back.tensors["v"].tensor(), request.tensors["v"].tensor())
 
 
 def test_metrics_merge_labels_shards() -> None:
@@ -176,8 +177,8 @@ def test_flags_and_environment() -> None:
 
 def _request(slots: list, seqs: list) -> ShardPrefill:
     packed = [torch.cat([s[i] for s in seqs]) for i in range(5)]
-    return ShardPrefill(0, slots, [s[0].shape[0] for s in seqs], *(Array.of(t) for t in packed), None, None, None,
-                        None, False, False, False, True)
+    return ShardPrefill(slots, [s[0].shape[0] for s in seqs], PrefillParams(layer=0),
+                        {name: Array.of(t) for name, t in zip(REQUIRED_TENSORS, packed)})
 
 
 def _ok(reply: object) -> object:

@@ -17,7 +17,7 @@ from service.config import Settings, parse_settings
 from service.core.server import ServerCore
 from service.errors import InvalidRequest, NotReady
 from service.core.gate_params import Gate, load_gate_params
-from service.core.inputs import PrefillInputs
+from service.core.inputs import PARAM_NAMES, REQUIRED_TENSORS, PrefillInputs, PrefillParams
 from service.core.metrics import Metrics
 from service.core.validation import all_finite, finite_flags, validate_prefill
 from service.core.worker import DeviceWorker
@@ -26,11 +26,15 @@ from state_store import PoolGeometry, UnknownSlot
 GEOMETRY = PoolGeometry(LAYERS, SLOTS, HV, K, V, torch.float32, torch.device("cpu"))
 
 
+def replaced(x: PrefillInputs, **changes) -> PrefillInputs:
+    """``x`` with ``changes`` to its fields or its params' (by name)."""
+    params = {n: changes.pop(n) for n in list(changes) if n in PARAM_NAMES}
+    return dataclasses.replace(x, params=dataclasses.replace(x.params, **params), **changes)
+
+
 def inputs(gen: torch.Generator, lengths=(5, 4), **replace) -> PrefillInputs:
-    q, k, v, g, beta = make_sequence(sum(lengths), gen)
-    fields = dict(layer=0, slots=[None] * len(lengths), lengths=list(lengths), q=q, k=k, v=v, g=g, beta=beta)
-    fields.update(replace)
-    return PrefillInputs(**fields)
+    tensors = dict(zip(REQUIRED_TENSORS, make_sequence(sum(lengths), gen)))
+    return replaced(PrefillInputs.of(PrefillParams(layer=0), [None] * len(lengths), lengths, tensors), **replace)
 
 
 def test_valid_prefill(gen):
@@ -73,7 +77,7 @@ def test_batch_keys_separate_what_cannot_share_a_launch(gen):
 def test_invalid_prefills_name_the_field(gen, replace, field):
     """Each change to a valid request (lengths 5 + 4, T = 9) and the field it must blame."""
     base = inputs(gen)
-    x = dataclasses.replace(base, **{n: (v(base) if callable(v) else v) for n, v in replace.items()})
+    x = replaced(base, **{n: (v(base) if callable(v) else v) for n, v in replace.items()})
     if field is None:
         validate_prefill(x, GEOMETRY, {})
         return

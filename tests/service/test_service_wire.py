@@ -10,10 +10,12 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from service.core.inputs import PARAM_NAMES, PrefillParams
 from service.errors import MalformedBody, NotAcceptable, UnsupportedMediaType
 from service.wire.buffers import BodyBuffer
 from service.wire.media import JSON, SAFETENSORS, negotiate, request_encoding
 from service.wire.safetensors_codec import encode_safetensors, parse_safetensors
+from service.wire.schema import PrefillOptions
 from tensor_io.safetensors_format import MAX_REQUEST_HEADER_BYTES
 from service.wire.tensors import tensor_from_json, tensor_to_json
 
@@ -171,3 +173,13 @@ def test_body_buffer():
     unknown = BodyBuffer()
     unknown.add(b"xy")
     assert unknown.finish() == bytearray(b"xy")
+
+
+def test_the_request_schema_names_every_prefill_param_with_its_default():
+    """The documented JSON options (`PrefillOptions`) and the core's `PrefillParams` hold the
+    same fields with the same defaults (layer required on the wire): one cannot drift."""
+    fields = PrefillOptions.model_fields
+    assert set(fields) - {"sequences"} == set(PARAM_NAMES)
+    assert fields["layer"].is_required()
+    assert {n: fields[n].default for n in PARAM_NAMES if n != "layer"} == \
+        {n: getattr(PrefillParams(), n) for n in PARAM_NAMES if n != "layer"}
