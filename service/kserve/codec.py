@@ -4,10 +4,13 @@ Request body: the JSON `InferenceRequest`, then (binary tensor data extension) t
 bytes of every input that has ``parameters.binary_data_size``, in input order;
 ``Inference-Header-Content-Length`` gives the JSON's length. Each input's bytes come
 from exactly one of: ``data`` (JSON numbers; not BF16), the binary part (zero-copy views
-over the body, little-endian row-major) or a shared memory region (copied out).
+over the body, little-endian row-major) or a shared memory region (copied out with
+`service.shm.tensors.copy_out`, as ``POST /prefill`` by reference does: on a GPU server
+q, k, v, g and beta straight into device memory).
 
 Response: JSON ``outputs`` (``data`` lists), binary sections after the JSON
-(``binary_data_size``), or bytes written into a shared memory region, per output.
+(``binary_data_size``), or bytes written into a shared memory region, per output (from the
+device directly on a GPU server when every output goes into shared memory).
 
 Decoding is split in two so nothing runs before a request is known to be well formed:
 `parse_request` reads the JSON and checks names, datatypes, byte counts and data sources;
@@ -29,6 +32,8 @@ from tensor_io.views import tensor_bytes, view_tensor
 
 from ..errors import InvalidRequest, MalformedBody
 from ..core.inputs import OPTIONAL_TENSORS, REQUIRED_TENSORS, TENSORS, PrefillInputs
+from ..shm.tensors import ShmInput, ShmRef, copy_out
+from ..wire.buffers import WarmBuffers
 from ..wire.schema import parse_model
 from .datatypes import ACCEPTED, BINARY_ONLY, PROTOCOL_DATATYPES, datatype_name, torch_dtype
 from .options import InferOptions, parse_options
@@ -39,15 +44,6 @@ OUTPUTS = ("o", "final_state")
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _INPUT_PARAMETERS = ("binary_data_size", "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 _OUTPUT_PARAMETERS = ("binary_data", "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
-
-
-@dataclass(frozen=True)
-class ShmRef:
-    """Where a tensor lives in shared memory: ``byte_size`` bytes at ``offset`` of ``region``."""
-
-    region: str
-    offset: int
-    byte_size: int
 
 
 @dataclass(frozen=True)
@@ -95,6 +91,11 @@ class ParsedRequest:
     def wants_final_state(self) -> bool:
         return any(s.name == "final_state" for s in self.outputs)
 
+    @property
+    def outputs_in_shm(self) -> bool:
+        """Whether every output goes into shared memory (so results may stay on the device)."""
+        return all(s.shm is not None for s in self.outputs)
+
 
 def _bad(field: str, detail: str) -> InvalidRequest:
     return InvalidRequest(detail, field=field)
@@ -121,7 +122,7 @@ def _shm_ref(params: Parameters, where: str) -> Optional[ShmRef]:
         raise _bad(f"{where}.parameters.shared_memory_region", f"{where}: shared_memory_region must be a region name")
     if size is None:
         raise _bad(f"{where}.parameters", f"{where}: shared_memory_region needs shared_memory_byte_size")
-    return ShmRef(region, offset, size)
+    return ShmRef.model_construct(region=region, offset=offset, byte_size=size)  # checked above
 
 
 def _check_parameters(params: Parameters, allowed: tuple[str, ...], where: str) -> None:
@@ -223,30 +224,36 @@ def _from_json(spec: InputSpec) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64).reshape(spec.shape)).to(spec.dtype)
 
 
-def read_inputs(request: ParsedRequest, body: bytearray, regions: Mapping[str, Region]) -> dict[str, torch.Tensor]:
-    """Every input as a tensor of its shape and dtype: JSON numbers converted, binary data
-    viewed over ``body`` (zero-copy when aligned), shared memory copied out of ``regions``
-    after a bounds check."""
+def read_inputs(request: ParsedRequest, body: bytearray, regions: Mapping[str, Region], warm: WarmBuffers,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """Every input as a tensor of its shape and dtype, in input order: JSON numbers
+    converted, binary data viewed over ``body`` (zero-copy when aligned), shared memory
+    bounds-checked, then copied out of ``regions`` at once (`copy_out`: a buffer from
+    ``warm`` on the host; q, k, v, g and beta onto ``device`` when it is a GPU)."""
     tensors: dict[str, torch.Tensor] = {}
+    in_shm: dict[str, ShmInput] = {}
     offset = request.binary_start
     for spec in request.inputs:
         if spec.binary_size is not None:
             tensors[spec.name] = view_tensor(body, offset, spec.dtype, spec.shape)
             offset += spec.binary_size
         elif spec.shm is not None:
-            region = regions[spec.shm.region]
-            region.check(spec.shm.offset, spec.shm.byte_size, f"input {spec.name!r}")
-            tensors[spec.name] = region.read(spec.shm.offset, spec.dtype, spec.shape)
+            regions[spec.shm.region].check(spec.shm.offset, spec.shm.byte_size, f"input {spec.name!r}")
+            in_shm[spec.name] = ShmInput(spec.shm, spec.dtype, spec.shape)
         else:
             tensors[spec.name] = _from_json(spec)
-    return tensors
+    tensors.update(copy_out(in_shm, regions, warm, device, to_device=REQUIRED_TENSORS))
+    return {spec.name: tensors[spec.name] for spec in request.inputs}
 
 
-def prefill_inputs(request: ParsedRequest, tensors: Mapping[str, torch.Tensor], slot: Optional[str]) -> PrefillInputs:
-    """The prefill of one sequence on ``slot`` (None: a new slot): T = q's first dim."""
+def prefill_inputs(request: ParsedRequest, tensors: Mapping[str, torch.Tensor], slot: Optional[str],
+                   device_outputs: bool = False) -> PrefillInputs:
+    """The prefill of one sequence on ``slot`` (None: a new slot): T = q's first dim.
+    ``device_outputs``: the results stay on the pool's device (every output goes into
+    shared memory on a GPU server)."""
     q = tensors["q"]
     params = dataclasses.replace(request.options.prefill, return_final_state=request.wants_final_state)
-    return PrefillInputs.of(params, [slot], [q.shape[0] if q.dim() else 0], tensors)
+    return PrefillInputs.of(params, [slot], [q.shape[0] if q.dim() else 0], tensors, device_outputs)
 
 
 def plan_outputs(request: ParsedRequest, o_dtype: torch.dtype, o_nbytes: int, state_dtype: torch.dtype,

@@ -31,6 +31,7 @@ from ..core.inputs import OPTIONAL_TENSORS
 from ..core.server import ServerCore
 from ..errors import InvalidRequest, UnsupportedMediaType
 from ..http.body import read_body
+from ..wire.buffers import WarmBuffers
 from ..wire.media import JSON
 from ..wire.schema import parse_model
 from ..core.worker import off_loop
@@ -87,6 +88,7 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
     ``registry`` holds the app's shared memory regions (its owner closes it). Mount with
     ``app.include_router`` and add `ProtocolErrors` to the app."""
     table = SequenceTable(core.snapshot_path + SUFFIX if core.snapshot_path else None)
+    shm_inputs = WarmBuffers()  # host buffers shared memory inputs are copied out into
 
     @asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -140,12 +142,13 @@ def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegi
         parsed = await off_loop(parse_request, body, json_end, nbytes=json_end)
         g = core.geometry
         with registry.lease(parsed.regions) as regions:
-            tensors = await off_loop(read_inputs, parsed, body, regions, nbytes=len(body))
+            tensors = await off_loop(read_inputs, parsed, body, regions, shm_inputs, g.device, nbytes=len(body))
             v = tensors["v"]
             plan_outputs(parsed, v.dtype, v.numel() * v.element_size(), g.dtype,
                          g.num_heads * g.head_v_dim * g.head_k_dim * g.dtype.itemsize, regions)
+            on_device = g.device.type == "cuda" and parsed.outputs_in_shm  # written from the device
             outcome = await infer.run(core, table, MODEL, parsed.options,
-                                      functools.partial(prefill_inputs, parsed, tensors))
+                                      functools.partial(prefill_inputs, parsed, tensors, device_outputs=on_device))
             result = outcome.result
             outputs = {"o": result.o}
             if result.final_state is not None:

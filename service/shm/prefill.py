@@ -11,14 +11,12 @@ unless ``return_final_state`` is false). Regions are registered first (``POST
 Every reference is checked before anything runs: the region is registered, the bytes lie
 inside it, ``byte_size`` equals dtype x shape for inputs and holds the result for outputs
 (o: T x HV x V in v's dtype; final_state: N x HV x V x K in the pool dtype). A failure is a
-400 problem and changes no slot. Inputs are copied out of the region once (the kernels
-never see memory the client may change), decoded into `PrefillInputs` and go through the
-same validation, per-slot ordering and batching as every transport: on a CPU server into
-one host buffer, reused by a later request once nothing references it; on a GPU server q,
-k, v, g and beta straight into device memory (device to device from CUDA regions, one DMA
-from page-locked system regions: no host copy). Outputs are written into the named bytes
-before the response (`PrefillShmResponse`, JSON) says where they are; on a GPU server from
-the device directly.
+400 problem and changes no slot. Inputs are copied out of the regions once
+(`service.shm.tensors.copy_out`: q, k, v, g and beta straight into device memory on a GPU
+server, everything else into one reused host buffer), decoded into `PrefillInputs` and go
+through the same validation, per-slot ordering and batching as every transport. Outputs are
+written into the named bytes before the response (`PrefillShmResponse`, JSON) says where
+they are; on a GPU server from the device directly.
 """
 from __future__ import annotations
 
@@ -28,31 +26,21 @@ from typing import Annotated, Any, Iterable, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tensor_io.views import nbytes, view_tensor
+from tensor_io.views import nbytes
 
 from ..core.server import ServerCore
 from ..errors import InvalidRequest
 from ..core.inputs import REQUIRED_TENSORS, TENSORS, PrefillInputs, PrefillResult
-from .cuda_ipc import copy_stream
 from .registry import CudaRegion, Region
+from .tensors import ShmInput, ShmRef, copy_out
 from ..wire.prefill import prefill_inputs_of
 from ..wire.schema import PrefillOptions, parse_model
 from ..wire.tensors import JSON_DTYPES, JSON_NAMES
 from ..wire.buffers import WarmBuffers
 
 SHM_JSON = "application/vnd.kda.shm+json"
-_ALIGN = 64  # where each copied-out input starts in the host buffer
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _NAME = Annotated[str, Field(min_length=1, max_length=255)]
-
-
-class ShmRef(BaseModel):
-    """``byte_size`` bytes at ``offset`` of registered region ``region``."""
-
-    model_config = _STRICT
-    region: _NAME = Field(description="a registered shared memory region's name")
-    offset: int = Field(0, ge=0, description="bytes from the region's start")
-    byte_size: int = Field(ge=0, description="bytes of the tensor (inputs: exactly dtype x shape)")
 
 
 class ShmTensor(BaseModel):
@@ -162,57 +150,6 @@ def _room(regions: dict[str, Region], ref: ShmRef, need: int, field: str) -> Non
                              field=field)
 
 
-def _copy_out(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: WarmBuffers,
-              device: torch.device) -> dict[str, torch.Tensor]:
-    """Every input copied out of shared memory once. On a GPU server q, k, v, g and beta go
-    into one buffer on ``device``, from CUDA regions device to device, from system regions
-    by DMA from the (page-locked) mapping: the launch then moves nothing, and no host copy
-    is made. Everything else (on a CPU server all of it) goes into one host buffer
-    (`_copy_to_host`)."""
-    on_device = {name: t for name, t in tensors.items() if device.type == "cuda" and name in REQUIRED_TENSORS}
-    loaded = _copy_to_host({n: t for n, t in tensors.items() if n not in on_device}, regions, warm)
-    if on_device:
-        offsets, total = _packed_offsets(on_device)
-        stream = copy_stream(device)
-        with torch.cuda.stream(stream):
-            buf = torch.empty(total, dtype=torch.uint8, device=device)
-            for name, t in on_device.items():
-                start = offsets[name]
-                regions[t.shm.region].read_into_tensor(t.shm.offset, buf[start:start + t.shm.byte_size])
-        stream.synchronize()  # copied before the client may reuse its memory (no launch in flight waited for)
-        buf.record_stream(torch.cuda.default_stream(device))  # the launch reads it there
-        loaded.update({name: buf[offsets[name]:offsets[name] + t.shm.byte_size].view(JSON_DTYPES[t.dtype])
-                       .view(t.shape) for name, t in on_device.items()})
-    return loaded
-
-
-def _packed_offsets(tensors: dict[str, ShmTensor]) -> tuple[dict[str, int], int]:
-    """Each tensor's offset in one buffer holding them all, 64-byte aligned; its size."""
-    offsets, total = {}, 0
-    for name, t in tensors.items():
-        offsets[name] = total
-        total += -(-t.shm.byte_size // _ALIGN) * _ALIGN
-    return offsets, total
-
-
-def _copy_to_host(tensors: dict[str, ShmTensor], regions: dict[str, Region], warm: WarmBuffers
-                  ) -> dict[str, torch.Tensor]:
-    """``tensors`` copied into one host buffer, each a view of it at a 64-byte aligned
-    offset. The buffer comes from ``warm`` when one of the size is free (its pages already
-    mapped: fresh pages cost ~8x the copy), and is kept there for the next request of the
-    size once this one lets go of its tensors."""
-    if not tensors:
-        return {}
-    offsets, total = _packed_offsets(tensors)
-    buf = warm.take(total) or bytearray(total)
-    warm.keep(buf)
-    with memoryview(buf) as view:
-        for name, t in tensors.items():
-            start = offsets[name]
-            regions[t.shm.region].read_into(t.shm.offset, view[start:start + t.shm.byte_size])
-    return {name: view_tensor(buf, offsets[name], JSON_DTYPES[t.dtype], t.shape) for name, t in tensors.items()}
-
-
 def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: ServerCore,
                  warm: WarmBuffers) -> ShmPlan:
     """Check every reference against ``regions`` (leased by the caller) and the output room
@@ -237,7 +174,8 @@ def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: S
                                  field="outputs.final_state")
         _room(regions, final, N * g.num_heads * g.head_v_dim * g.head_k_dim * g.dtype.itemsize,
               "outputs.final_state")
-    loaded = _copy_out(tensors, regions, warm, g.device)
+    sources = {name: ShmInput(t.shm, JSON_DTYPES[t.dtype], t.shape) for name, t in tensors.items()}
+    loaded = copy_out(sources, regions, warm, g.device, to_device=REQUIRED_TENSORS)
     device_outputs = g.device.type == "cuda"  # written from the device into any region (`write_result`)
     return ShmPlan(prefill_inputs_of(request, loaded, device_outputs), request.outputs.o, o_dtype, final)
 

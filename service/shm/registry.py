@@ -21,7 +21,6 @@ unregistering leaves no mapping behind for long.
 from __future__ import annotations
 
 import logging
-import math
 import mmap
 import os
 import threading
@@ -32,7 +31,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
-from tensor_io.views import tensor_bytes, view_tensor
+from tensor_io.views import tensor_bytes
 
 from .cuda_ipc import IpcMappings, IpcMemory, copy_stream, unavailable_reason
 from ..errors import InvalidRequest
@@ -69,10 +68,6 @@ class _Region(ABC):
         if offset < 0 or offset + nbytes > self.byte_size:
             raise InvalidRequest(f"{field}: bytes [{offset}, {offset + nbytes}) fall outside shared memory region "
                                  f"{self.name!r} of {self.byte_size} bytes", field=field)
-
-    @abstractmethod
-    def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        """A private copy of the tensor stored at ``offset`` (bounds checked by the caller)."""
 
     @abstractmethod
     def read_into(self, offset: int, dest: memoryview) -> None:
@@ -120,13 +115,6 @@ class SystemRegion(_Region):
         self._host: Optional[torch.Tensor] = None  # uint8 over the mapping, for copies to and from a GPU
         self._pinned = False  # the mapping is page-locked with CUDA (cudaHostRegister)
         self._pin_lock = threading.Lock()
-
-    def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        nbytes = math.prod(shape) * dtype.itemsize
-        begin = self._base + offset
-        with memoryview(self._map) as whole, whole[begin:begin + nbytes] as part:
-            copy = bytearray(part)
-        return view_tensor(copy, 0, dtype, shape)
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         begin = self._base + offset
@@ -199,12 +187,6 @@ class CudaRegion(_Region):
         self._tensor = memory.view(byte_size)
         self._memory = memory
         self._release = release
-
-    def read(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        """A host copy (the KServe codec's tensors are host tensors), complete on return."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        with torch.cuda.stream(copy_stream(self._memory.device)):
-            return self._tensor[offset:offset + nbytes].cpu().view(dtype).view(shape)
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         if dest.nbytes:

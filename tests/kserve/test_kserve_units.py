@@ -20,9 +20,11 @@ from kserve_helpers import HV, K, LAYERS, TOL, V, make_sequence, reference, rel,
 from service.http.app import create_app
 from service.config import Settings
 from service.errors import InvalidRequest
+from service.kserve.codec import parse_request, read_inputs
 from service.kserve.options import UINT64_MAX, parse_options
 from service.kserve.sequences import SUFFIX, SequenceTable
 from service.shm.registry import ShmRegistry
+from service.wire.buffers import WarmBuffers
 
 SETTINGS = dict(num_layers=LAYERS, num_slots=8, num_heads=HV, head_dim=K, head_v_dim=V)
 
@@ -126,9 +128,11 @@ def test_registry_leases_defer_unmapping_and_close_unmaps_everything(shm_object:
         region.write(8, torch.arange(4, dtype=torch.float32))
         registry.unregister("system", "a")
         assert registry.status("system") == [{"name": "b", "key": shm_object, "offset": 0, "byte_size": 32}]
-        assert torch.equal(region.read(8, torch.float32, [4]), torch.arange(4, dtype=torch.float32))  # still mapped
+        back = bytearray(16)
+        region.read_into(8, memoryview(back))
+        assert back == torch.arange(4, dtype=torch.float32).numpy().tobytes()  # still mapped
     with pytest.raises(ValueError):
-        region.read(8, torch.float32, [4])  # unmapped once the last lease ended
+        region.read_into(8, memoryview(bytearray(16)))  # unmapped once the last lease ended
     with open(f"/dev/shm{shm_object}", "rb") as f:
         assert f.read()[24:40] == torch.arange(4, dtype=torch.float32).numpy().tobytes()  # offset 16 + 8
     with registry.lease(["b"]) as regions, pytest.raises(InvalidRequest, match="outside shared memory region 'b' of 32"):
@@ -156,3 +160,36 @@ def test_request_parameters_are_strict():
         with pytest.raises(InvalidRequest) as e:
             parse_options(params)
         assert words in e.value.detail, (params, e.value.detail)
+
+
+def test_shared_memory_inputs_are_copied_out_once_into_one_buffer(shm_object: str):
+    """KServe reads shared memory inputs with the shared memory prefill's reader: one copy
+    of each into one host buffer (their storage shared), beside an input given as JSON,
+    each equal to what was written and unchanged when the region changes afterwards."""
+    gen = torch.Generator().manual_seed(11)
+    tensors = seq_inputs(make_sequence(2, gen))  # q, k, v, g: 2 KiB, inside the one page
+    registry = ShmRegistry()
+    registry.register_system("r", shm_object, 0, mmap.PAGESIZE)
+    inputs, offset = [], 0
+    with registry.lease(["r"]) as regions:
+        for name, t in tensors.items():
+            if name == "beta":
+                inputs.append({"name": name, "shape": list(t.shape), "datatype": "FP32", "data": t.reshape(-1).tolist()})
+                continue
+            size = t.numel() * t.element_size()
+            assert offset + size <= mmap.PAGESIZE
+            regions["r"].write(offset, t)
+            inputs.append({"name": name, "shape": list(t.shape), "datatype": "FP32", "parameters": {
+                "shared_memory_region": "r", "shared_memory_offset": offset, "shared_memory_byte_size": size}})
+            offset += size
+        body = bytearray(json.dumps({"inputs": inputs}).encode())
+        got = read_inputs(parse_request(body, len(body)), body, regions, WarmBuffers(), torch.device("cpu"))
+        regions["r"].write(0, torch.full((offset // 4,), 7.0))
+    registry.close()
+    assert list(got) == list(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t), name
+    packed, start = [n for n in tensors if n != "beta"], got["q"].data_ptr()
+    where = [got[n].data_ptr() - start for n in packed]
+    sizes = [-(-got[n].numel() * 4 // 64) * 64 for n in packed]  # 64-byte aligned, back to back
+    assert where == [sum(sizes[:i]) for i in range(len(packed))]

@@ -1,0 +1,100 @@
+"""Tensors in registered shared memory regions, for every front end that takes them
+(``POST /prefill`` by reference, `service.shm.prefill`; KServe v2 inputs and outputs,
+`service.kserve.codec`): where one lies (`ShmRef`), and the one reader that copies a
+request's inputs out (`copy_out`).
+
+Inputs are copied out once, so the kernels never see memory the client may change: on a
+GPU server the token-packed inputs go into one device buffer (device to device from CUDA
+regions, one DMA from page-locked system regions: no host copy); every other input (on a
+CPU server all of them) into one host buffer at 64-byte aligned offsets, taken from
+`WarmBuffers` when one of the size is free (its pages already mapped: fresh pages cost ~8x
+the copy). Outputs are written with `Region.write` (from the device directly when the
+result stayed there).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Collection, Mapping, NamedTuple, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tensor_io.views import nbytes, view_tensor
+
+from ..wire.buffers import WarmBuffers
+from .cuda_ipc import copy_stream
+from .registry import Region
+
+ALIGN = 64  # where each copied-out input starts in its buffer
+REGION_NAME = Annotated[str, Field(min_length=1, max_length=255)]
+
+
+class ShmRef(BaseModel):
+    """``byte_size`` bytes at ``offset`` of registered region ``region``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    region: REGION_NAME = Field(description="a registered shared memory region's name")
+    offset: int = Field(0, ge=0, description="bytes from the region's start")
+    byte_size: int = Field(ge=0, description="bytes of the tensor (inputs: exactly dtype x shape)")
+
+
+class ShmInput(NamedTuple):
+    """An input in shared memory: where it lies, its dtype and shape (``ref.byte_size``
+    equal to their bytes, and the bytes inside the region: checked by the caller)."""
+
+    ref: ShmRef
+    dtype: torch.dtype
+    shape: Sequence[int]
+
+
+def _packed_offsets(inputs: Mapping[str, ShmInput]) -> tuple[dict[str, int], int]:
+    """Each input's offset in one buffer holding them all, `ALIGN`-ed; the buffer's size."""
+    offsets, total = {}, 0
+    for name, x in inputs.items():
+        offsets[name] = total
+        total += -(-x.ref.byte_size // ALIGN) * ALIGN
+    return offsets, total
+
+
+def _to_host(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], warm: WarmBuffers
+             ) -> dict[str, torch.Tensor]:
+    """``inputs`` copied into one host buffer (from ``warm`` when one fits; kept there for a
+    later request once this one lets go of its tensors), each a view of it."""
+    if not inputs:
+        return {}
+    offsets, total = _packed_offsets(inputs)
+    buf = warm.take(total) or bytearray(total)
+    warm.keep(buf)
+    with memoryview(buf) as view:
+        for name, x in inputs.items():
+            start = offsets[name]
+            regions[x.ref.region].read_into(x.ref.offset, view[start:start + x.ref.byte_size])
+    return {name: view_tensor(buf, offsets[name], x.dtype, x.shape) for name, x in inputs.items()}
+
+
+def _to_device(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], device: torch.device
+               ) -> dict[str, torch.Tensor]:
+    """``inputs`` copied into one buffer on the GPU ``device``, on its copy stream, complete
+    on return (the client may reuse its memory then; no launch in flight is waited for)."""
+    offsets, total = _packed_offsets(inputs)
+    stream = copy_stream(device)
+    with torch.cuda.stream(stream):
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        for name, x in inputs.items():
+            start = offsets[name]
+            regions[x.ref.region].read_into_tensor(x.ref.offset, buf[start:start + x.ref.byte_size])
+    stream.synchronize()
+    buf.record_stream(torch.cuda.default_stream(device))  # the launch reads it there
+    return {name: buf[offsets[name]:offsets[name] + nbytes(x.shape, x.dtype)].view(x.dtype).view(x.shape)
+            for name, x in inputs.items()}
+
+
+def copy_out(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], warm: WarmBuffers,
+             device: torch.device, to_device: Collection[str]) -> dict[str, torch.Tensor]:
+    """Every input of ``inputs`` (by name) copied out of ``regions`` once: those named in
+    ``to_device`` into one buffer on ``device`` when it is a GPU, the rest into one host
+    buffer (see the module docstring). Tensors come back by name, in ``inputs``' order."""
+    on_device = {n: x for n, x in inputs.items() if device.type == "cuda" and n in to_device}
+    loaded = _to_host({n: x for n, x in inputs.items() if n not in on_device}, regions, warm)
+    if on_device:
+        loaded.update(_to_device(on_device, regions, device))
+    return {name: loaded[name] for name in inputs}
