@@ -1,7 +1,8 @@
-"""The KDA gate of a prefill: how the raw ``g`` becomes the log decay, and where its
-parameters come from (the request, or the server's per-layer ``--gate-params`` file).
+"""The gate parameters of a launch (`Gate`: A_log, dt_bias, lower_bound, and the key that
+tells launches apart) and where they come from: the request, or the server's per-layer
+``--gate-params`` file (`load_gate_params`). The math is the kernels' (`kernels.transforms`).
 
-Formulas (computed by the kernels, `kernels.transforms`): with ``lower_bound`` L,
+Formulas: with ``lower_bound`` L,
 ``g = L * sigmoid(exp(A_log[h]) * (g_raw + dt_bias[h]))``; with only ``A_log``,
 ``g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h])``; with neither, g is the log decay.
 """
