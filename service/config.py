@@ -36,6 +36,8 @@ class Settings:
 
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "TCP port to listen on")
+    grpc_port: int = _opt(0, "TCP port of the KServe v2 gRPC endpoint on --host (0: off; conventionally 8001); "
+                             "needs the grpc extra")
     device: str = _opt("auto", "auto | cpu | cuda | cuda:N (auto: the GPU when present)")
     backend: str = _opt("auto", "kernel backend: auto | torch | triton (auto: triton on CUDA)")
     num_layers: int = _opt(2, "KDA layers held per slot")
@@ -73,6 +75,8 @@ class Settings:
             problems.append(why)  # the kernels' limit: checked here, not at every launch
         if not 0 <= self.port <= 65535:
             problems.append(f"port must be in 0..65535, got {self.port}")
+        if not 0 <= self.grpc_port <= 65535:
+            problems.append(f"grpc_port must be in 0..65535, got {self.grpc_port}")
         if not _DEVICE_RE.match(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.backend not in BACKEND_CHOICES:

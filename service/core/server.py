@@ -256,6 +256,10 @@ class ServerCore:
     def slot_info(self, slot_id: str) -> SlotInfo:
         return self.pool.slot_info(slot_id)
 
+    def has_slot(self, slot_id: str) -> bool:
+        """Whether ``slot_id`` is a live slot (metadata only: inline on the loop)."""
+        return self.pool.contains(slot_id)
+
     async def get_state(self, slot_id: str) -> torch.Tensor:
         """The slot's state, [L, HV, V, K] in the pool dtype, on the host."""
         async with self.ordering.hold(self._all_layers(slot_id)):

@@ -1,67 +1,82 @@
-"""Inference requests and responses of the Open Inference Protocol, to and from tensors.
+"""An inference request of the Open Inference Protocol in transport-neutral form, checked,
+and turned into tensors: what the HTTP body parser (`service.kserve.http_codec`) and the
+gRPC message reader (`service.kserve.rpc.codec`) both produce and the request path
+(`service.kserve.endpoint`) consumes.
 
-Request body: the JSON `InferenceRequest`, then (binary tensor data extension) the raw
-bytes of every input that has ``parameters.binary_data_size``, in input order;
-``Inference-Header-Content-Length`` gives the JSON's length. Each input's bytes come
-from exactly one of: ``data`` (JSON numbers; not BF16), the binary part (zero-copy views
-over the body, little-endian row-major) or a shared memory region (copied out with
-`service.shm.tensors.copy_out`, as ``POST /prefill`` by reference does: on a GPU server
-q, k, v, g and beta straight into device memory).
+Each input's bytes come from exactly one source: numbers (HTTP ``data``, gRPC
+``contents``; not BF16), raw bytes (the HTTP binary tensor data extension's part of the
+body, gRPC ``raw_input_contents``: little-endian row-major, zero-copy views when aligned)
+or a shared memory region (copied out with `service.shm.tensors.copy_out`, as
+``POST /prefill`` by reference does: on a GPU server q, k, v, g and beta straight into
+device memory). Each output goes back as raw bytes, as numbers (HTTP only) or into a
+shared memory region (from the device directly on a GPU server when every output goes
+into shared memory).
 
-Response: JSON ``outputs`` (``data`` lists), binary sections after the JSON
-(``binary_data_size``), or bytes written into a shared memory region, per output (from the
-device directly on a GPU server when every output goes into shared memory).
-
-Decoding is split in two so nothing runs before a request is known to be well formed:
-`parse_request` reads the JSON and checks names, datatypes, byte counts and data sources;
-`read_inputs` then materialises the tensors. `plan_outputs` checks the outputs (their
+Checks run in two steps so nothing is read before a request is known to be well formed:
+building a `ParsedRequest` checks names, datatypes, byte counts and data sources;
+`read_inputs` then materialises the tensors, and `plan_outputs` checks the outputs (their
 datatype and shared memory room) before the launch.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from tensor_io.views import tensor_bytes, view_tensor
+from tensor_io.views import view_tensor
 
-from ..errors import InvalidRequest, MalformedBody
+from ..errors import InvalidRequest
 from ..core.inputs import OPTIONAL_TENSORS, REQUIRED_TENSORS, TENSORS, PrefillInputs
+from ..shm.registry import Region
 from ..shm.tensors import ShmInput, ShmRef, copy_out
 from ..wire.buffers import WarmBuffers
-from ..wire.schema import parse_model
 from .datatypes import ACCEPTED, BINARY_ONLY, PROTOCOL_DATATYPES, datatype_name, torch_dtype
-from .options import InferOptions, parse_options
-from .protocol import InferenceRequest, Parameters, RequestInput, RequestOutput
-from ..shm.registry import Region
+from .model import OUTPUTS
+from .options import InferOptions
+from .protocol import Parameters
 
-OUTPUTS = ("o", "final_state")
-HEADER_LENGTH = "Inference-Header-Content-Length"
-_INPUT_PARAMETERS = ("binary_data_size", "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
-_OUTPUT_PARAMETERS = ("binary_data", "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+SHM_PARAMETERS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+
+
+@dataclass(frozen=True)
+class Sources:
+    """How a transport names the three sources of an input's bytes, for its messages."""
+
+    numbers: str
+    raw: str
+    shm: str = "shared_memory_region"
+
+
+@dataclass(frozen=True)
+class Raw:
+    """An input's raw bytes: ``size`` bytes at ``offset`` of ``buffer`` (an HTTP body, or
+    one gRPC ``raw_input_contents`` entry)."""
+
+    buffer: Union[bytes, bytearray]
+    offset: int
+    size: int
 
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One input as the JSON describes it, checked: a KDA datatype, and one data source
-    (``data``, ``binary_size`` or ``shm``) whose byte count matches ``shape``."""
+    """One input, checked: a KDA datatype, and one data source (``numbers``, ``raw`` or
+    ``shm``) whose byte count matches ``shape``."""
 
     name: str
     dtype: torch.dtype
     shape: list[int]
-    data: Optional[list[Any]]
-    binary_size: Optional[int]
+    numbers: Optional[Sequence[Any]]
+    raw: Optional[Raw]
     shm: Optional[ShmRef]
 
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """One output to return: as binary data, as JSON numbers, or into ``shm``."""
+    """One output to return: as raw bytes (``binary``), as numbers, or into ``shm``."""
 
     name: str
     binary: bool
@@ -70,16 +85,13 @@ class OutputSpec:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A request whose JSON passed every check that needs no tensor data.
-
-    ``binary_start`` is where the binary part begins in the body (its length when none).
-    """
+    """A request that passed every check that needs no tensor data. ``id``: the request's
+    id, echoed in the response (None: none given)."""
 
     id: Optional[str]
     options: InferOptions
     inputs: list[InputSpec]
     outputs: list[OutputSpec]
-    binary_start: int
 
     @property
     def regions(self) -> set[str]:
@@ -92,156 +104,131 @@ class ParsedRequest:
         return any(s.name == "final_state" for s in self.outputs)
 
     @property
+    def input_bytes(self) -> int:
+        """The bytes of every input's tensor, whatever its source (what `read_inputs`
+        views, converts or copies out)."""
+        return sum(math.prod(s.shape) * s.dtype.itemsize for s in self.inputs)
+
+    @property
     def outputs_in_shm(self) -> bool:
         """Whether every output goes into shared memory (so results may stay on the device)."""
         return all(s.shm is not None for s in self.outputs)
 
 
-def _bad(field: str, detail: str) -> InvalidRequest:
+def bad(field: str, detail: str) -> InvalidRequest:
     return InvalidRequest(detail, field=field)
 
 
-def _uint(params: Parameters, name: str, where: str) -> Optional[int]:
+def uint_parameter(params: Parameters, name: str, where: str) -> Optional[int]:
+    """Parameter ``name`` as an integer >= 0, or None when absent (400 otherwise)."""
     value = params.get(name)
     if value is not None and (type(value) is not int or value < 0):
-        raise _bad(f"{where}.parameters.{name}", f"{where}: {name} must be an integer >= 0, got {value!r}")
+        raise bad(f"{where}.parameters.{name}", f"{where}: {name} must be an integer >= 0, got {value!r}")
     return value
 
 
-def _shm_ref(params: Parameters, where: str) -> Optional[ShmRef]:
+def shm_ref(params: Parameters, where: str) -> Optional[ShmRef]:
     """The shared memory parameters of an input or output, or None when it names no region."""
     region = params.get("shared_memory_region")
-    size = _uint(params, "shared_memory_byte_size", where)
-    offset = _uint(params, "shared_memory_offset", where) or 0
+    size = uint_parameter(params, "shared_memory_byte_size", where)
+    offset = uint_parameter(params, "shared_memory_offset", where) or 0
     if region is None:
         if size is not None or "shared_memory_offset" in params:
-            raise _bad(f"{where}.parameters", f"{where}: shared_memory_byte_size and shared_memory_offset need "
-                                              "shared_memory_region")
+            raise bad(f"{where}.parameters", f"{where}: shared_memory_byte_size and shared_memory_offset need "
+                                             "shared_memory_region")
         return None
     if type(region) is not str or not region:
-        raise _bad(f"{where}.parameters.shared_memory_region", f"{where}: shared_memory_region must be a region name")
+        raise bad(f"{where}.parameters.shared_memory_region", f"{where}: shared_memory_region must be a region name")
     if size is None:
-        raise _bad(f"{where}.parameters", f"{where}: shared_memory_region needs shared_memory_byte_size")
+        raise bad(f"{where}.parameters", f"{where}: shared_memory_region needs shared_memory_byte_size")
     return ShmRef.model_construct(region=region, offset=offset, byte_size=size)  # checked above
 
 
-def _check_parameters(params: Parameters, allowed: tuple[str, ...], where: str) -> None:
+def check_parameters(params: Parameters, allowed: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise _bad(f"{where}.parameters", f"{where}: unknown parameter(s) {unknown}; allowed: {list(allowed)}")
+        raise bad(f"{where}.parameters", f"{where}: unknown parameter(s) {unknown}; allowed: {list(allowed)}")
 
 
-def _input_spec(x: RequestInput) -> InputSpec:
-    where = f"input {x.name!r}"
-    _check_parameters(x.parameters, _INPUT_PARAMETERS, where)
-    dtype = torch_dtype(x.datatype)
-    if dtype is None:
-        what = "a protocol datatype KDA does not take" if x.datatype in PROTOCOL_DATATYPES else "not a protocol datatype"
-        raise _bad(x.name, f"{where} has datatype {x.datatype!r} ({what}); KDA inputs are {ACCEPTED}")
-    nbytes = math.prod(x.shape) * dtype.itemsize
-    binary_size = _uint(x.parameters, "binary_data_size", where)
-    shm = _shm_ref(x.parameters, where)
-    sources = [s for s, given in (("data", x.data is not None), ("binary_data_size", binary_size is not None),
-                                  ("shared_memory_region", shm is not None)) if given]
-    if len(sources) != 1:
-        raise _bad(x.name, f"{where} must carry its bytes in exactly one of data, binary_data_size or "
-                           f"shared_memory_region, got {sources or 'none'}")
-    size = binary_size if binary_size is not None else shm.byte_size if shm is not None else None
-    if size is not None and size != nbytes:
-        raise _bad(x.name, f"{where}: shape {x.shape} of {x.datatype} is {nbytes} bytes, but its "
-                           f"{sources[0]} says {size}")
-    if x.data is not None and dtype in BINARY_ONLY:
-        raise _bad(x.name, f"{where} is {x.datatype}: BF16 travels as binary data (binary_data_size) or in shared "
-                           "memory, never as JSON numbers")
-    return InputSpec(x.name, dtype, list(x.shape), x.data, binary_size, shm)
-
-
-def _output_spec(x: RequestOutput, binary_default: bool) -> OutputSpec:
-    where = f"output {x.name!r}"
-    if x.name not in OUTPUTS:
-        raise _bad("outputs", f"unknown output {x.name!r}; the model's outputs are {list(OUTPUTS)}")
-    _check_parameters(x.parameters, _OUTPUT_PARAMETERS, where)
-    binary = x.parameters.get("binary_data", binary_default)
-    if type(binary) is not bool:
-        raise _bad(f"{where}.parameters.binary_data", f"{where}: binary_data must be a boolean")
-    shm = _shm_ref(x.parameters, where)
-    if shm is not None and x.parameters.get("binary_data") is True:
-        raise _bad(f"{where}.parameters", f"{where}: binary_data and shared_memory_region exclude each other")
-    return OutputSpec(x.name, binary and shm is None, shm)
-
-
-def header_end(body_length: int, header_length: Optional[str]) -> int:
-    """Where the JSON ends: ``Inference-Header-Content-Length``, or the whole body."""
-    if header_length is None:
-        return body_length
-    if not header_length.strip().isdigit() or int(header_length) > body_length:
-        raise MalformedBody(f"{HEADER_LENGTH} {header_length!r} is not a byte count within the body's "
-                            f"{body_length} bytes", field=HEADER_LENGTH)
-    return int(header_length)
-
-
-def parse_request(body: bytearray, json_end: int) -> ParsedRequest:
-    """Read the JSON part of ``body`` (its first ``json_end`` bytes) and check it: schema
-    (422), parameters, input names (q, k, v, g, beta; optional A_log, dt_bias; each once),
-    datatypes, byte counts, data sources and requested outputs (400)."""
-    raw = body if json_end == len(body) else bytes(memoryview(body)[:json_end])
-    doc = parse_model(InferenceRequest, raw, where="request")
-    options = parse_options(doc.parameters)
-    names = [x.name for x in doc.inputs]
+def check_input_names(names: list[str]) -> None:
+    """q, k, v, g, beta (optional A_log, dt_bias), each once."""
     unknown = [n for n in names if n not in TENSORS]
     twice = sorted({n for n in names if names.count(n) > 1})
     missing = [n for n in REQUIRED_TENSORS if n not in names]
     if unknown or twice or missing:
         what = (f"unknown input(s) {unknown}" if unknown else f"input(s) {twice} given twice" if twice
                 else f"missing input(s) {missing}")
-        raise _bad("inputs", f"{what}; the model takes {list(REQUIRED_TENSORS)} and optionally {list(OPTIONAL_TENSORS)}")
-    inputs = [_input_spec(x) for x in doc.inputs]
-    binary = sum(s.binary_size for s in inputs if s.binary_size is not None)
-    if binary != len(body) - json_end:
-        raise MalformedBody(f"inputs announce {binary} bytes of binary data (binary_data_size), but "
-                            f"{len(body) - json_end} bytes follow the {json_end}-byte JSON ({HEADER_LENGTH})",
-                            field=HEADER_LENGTH)
-    if doc.outputs is None:
-        outputs = [OutputSpec(name, options.binary_data_output, None) for name in OUTPUTS]
-    else:
-        outputs = [_output_spec(x, options.binary_data_output) for x in doc.outputs]
-        out_names = [s.name for s in outputs]
-        if len(set(out_names)) != len(out_names):
-            raise _bad("outputs", f"outputs {out_names} name an output twice")
-    return ParsedRequest(doc.id, options, inputs, outputs, json_end)
+        raise bad("inputs", f"{what}; the model takes {list(REQUIRED_TENSORS)} and optionally {list(OPTIONAL_TENSORS)}")
 
 
-def _from_json(spec: InputSpec) -> torch.Tensor:
+def input_dtype(name: str, datatype: str, shape: list[int], given: Mapping[str, Optional[int]],
+                sources: Sources) -> torch.dtype:
+    """The torch dtype of input ``name``, after checking its datatype and its sources:
+    ``given`` maps each source the request used (a `Sources` name) to the bytes it
+    announces (None for numbers). Exactly one source; its byte count equals ``shape``'s;
+    BF16 never as numbers."""
+    where = f"input {name!r}"
+    dtype = torch_dtype(datatype)
+    if dtype is None:
+        what = "a protocol datatype KDA does not take" if datatype in PROTOCOL_DATATYPES else "not a protocol datatype"
+        raise bad(name, f"{where} has datatype {datatype!r} ({what}); KDA inputs are {ACCEPTED}")
+    if len(given) != 1:
+        raise bad(name, f"{where} must carry its bytes in exactly one of {sources.numbers}, {sources.raw} or "
+                        f"{sources.shm}, got {list(given) or 'none'}")
+    (source, size), = given.items()
+    nbytes = math.prod(shape) * dtype.itemsize
+    if size is not None and size != nbytes:
+        raise bad(name, f"{where}: shape {shape} of {datatype} is {nbytes} bytes, but its {source} says {size}")
+    if size is None and dtype in BINARY_ONLY:
+        raise bad(name, f"{where} is {datatype}: BF16 travels as binary data ({sources.raw}) or in shared memory, "
+                        f"never as numbers ({sources.numbers})")
+    return dtype
+
+
+def check_output_names(names: list[str]) -> None:
+    for name in names:
+        if name not in OUTPUTS:
+            raise bad("outputs", f"unknown output {name!r}; the model's outputs are {list(OUTPUTS)}")
+    if len(set(names)) != len(names):
+        raise bad("outputs", f"outputs {names} name an output twice")
+
+
+def _from_numbers(spec: InputSpec) -> torch.Tensor:
     try:
-        array = np.asarray(spec.data)
+        array = np.asarray(spec.numbers)
     except (ValueError, OverflowError) as e:
-        raise _bad(spec.name, f"input {spec.name!r}: data is not a rectangular array of numbers ({e})") from None
+        raise bad(spec.name, f"input {spec.name!r}: data is not a rectangular array of numbers ({e})") from None
     if array.dtype.kind not in "iuf":
-        raise _bad(spec.name, f"input {spec.name!r}: data must hold numbers only, got {array.dtype.kind!r} elements")
+        raise bad(spec.name, f"input {spec.name!r}: data must hold numbers only, got {array.dtype.kind!r} elements")
     if array.size != math.prod(spec.shape):
-        raise _bad(spec.name, f"input {spec.name!r}: shape {spec.shape} needs {math.prod(spec.shape)} values, "
-                              f"data holds {array.size}")
+        raise bad(spec.name, f"input {spec.name!r}: shape {spec.shape} needs {math.prod(spec.shape)} values, "
+                             f"data holds {array.size}")
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64).reshape(spec.shape)).to(spec.dtype)
 
 
-def read_inputs(request: ParsedRequest, body: bytearray, regions: Mapping[str, Region], warm: WarmBuffers,
+def _from_raw(spec: InputSpec, raw: Raw) -> torch.Tensor:
+    """A view over a writable buffer; immutable bytes (a gRPC message's) are copied once."""
+    if isinstance(raw.buffer, bytearray):
+        return view_tensor(raw.buffer, raw.offset, spec.dtype, spec.shape)
+    return view_tensor(bytearray(memoryview(raw.buffer)[raw.offset:raw.offset + raw.size]), 0, spec.dtype, spec.shape)
+
+
+def read_inputs(request: ParsedRequest, regions: Mapping[str, Region], warm: WarmBuffers,
                 device: torch.device) -> dict[str, torch.Tensor]:
-    """Every input as a tensor of its shape and dtype, in input order: JSON numbers
-    converted, binary data viewed over ``body`` (zero-copy when aligned), shared memory
-    bounds-checked, then copied out of ``regions`` at once (`copy_out`: a buffer from
-    ``warm`` on the host; q, k, v, g and beta onto ``device`` when it is a GPU)."""
+    """Every input as a tensor of its shape and dtype, in input order: numbers converted,
+    raw bytes viewed (zero-copy when aligned and writable), shared memory bounds-checked,
+    then copied out of ``regions`` at once (`copy_out`: a buffer from ``warm`` on the
+    host; q, k, v, g and beta onto ``device`` when it is a GPU)."""
     tensors: dict[str, torch.Tensor] = {}
     in_shm: dict[str, ShmInput] = {}
-    offset = request.binary_start
     for spec in request.inputs:
-        if spec.binary_size is not None:
-            tensors[spec.name] = view_tensor(body, offset, spec.dtype, spec.shape)
-            offset += spec.binary_size
+        if spec.raw is not None:
+            tensors[spec.name] = _from_raw(spec, spec.raw)
         elif spec.shm is not None:
             regions[spec.shm.region].check(spec.shm.offset, spec.shm.byte_size, f"input {spec.name!r}")
             in_shm[spec.name] = ShmInput(spec.shm, spec.dtype, spec.shape)
         else:
-            tensors[spec.name] = _from_json(spec)
+            tensors[spec.name] = _from_numbers(spec)
     tensors.update(copy_out(in_shm, regions, warm, device, to_device=REQUIRED_TENSORS))
     return {spec.name: tensors[spec.name] for spec in request.inputs}
 
@@ -258,8 +245,8 @@ def prefill_inputs(request: ParsedRequest, tensors: Mapping[str, torch.Tensor], 
 
 def plan_outputs(request: ParsedRequest, o_dtype: torch.dtype, o_nbytes: int, state_dtype: torch.dtype,
                  state_nbytes: int, regions: Mapping[str, Region]) -> None:
-    """Refuse, before the launch, outputs that cannot be delivered: BF16 as JSON numbers,
-    or a shared memory destination that is out of bounds or too small. ``o_*`` describe o
+    """Refuse, before the launch, outputs that cannot be delivered: BF16 as numbers, or a
+    shared memory destination that is out of bounds or too small. ``o_*`` describe o
     ([T, HV, V] in v's dtype), ``state_*`` the final state ([HV, V, K] in the pool dtype)."""
     for spec in request.outputs:
         dtype, nbytes = (o_dtype, o_nbytes) if spec.name == "o" else (state_dtype, state_nbytes)
@@ -268,41 +255,26 @@ def plan_outputs(request: ParsedRequest, o_dtype: torch.dtype, o_nbytes: int, st
             region = regions[spec.shm.region]
             region.check(spec.shm.offset, spec.shm.byte_size, where)
             if spec.shm.byte_size < nbytes:
-                raise _bad(spec.name, f"{where} needs {nbytes} bytes, but its shared_memory_byte_size is "
-                                      f"{spec.shm.byte_size}")
+                raise bad(spec.name, f"{where} needs {nbytes} bytes, but its shared_memory_byte_size is "
+                                     f"{spec.shm.byte_size}")
         elif not spec.binary and dtype in BINARY_ONLY:
-            raise _bad(spec.name, f"{where} is {datatype_name(dtype)}, which travels as binary data only: request "
-                                  "it with binary_data true (or into shared memory)")
+            raise bad(spec.name, f"{where} is {datatype_name(dtype)}, which travels as binary data only: request "
+                                 "it with binary_data true (or into shared memory)")
 
 
-def encode_response(request: ParsedRequest, model: str, version: str, tensors: Mapping[str, torch.Tensor],
-                    parameters: Mapping[str, Union[str, int, bool]],
-                    regions: Mapping[str, Region]) -> tuple[bytes, Optional[int]]:
-    """The response body and, when binary sections follow the JSON, the JSON's length
-    (for ``Inference-Header-Content-Length``). ``tensors`` holds each requested output."""
-    outputs: list[dict[str, Any]] = []
-    sections: list[np.ndarray] = []
+def write_shm_outputs(request: ParsedRequest, tensors: Mapping[str, torch.Tensor],
+                      regions: Mapping[str, Region]) -> None:
+    """Store each output bound for shared memory in its region (planned by `plan_outputs`)."""
     for spec in request.outputs:
-        t = tensors[spec.name]
-        entry: dict[str, Any] = {"name": spec.name, "datatype": datatype_name(t.dtype), "shape": list(t.shape)}
-        nbytes = t.numel() * t.element_size()
         if spec.shm is not None:
-            regions[spec.shm.region].write(spec.shm.offset, t)
-            entry["parameters"] = {"shared_memory_region": spec.shm.region, "shared_memory_byte_size": nbytes}
-            if spec.shm.offset:
-                entry["parameters"]["shared_memory_offset"] = spec.shm.offset
-        elif spec.binary:
-            sections.append(tensor_bytes(t))
-            entry["parameters"] = {"binary_data_size": nbytes}
-        else:
-            entry["data"] = t.double().reshape(-1).tolist()
-        outputs.append(entry)
-    doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": outputs}
-    if request.id is not None:
-        doc["id"] = request.id
-    if parameters:
-        doc["parameters"] = dict(parameters)
-    header = json.dumps(doc, separators=(",", ":")).encode()
-    if not sections:
-        return header, None
-    return b"".join([header, *sections]), len(header)
+            regions[spec.shm.region].write(spec.shm.offset, tensors[spec.name])
+
+
+def shm_description(spec: OutputSpec, t: torch.Tensor) -> dict[str, Union[str, int]]:
+    """The parameters a response gives an output written into shared memory."""
+    assert spec.shm is not None
+    described: dict[str, Union[str, int]] = {"shared_memory_region": spec.shm.region,
+                                             "shared_memory_byte_size": t.numel() * t.element_size()}
+    if spec.shm.offset:
+        described["shared_memory_offset"] = spec.shm.offset
+    return described

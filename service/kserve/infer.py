@@ -65,7 +65,7 @@ async def run(core: ServerCore, table: SequenceTable, model: str, options: Infer
     sequence = options.sequence
     async with table.hold(sequence):
         bound = table.slot(sequence)
-        gone = bound is not None and not core.pool.contains(bound)
+        gone = bound is not None and not core.has_slot(bound)
         if gone:
             table.unbind(sequence)
             log.info("sequence %r: its slot %s expired or was freed; forgotten", sequence, bound)

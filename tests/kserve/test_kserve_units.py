@@ -20,7 +20,8 @@ from kserve_helpers import HV, K, LAYERS, TOL, V, make_sequence, reference, rel,
 from service.http.app import create_app
 from service.config import Settings
 from service.errors import InvalidRequest
-from service.kserve.codec import parse_request, read_inputs
+from service.kserve.codec import read_inputs
+from service.kserve.http_codec import parse_request
 from service.kserve.options import UINT64_MAX, parse_options
 from service.kserve.sequences import SUFFIX, SequenceTable
 from service.shm.registry import ShmRegistry
@@ -42,10 +43,13 @@ def final_state(response: httpx.Response) -> torch.Tensor:
 
 @asynccontextmanager
 async def serve(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """An in-process app with its lifespan (start, restore; shutdown, snapshot) around the block."""
+    """An in-process app with its lifespan (start, restore; shutdown, snapshot) around the
+    block, once its kernels are warm."""
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kda") as http:
+            while (await http.get("/v2/health/ready")).status_code != 200:  # infer waits for warm kernels
+                await asyncio.sleep(0.05)
             yield http
 
 
@@ -183,7 +187,7 @@ def test_shared_memory_inputs_are_copied_out_once_into_one_buffer(shm_object: st
                 "shared_memory_region": "r", "shared_memory_offset": offset, "shared_memory_byte_size": size}})
             offset += size
         body = bytearray(json.dumps({"inputs": inputs}).encode())
-        got = read_inputs(parse_request(body, len(body)), body, regions, WarmBuffers(), torch.device("cpu"))
+        got = read_inputs(parse_request(body, len(body)), regions, WarmBuffers(), torch.device("cpu"))
         regions["r"].write(0, torch.full((offset // 4,), 7.0))
     registry.close()
     assert list(got) == list(tensors)
