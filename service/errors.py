@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+PERSISTENCE_UNAVAILABLE = ("the server cannot journal this change to disk, so it did not make it; the pool is "
+                           "unchanged")
+"""What a request refused for a journal that cannot be written (`state_store.SnapshotError`) is told."""
+API_KEY_REQUIRED = "this server requires 'Authorization: Bearer <api key>'"
+"""What a request without the API key (where one is set) is told, over HTTP (401) and gRPC."""
+
 
 class ServiceError(Exception):
     """A refused request. ``detail`` says what was wrong and names the shapes or values seen;

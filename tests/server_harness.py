@@ -37,11 +37,13 @@ def free_port() -> int:
 
 @dataclass
 class Server:
-    """A running ``python -m service.cli`` process and its log."""
+    """A running ``python -m service.cli`` process and its log; ``grpc``: the address of its
+    KServe v2 gRPC endpoint (``127.0.0.1:port``), when started with one."""
 
     url: str
     process: subprocess.Popen
     log: Path
+    grpc: Optional[str] = None
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -59,20 +61,22 @@ class Server:
 
 
 def start_server(args: Sequence[str], log: Path, env: Optional[dict[str, str]] = None,
-                 timeout: float = 90.0) -> Server:
-    """Start kda-serve on a free loopback port and wait until /health/ready says 200."""
+                 timeout: float = 90.0, grpc: bool = False) -> Server:
+    """Start kda-serve on a free loopback port (and, with ``grpc``, its gRPC endpoint on
+    another: ``--grpc-port``) and wait until /health/ready says 200 (gRPC listens by then)."""
     port = free_port()
+    grpc_args = ["--grpc-port", str(free_port())] if grpc else []
     # The repository first, then whatever the caller's path holds (e.g. carried wheels).
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     out = open(log, "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-         *args],
+         *grpc_args, *args],
         cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
     )
     out.close()
-    server = Server(f"http://127.0.0.1:{port}", process, log)
+    server = Server(f"http://127.0.0.1:{port}", process, log, f"127.0.0.1:{grpc_args[1]}" if grpc else None)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

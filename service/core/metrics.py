@@ -14,9 +14,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    """The server's metrics: HTTP requests and errors by route and status, prefill tokens,
-    launch sizes, time queued before a launch and time in the kernel, free slots, expired
-    slots, abandoned responses and snapshots."""
+    """The server's metrics: HTTP requests and errors by route and status, gRPC requests
+    by method and status, prefill tokens, launch sizes, time queued before a launch and
+    time in the kernel, free slots, expired slots, abandoned responses and snapshots."""
 
     def __init__(self, free_slots: Callable[[], float]) -> None:
         self.registry = r = CollectorRegistry()
@@ -26,6 +26,10 @@ class Metrics:
                               ["route", "method", "status"], registry=r)
         self.latency = Histogram("kda_http_request_seconds", "HTTP request latency by route",
                                  ["route", "method"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.grpc_requests = Counter("kda_grpc_requests", "gRPC requests by method and status code (each request "
+                                     "of a ModelStreamInfer stream counts once)", ["method", "status"], registry=r)
+        self.grpc_latency = Histogram("kda_grpc_request_seconds", "gRPC request latency by method",
+                                      ["method"], buckets=_LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("kda_prefill_tokens", "Tokens prefilled", registry=r)
         self.sequences = Counter("kda_prefill_sequences", "Sequences prefilled", registry=r)
         self.batch_requests = Histogram("kda_batch_requests", "Requests merged into one kernel launch",

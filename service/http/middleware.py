@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..core.metrics import Metrics
+from ..errors import API_KEY_REQUIRED
 from .problem_details import PAYLOAD_TOO_LARGE, problem
 
 OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
@@ -67,7 +68,7 @@ class AuthMiddleware:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8"), self.key)):
-                response = problem(401, "unauthorized", "this server requires 'Authorization: Bearer <api key>'",
+                response = problem(401, "unauthorized", API_KEY_REQUIRED,
                                    headers={"WWW-Authenticate": 'Bearer realm="kda-serve"'})
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)

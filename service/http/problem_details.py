@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect
 
 from state_store import GeometryMismatch, PoolFull, SnapshotError, UnknownSlot
 
-from ..errors import ServiceError
+from ..errors import PERSISTENCE_UNAVAILABLE, ServiceError
 from ..wire.media import PROBLEM
 
 TYPE_PREFIX = "urn:kda-serve:problem:"
@@ -77,8 +77,7 @@ async def _geometry_mismatch(_: Request, e: GeometryMismatch) -> JSONResponse:
 
 async def _persistence(_: Request, e: SnapshotError) -> JSONResponse:
     log.error("refused a request: %s", e)
-    return problem(503, "persistence-unavailable", "the server cannot journal this change to disk, so it did not "
-                   "make it; the pool is unchanged", title="Persistence unavailable",
+    return problem(503, "persistence-unavailable", PERSISTENCE_UNAVAILABLE, title="Persistence unavailable",
                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 

@@ -1,5 +1,5 @@
 """Helpers of the KServe tests: the service tests' harness (a real kda-serve process, random
-inputs, the float64 reference, pool images), and tritonclient plumbing.
+inputs, the float64 reference, pool images), and tritonclient plumbing (HTTP and gRPC).
 
 The harness is ``tests/server_harness.py`` (tests/ is on pytest's pythonpath).
 """
@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 import ml_dtypes
 import numpy as np
 import torch
+import tritonclient.grpc as gc
 import tritonclient.http as tc
 from tritonclient.utils import np_to_triton_dtype
 from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
@@ -18,9 +19,6 @@ from server_harness import (  # noqa: F401  (re-exported for this folder's tests
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-
 MAX_BODY_MB = 1  # the test servers' body limit: small, so the 413 test sends little
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -66,3 +64,30 @@ def infer(client: tc.InferenceServerClient, tensors: dict[str, torch.Tensor], *,
 
 def result_tensor(result: tc.InferResult, name: str) -> torch.Tensor:
     return from_numpy(result.as_numpy(name))
+
+
+def grpc_inputs(tensors: dict[str, torch.Tensor]) -> list[gc.InferInput]:
+    """One gRPC InferInput per tensor (raw_input_contents)."""
+    inputs = []
+    for name, t in tensors.items():
+        array = to_numpy(t)
+        x = gc.InferInput(name, list(t.shape), np_to_triton_dtype(array.dtype))
+        x.set_data_from_numpy(array)
+        inputs.append(x)
+    return inputs
+
+
+def grpc_infer(client: gc.InferenceServerClient, tensors: dict[str, torch.Tensor], *,
+               outputs: Optional[list[gc.InferRequestedOutput]] = None, sequence_id: Any = 0, start: bool = False,
+               end: bool = False, params: Optional[dict[str, Any]] = None) -> gc.InferResult:
+    """`infer` over gRPC."""
+    return client.infer("kda", grpc_inputs(tensors), outputs=outputs, sequence_id=sequence_id,
+                        sequence_start=start, sequence_end=end, parameters=params)
+
+
+def response_slot(result: Any) -> Optional[str]:
+    """The ``slot`` response parameter of an HTTP or gRPC result (None when absent)."""
+    response = result.get_response()
+    if isinstance(response, dict):
+        return response.get("parameters", {}).get("slot")
+    return response.parameters["slot"].string_param if "slot" in response.parameters else None

@@ -1,0 +1,71 @@
+"""`GrpcFrontEnd`: the KServe v2 gRPC server (grpc.aio) in the serving process, on the event
+loop HTTP runs on, over the same `KServeEndpoint` (core, sequence table, shared memory
+registry).
+
+It listens on ``--host``:``--grpc-port`` (SO_REUSEPORT off, so a port in use fails the
+start instead of being shared). Received messages are limited to ``--max-body-mb`` (a
+larger one is refused by gRPC with RESOURCE_EXHAUSTED before it is decoded); sent ones are
+not. `stop` drains: streams stop reading and end once their requests are done, new calls
+are refused (UNAVAILABLE), calls in flight get `GRACE_S` to finish, and every inference
+already started runs to its end before the core closes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import grpc
+
+from ...config import Settings
+from ..endpoint import KServeEndpoint
+from .calls import Calls
+from .messages import pb_grpc
+from .servicer import InferenceServicer
+
+log = logging.getLogger("kda_serve.grpc")
+GRACE_S = 30.0  # as HTTP's graceful shutdown
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class GrpcFrontEnd:
+    """The gRPC server for ``settings`` (host, grpc_port, max_body_bytes, api_key) on
+    ``endpoint``. `start` in the serving loop, `stop` at shutdown."""
+
+    def __init__(self, endpoint: KServeEndpoint, settings: Settings) -> None:
+        self.endpoint = endpoint
+        self.address = _address(settings.host, settings.grpc_port)
+        self.max_receive_bytes = settings.max_body_bytes
+        self.calls = Calls(endpoint.core.metrics, settings.api_key)
+        self._server: Optional[grpc.aio.Server] = None
+        self._servicer: Optional[InferenceServicer] = None
+
+    async def start(self, version: str) -> None:
+        """Listen and serve (``version``: the server's, for ServerMetadata). OSError when
+        the address cannot be bound."""
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self.max_receive_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0),
+        ])
+        self._servicer = InferenceServicer(self.endpoint, self.calls, version)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, server)
+        try:
+            server.add_insecure_port(self.address)
+        except RuntimeError as e:
+            raise OSError(f"cannot serve gRPC on {self.address}: {e}") from None
+        await server.start()
+        self._server = server
+        log.info("serving the KServe v2 gRPC API on %s", self.address)
+
+    async def stop(self) -> None:
+        """Drain and stop (see the module docstring); a no-op when not started."""
+        if self._server is None or self._servicer is None:
+            return
+        self._servicer.drain()
+        await self._server.stop(GRACE_S)
+        await self.calls.drain()
+        self._server = None
+        log.info("stopped the gRPC API on %s", self.address)

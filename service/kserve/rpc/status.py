@@ -1,0 +1,65 @@
+"""The service's errors as gRPC status codes, mapped from the REST table, with the same
+messages as the HTTP problem details (``detail``) and ``{"error": ...}`` bodies.
+
+400, 415, 422 -> INVALID_ARGUMENT; 401 -> UNAUTHENTICATED; 404 -> NOT_FOUND; 408 ->
+DEADLINE_EXCEEDED; 409 (state_lost) -> FAILED_PRECONDITION; 413 and 503 (pool full,
+persistence unavailable) -> RESOURCE_EXHAUSTED; not ready (warming) -> UNAVAILABLE.
+Methods not implemented: UNIMPLEMENTED. Anything else is a bug: INTERNAL, and the log has
+the traceback.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from state_store import GeometryMismatch, PoolFull, SnapshotError, UnknownSlot
+
+from ...errors import API_KEY_REQUIRED, PERSISTENCE_UNAVAILABLE, NotReady, ServiceError
+
+log = logging.getLogger("kda_serve.grpc")
+Code = grpc.StatusCode
+BY_HTTP_STATUS: dict[int, grpc.StatusCode] = {
+    400: Code.INVALID_ARGUMENT, 401: Code.UNAUTHENTICATED, 404: Code.NOT_FOUND, 408: Code.DEADLINE_EXCEEDED,
+    409: Code.FAILED_PRECONDITION, 413: Code.RESOURCE_EXHAUSTED, 415: Code.INVALID_ARGUMENT,
+    422: Code.INVALID_ARGUMENT, 503: Code.RESOURCE_EXHAUSTED,
+}
+
+
+class Unauthenticated(ServiceError):
+    """A call without ``authorization: Bearer <api key>`` metadata, where a key is set."""
+
+    status = 401
+    slug = "unauthorized"
+    title = "Unauthorized"
+
+    def __init__(self) -> None:
+        super().__init__(API_KEY_REQUIRED)
+
+
+class Unimplemented(Exception):
+    """A method of the service this server does not implement."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__(f"kda-serve does not implement {method}")
+
+
+def rpc_status(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a call that raised ``e`` ends with."""
+    if isinstance(e, Unimplemented):
+        return Code.UNIMPLEMENTED, str(e)
+    if isinstance(e, NotReady):
+        return Code.UNAVAILABLE, e.detail
+    if isinstance(e, ServiceError):
+        return BY_HTTP_STATUS.get(e.status, Code.INVALID_ARGUMENT if e.status < 500 else Code.INTERNAL), e.detail
+    if isinstance(e, PoolFull):
+        return Code.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, UnknownSlot):
+        return Code.NOT_FOUND, str(e)
+    if isinstance(e, GeometryMismatch):
+        return Code.INVALID_ARGUMENT, str(e)
+    if isinstance(e, SnapshotError):
+        log.error("refused a request: %s", e)
+        return Code.RESOURCE_EXHAUSTED, PERSISTENCE_UNAVAILABLE
+    log.error("internal error in a gRPC call", exc_info=e)
+    return Code.INTERNAL, f"internal error ({type(e).__name__}); the server log has details"
