@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install kda-serve with its test tools into it.
+# Create .venv (if missing) and install kda-serve with its test tools and the grpc extra into it.
 # torch: a CUDA build where an NVIDIA driver is present, else the CPU build pinned below
 # (on the project's CI machines `torch==2.13.0` resolves to a local CPU wheel; an
 # unpinned torch would pull a multi-GB CUDA build). Override with KDA_TORCH_SPEC.
@@ -18,4 +18,4 @@ else
   torch_spec="torch==2.13.0"
 fi
 .venv/bin/python -m pip install -q "$torch_spec"
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,grpc]"  # grpc: the KServe v2 gRPC endpoint (--grpc-port)

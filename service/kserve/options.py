@@ -5,9 +5,9 @@ sequence), ``sequence_start``, ``sequence_end``. Slots managed through the REST 
 instead: ``slot``. Prefill options as on ``/prefill``: each field of
 `service.core.inputs.PrefillParams` (``layer``, default 0, ``lower_bound``, ``scale``,
 ``use_qk_l2norm``, ``use_beta_sigmoid``, ``allow_neg_eigval``) but ``return_final_state``,
-which the outputs requested decide. Binary tensor data (HTTP only; gRPC always returns raw
-bytes): ``binary_data_output``. Any other name is refused, so a typo never runs with a
-default.
+which the outputs requested decide. Binary tensor data: ``binary_data_output`` (over gRPC
+outputs are always raw bytes, so only true is taken there). Any other name is refused, so a
+typo never runs with a default.
 """
 from __future__ import annotations
 
@@ -26,9 +26,6 @@ UINT64_MAX = (1 << 64) - 1
 SEQUENCE_ID_MAX_CHARS = 256
 PREFILL_PARAMETERS = tuple(name for name in PARAM_NAMES if name != "return_final_state")  # outputs decide it
 KNOWN = ("sequence_id", "sequence_start", "sequence_end", "slot", *PREFILL_PARAMETERS, "binary_data_output")
-"""The request parameters over HTTP."""
-GRPC_KNOWN = tuple(name for name in KNOWN if name != "binary_data_output")
-"""The request parameters over gRPC (outputs are always raw bytes there)."""
 
 
 @dataclass(frozen=True)
@@ -103,13 +100,13 @@ def _slot(params: Parameters) -> Optional[str]:
     return value
 
 
-def parse_options(params: Parameters, known: tuple[str, ...] = KNOWN) -> InferOptions:
+def parse_options(params: Parameters) -> InferOptions:
     """`InferOptions` from a request's ``parameters``; InvalidRequest (400) naming the
-    parameter for a name not in ``known``, a wrong type, START/END without a sequence id,
-    or both a sequence id and a slot."""
-    unknown = sorted(set(params) - set(known))
+    parameter for an unknown name, a wrong type, START/END without a sequence id, or both
+    a sequence id and a slot."""
+    unknown = sorted(set(params) - set(KNOWN))
     if unknown:
-        raise _fail(unknown[0], f"unknown request parameter(s) {unknown}; this model takes {list(known)}")
+        raise _fail(unknown[0], f"unknown request parameter(s) {unknown}; this model takes {list(KNOWN)}")
     options = InferOptions(
         sequence=_sequence_id(params["sequence_id"]) if "sequence_id" in params else None,
         start=_bool(params, "sequence_start"),

@@ -15,7 +15,7 @@ import tritonclient.grpc as gc
 import tritonclient.http as tc
 from tritonclient.utils import np_to_triton_dtype
 from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
-    GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, metric, pool_image, random_state, reference, rel, start_server,
+    GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, metric, pool_image, random_state, reference, rel, start_server, wait_for,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

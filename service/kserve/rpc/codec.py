@@ -25,7 +25,7 @@ from ..codec import (
 from ..datatypes import datatype_name
 from ..endpoint import Reply
 from ..model import MODEL, OUTPUTS, VERSION
-from ..options import GRPC_KNOWN, parse_options
+from ..options import parse_options
 from ..protocol import NAME_MAX, Parameters
 from .messages import pb
 
@@ -124,7 +124,11 @@ def parse_infer_request(request: pb.ModelInferRequest) -> ParsedRequest:
     """A ``ModelInferRequest`` checked as an HTTP body is: parameters, input names,
     datatypes, byte counts, data sources and requested outputs (InvalidRequest, 400)."""
     _check_sizes(request)
-    options = parse_options(parameters(request.parameters, "request"), GRPC_KNOWN)
+    params = parameters(request.parameters, "request")
+    options = parse_options(params)
+    if params.get("binary_data_output") is False:
+        raise bad("parameters.binary_data_output", "binary_data_output false asks for outputs as JSON numbers, which "
+                                                   "gRPC does not have: outputs travel as raw_output_contents")
     check_input_names([x.name for x in request.inputs])
     return ParsedRequest(request.id or None, options, _inputs(request), _outputs(request))
 

@@ -106,6 +106,12 @@ class StreamSession:
             await asyncio.wait(list(self._tasks))
 
 
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark the outcome of a read nobody waits for as seen (no "never retrieved" log)."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def serve_stream(session: StreamSession, requests: AsyncIterator[pb.ModelInferRequest],
                        draining: Callable[[], Awaitable[None]]) -> bool:
     """Read ``requests`` into ``session`` until the client closes its side (True) or the
@@ -128,7 +134,8 @@ async def serve_stream(session: StreamSession, requests: AsyncIterator[pb.ModelI
             await session.submit(request)
     finally:
         stop.cancel()
-        if reading is not None and not reading.done():
+        if reading is not None:  # the client dropped the stream or the server drains: stop reading
             reading.cancel()
+            reading.add_done_callback(_retrieved)
     await session.finish()
     return closed
