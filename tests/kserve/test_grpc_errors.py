@@ -363,7 +363,8 @@ def test_the_api_key_guards_every_call_but_the_health_probes(keyed_server, gen):
     with gc.InferenceServerClient(keyed_server.grpc) as c:
         assert c.is_server_live() and c.is_server_ready()
         for headers in (None, {"authorization": "Bearer wrong"}, {"authorization": "sesame"}):
-            for call in (lambda: c.get_server_metadata(headers=headers), lambda: c.is_model_ready("kda", headers=headers),
+            for call in (lambda: c.get_server_metadata(headers=headers),
+                         lambda: c.is_model_ready("kda", headers=headers),
                          lambda: c.get_model_metadata("kda", headers=headers),
                          lambda: c.get_system_shared_memory_status(headers=headers),
                          lambda: c.infer("kda", grpc_inputs(tensors), headers=headers)):

@@ -12,7 +12,8 @@ import pytest
 import torch
 import tritonclient.grpc as gc
 from kserve_helpers import (
-    HV, K, TOL, V, grpc_infer, grpc_inputs, infer, make_sequence, metric, reference, rel, response_slot, result_tensor, seq_inputs,
+    HV, K, TOL, V, grpc_infer, grpc_inputs, infer, make_sequence, metric, reference, rel, response_slot, result_tensor,
+    seq_inputs,
 )
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -64,8 +65,9 @@ def test_health_and_metadata_match_http(server, client, grpc_client):
     assert "sequence_batching" in config
     assert grpc_client.get_model_repository_index(as_json=True)["models"] == [
         {"name": "kda", "version": "1", "state": "READY"}]
-    for call, http_call in ((lambda: grpc_client.get_model_metadata("other"), lambda: client.get_model_metadata("other")),
-                            (lambda: grpc_client.get_model_config("kda", "2"), lambda: client.get_model_metadata("kda", "2"))):
+    pairs = [(lambda: grpc_client.get_model_metadata("other"), lambda: client.get_model_metadata("other")),
+             (lambda: grpc_client.get_model_config("kda", "2"), lambda: client.get_model_metadata("kda", "2"))]
+    for call, http_call in pairs:
         e, h = refusal(call), refusal(http_call)
         assert e.status() == "StatusCode.NOT_FOUND" and h.status() == "404" and e.message() == h.message()
     with pytest.raises(InferenceServerException) as e:
@@ -122,7 +124,8 @@ def test_bf16_fp16_options_outputs_and_id_match_http(client, grpc_client, gen):
         assert result_tensor(g, "o").dtype == dtype
         assert torch.equal(result_tensor(g, "o"), result_tensor(h, "o"))
         assert torch.equal(result_tensor(g, "final_state"), result_tensor(h, "final_state"))
-    r = grpc_client.infer("kda", grpc_inputs(seq_inputs(seq)), request_id="req-9", outputs=[gc.InferRequestedOutput("final_state")])
+    r = grpc_client.infer("kda", grpc_inputs(seq_inputs(seq)), request_id="req-9",
+                          outputs=[gc.InferRequestedOutput("final_state")])
     response = r.get_response()
     assert [o.name for o in response.outputs] == ["final_state"] and r.as_numpy("o") is None
     assert response.id == "req-9" and response.model_name == "kda" and response.model_version == "1"

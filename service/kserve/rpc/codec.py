@@ -8,6 +8,7 @@ that use neither contents nor shared memory: Triton's rule), or a shared memory 
 parameters). Outputs come back in ``raw_output_contents``, one entry per output in
 request order (empty for one written into shared memory, whose ``parameters`` say where).
 Parameters are ``InferParameter`` oneofs: bool, int64, uint64, double or string.
+`model_infer` is one request end to end: decode, the endpoint, encode.
 """
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ import torch
 from tensor_io.safetensors_format import MAX_RANK
 from tensor_io.views import tensor_bytes
 
+from ...core.worker import off_loop
 from ..codec import (
     SHM_PARAMETERS, InputSpec, OutputSpec, ParsedRequest, Raw, Sources, bad, check_input_names, check_output_names,
     check_parameters, input_dtype, shm_description, shm_ref,
 )
 from ..datatypes import datatype_name
-from ..endpoint import Reply
+from ..endpoint import KServeEndpoint, Reply
 from ..model import MODEL, OUTPUTS, VERSION
 from ..options import parse_options
 from ..protocol import NAME_MAX, Parameters
@@ -149,3 +151,11 @@ def infer_response(request: ParsedRequest, reply: Reply) -> pb.ModelInferRespons
         else:
             response.raw_output_contents.append(tensor_bytes(t).tobytes())
     return response
+
+
+async def model_infer(endpoint: KServeEndpoint, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    """``request`` decoded, run on ``endpoint`` and its response encoded; large messages are
+    decoded and encoded off the event loop."""
+    parsed = await off_loop(parse_infer_request, request, nbytes=request.ByteSize())
+    reply = await endpoint.infer(request.model_name, request.model_version, parsed)
+    return await off_loop(infer_response, parsed, reply, nbytes=reply.nbytes)

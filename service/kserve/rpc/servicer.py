@@ -18,7 +18,6 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from ...core.worker import off_loop
 from ...errors import InvalidRequest
 from ...shm.registry import CUDA, SYSTEM
 from ...wire.schema import parse_model
@@ -27,7 +26,7 @@ from ..model import MODEL, VERSION, check_model
 from ..protocol import CudaShmRegister, SystemShmRegister
 from . import metadata
 from .calls import Calls
-from .codec import infer_response, parse_infer_request
+from .codec import model_infer
 from .messages import pb, pb_grpc
 from .status import Unimplemented, rpc_status
 from .stream import METHOD as STREAM, StreamSession, serve_stream
@@ -112,9 +111,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async def body() -> pb.ModelInferResponse:
-            parsed = await off_loop(parse_infer_request, request, nbytes=sum(map(len, request.raw_input_contents)))
-            reply = await self.calls.whole(self.endpoint.infer(request.model_name, request.model_version, parsed))
-            return await off_loop(infer_response, parsed, reply, nbytes=reply.nbytes)
+            return await self.calls.whole(model_infer(self.endpoint, request))
         return await self.calls.unary("ModelInfer", context, body)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context) -> None:

@@ -24,7 +24,7 @@ import grpc
 
 from ..endpoint import KServeEndpoint
 from .calls import Calls
-from .codec import infer_response, parse_infer_request
+from .codec import model_infer
 from .messages import pb
 from .status import rpc_status
 
@@ -83,9 +83,7 @@ class StreamSession:
             await asyncio.wait([previous])
         start, code = time.monotonic(), grpc.StatusCode.OK
         try:
-            parsed = parse_infer_request(request)
-            reply = await self.endpoint.infer(request.model_name, request.model_version, parsed)
-            response = pb.ModelStreamInferResponse(infer_response=infer_response(parsed, reply))
+            response = pb.ModelStreamInferResponse(infer_response=await model_infer(self.endpoint, request))
         except Exception as e:
             code, message = rpc_status(e)
             response = pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(
