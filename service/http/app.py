@@ -205,7 +205,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
     app.add_middleware(ProtocolErrors)  # outermost: {"error": ...} bodies under /v2, from every layer
-    app.include_router(kserve_router(core, ready.is_set, registry, settings))  # Open Inference Protocol (KServe v2), /v2/...
+    # Open Inference Protocol (KServe v2): /v2/... over HTTP, and gRPC on --grpc-port when set
+    app.include_router(kserve_router(core, ready.is_set, registry, settings))
 
     left = Abandonment(core.free, core.metrics.abandoned)
 
