@@ -1,11 +1,15 @@
 """`ServerCore`: the pool, the per-slot ordering, the batcher and the kernels, with no HTTP.
 
 The FastAPI app is one front end; a KServe v2 endpoint, a shared-memory transport or a Ray
-Serve shard call the same methods. Every method is a coroutine for one asyncio loop.
+Serve shard call the same methods (front ends never reach into the pool). It implements
+`service.core.api.CoreAPI`, the operations behind the REST routes; the small queries
+`has_slot`, `slot_ids`, `stats` and `restore_slot` (a slot moved in from another shard)
+serve the other front ends. Every method is for one asyncio loop.
 
 Threads: every pool call that touches pool memory (alloc, free, fork, state reads and
-writes, launches, sweeps, snapshots) runs on the core's one `DeviceWorker` thread, in
-order; only metadata reads (contains, slot_info, stats) run inline on the loop. Work on a
+writes, restores, launches, sweeps, snapshots) runs on the core's one `DeviceWorker`
+thread, in order; only metadata reads (has_slot, slot_ids, slot_info, stats) run inline
+on the loop. Work on a
 slot first holds its (slot, layer) keys in a `SlotOrdering`, so it runs in arrival order.
 
 Order of a prefill: validate (400) -> named slots exist (404) and are not flagged
@@ -31,17 +35,17 @@ import logging
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 import kernels
 from kernels.problem import packed_problem
-from state_store import Persistence, SlotInfo, SlotOrdering, SnapshotError, StatePool, UnknownSlot
+from state_store import Persistence, PoolStats, SlotInfo, SlotOrdering, SnapshotError, StatePool, UnknownSlot
 
 from .batcher import Batcher
 from ..config import Settings
-from ..errors import InvalidRequest, StateLost
+from ..errors import InvalidRequest, NotReady, StateLost
 from .gate_params import Gate, load_gate_params
 from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics
@@ -67,8 +71,11 @@ class ServerCore:
 
     ``settings`` gives the pool geometry, device, backend, gate parameters, batching, ttl,
     snapshot path and interval. Metrics go to the core's own registry (``metrics.registry``).
-    Call `start` in the serving loop before use and `close` at the end.
+    Call `start` in the serving loop before use and `close` at the end; it is ready
+    (`check_ready`) once `warmup` has run.
     """
+
+    slot_missing: tuple[type[Exception], ...] = (UnknownSlot,)
 
     def __init__(self, settings: Settings) -> None:
         device = settings.torch_device()
@@ -85,6 +92,7 @@ class ServerCore:
         self.metrics = Metrics(free_slots=lambda: self.pool.stats().free)
         self._snapshot_task: Optional[asyncio.Task[None]] = None
         self._checkpoint_hooks: list[Callable[[], None]] = []
+        self._warm = False
         self.ordering = SlotOrdering()
         self.worker = DeviceWorker(self.geometry.device)
         # host inputs reach a GPU through pinned memory (`_launch`, on the worker thread only)
@@ -114,7 +122,17 @@ class ServerCore:
     async def warmup(self) -> None:
         """Run the kernels once per gate configuration on a scratch pool (never the live
         one), so compilation and autotuning happen before the first request."""
-        await self.worker.run(self._warm)
+        await self.worker.run(self._warm_kernels)
+        self._warm = True
+
+    def is_warm(self) -> bool:
+        """Whether `warmup` has run (the kernels are compiled and tuned)."""
+        return self._warm
+
+    async def check_ready(self) -> None:
+        """Return once `warmup` has run; NotReady (503) before."""
+        if not self._warm:
+            raise NotReady("warming the kernels")
 
     async def close(self) -> None:
         """Finish the launch in progress, write the snapshot when configured, stop the thread."""
@@ -173,7 +191,7 @@ class ServerCore:
             log.info("expired %d idle slot(s)", len(expired))
         return expired
 
-    def _warm(self) -> None:
+    def _warm_kernels(self) -> None:
         """`warmup`'s body: each gate configuration (none, and each layer's server gate with
         l2norm and beta sigmoid, the serving setup) on a scratch pool, in each input dtype."""
         g = self.geometry
@@ -231,6 +249,20 @@ class ServerCore:
             self.persistence.advancing([slot_id])
         self.pool.write_state(slot_id, state)
 
+    def _restore(self, state: torch.Tensor, tokens_per_layer: list[int], state_lost: bool) -> str:
+        (slot_id,) = self._alloc(1)
+        try:
+            if not state_lost:
+                self._write_state(slot_id, state)
+            for layer, count in enumerate(tokens_per_layer):
+                self.pool.record_tokens(slot_id, layer, count)
+            if state_lost:
+                self.pool.mark_lost([slot_id])
+        except BaseException:
+            self._free(slot_id)
+            raise
+        return slot_id
+
     # -- slots -------------------------------------------------------------------------
 
     def _all_layers(self, slot_id: str) -> list[tuple[str, int]]:
@@ -253,12 +285,21 @@ class ServerCore:
         async with self.ordering.hold(self._all_layers(slot_id)):
             return await self.worker.run(self._fork, slot_id)
 
-    def slot_info(self, slot_id: str) -> SlotInfo:
+    async def slot_info(self, slot_id: str) -> SlotInfo:
+        """The slot's metadata (read inline: it never waits)."""
         return self.pool.slot_info(slot_id)
 
     def has_slot(self, slot_id: str) -> bool:
-        """Whether ``slot_id`` is a live slot (metadata only: inline on the loop)."""
+        """Whether ``slot_id`` is live (does not count as a use)."""
         return self.pool.contains(slot_id)
+
+    def slot_ids(self) -> list[str]:
+        """The live slot ids."""
+        return self.pool.slot_ids()
+
+    def stats(self) -> PoolStats:
+        """The pool's capacity, free and used slots and counters."""
+        return self.pool.stats()
 
     async def get_state(self, slot_id: str) -> torch.Tensor:
         """The slot's state, [L, HV, V, K] in the pool dtype, on the host."""
@@ -276,7 +317,18 @@ class ServerCore:
         async with self.ordering.hold(self._all_layers(slot_id)):
             await self.worker.run(self._write_state, slot_id, state)
 
-    def info(self) -> dict[str, Union[int, str, list[int]]]:
+    async def restore_slot(self, state: torch.Tensor, tokens_per_layer: Sequence[int], state_lost: bool) -> str:
+        """A new slot holding ``state`` [L, HV, V, K] (pool dtype, finite) bit for bit with
+        ``tokens_per_layer``: a slot brought in from elsewhere (a move between shards). With
+        ``state_lost`` the state is not copied: the new slot keeps zeros, flagged lost as its
+        source was. All or nothing: PoolFull, GeometryMismatch, InvalidRequest (a state not
+        finite) or an error on the token counts leave no new slot."""
+        if not state_lost:
+            await off_loop(validate_state, state, self.geometry, nbytes=state.numel() * state.element_size())
+        return await self.worker.run(self._restore, state, list(tokens_per_layer), state_lost)
+
+    async def info(self) -> dict[str, Any]:
+        """The ``GET /info`` document (read inline: it never waits)."""
         g = self.geometry
         stats = self.pool.stats()
         return {
@@ -285,6 +337,10 @@ class ServerCore:
             "device": str(g.device), "backend": self.backend,
             "free_slots": stats.free, "used_slots": stats.used, "gate_layers": sorted(self.gates),
         }
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus page of this core's registry."""
+        return self.metrics.render()
 
     # -- prefill -----------------------------------------------------------------------
 

@@ -218,7 +218,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/slots/{slot_id}", response_model=SlotMetadata, responses=_errors(404), summary="Slot metadata")
     async def slot_info(slot_id: str) -> dict[str, Any]:
-        info = core.slot_info(slot_id)
+        info = await core.slot_info(slot_id)
         return {"slot": info.slot_id, "created": info.created, "last_used": info.last_used,
                 "tokens_per_layer": info.tokens_per_layer, "state_lost": info.state_lost}
 
@@ -337,7 +337,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/info", response_model=Info, responses=_errors(),
              summary="Pool geometry, device, backend and free slots")
     async def info() -> dict[str, Any]:
-        return core.info()
+        return await core.info()
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors()})

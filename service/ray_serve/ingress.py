@@ -26,7 +26,6 @@ from service.http.abandon import Abandonment
 from service.config import Settings
 from service.errors import NotReady
 from service.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from service.core.metrics import Metrics
 from service.http.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from service.http.problem_details import install_problem_handlers
 from service.http.body import read_body
@@ -62,7 +61,7 @@ def _payload(data: Any) -> bytes:
 
 def create_ingress_app(core: ShardedCore, settings: Settings) -> FastAPI:
     """The FastAPI app of the ingress: ``settings`` give the API key and body limit."""
-    metrics = Metrics(free_slots=core.free_slots_seen)
+    metrics = core.metrics
     app = FastAPI(title="kda-serve (Ray Serve ingress)", version="0.1.0",
                   summary="KDA chunked prefill over HTTP, sharded over one state pool per GPU",
                   redirect_slashes=False)
@@ -153,7 +152,7 @@ def create_ingress_app(core: ShardedCore, settings: Settings) -> FastAPI:
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics: ingress HTTP and every shard's")
     async def metrics_page() -> Response:
-        return Response(merge_metrics(metrics.render(), await core.metrics()), media_type=METRICS_CONTENT_TYPE)
+        return Response(merge_metrics(metrics.render(), await core.shard_metrics()), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health/live", summary="The ingress is up")
     async def live() -> dict[str, str]:

@@ -62,13 +62,15 @@ class ShardPrefill:
 
 @dataclass(frozen=True)
 class ShardResult:
-    """A shard's `service.core.inputs.PrefillResult`: ``slots`` and ``allocated`` are full ids."""
+    """A shard's `service.core.inputs.PrefillResult`: ``slots`` and ``allocated`` are full
+    ids; ``kernel_s``: seconds of the launch that ran it there."""
 
     slots: list[str]
     lengths: list[int]
     o: Array
     final_state: Optional[Array]
     allocated: list[str]
+    kernel_s: float
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """`ShardedCore`: the ingress's brain. Routes each request to the shards that hold its
 slots, splits a prefill by shard and reassembles it, places new slots, moves and drains.
 
-Its coroutines mirror `ServerCore`'s (alloc, free, fork, slot_info, get_state,
-export_state, put_state, prefill, info), so the HTTP layer on top of it is the single
-server's in all but wiring. What a client sees is the single server's contract:
+It implements `service.core.api.CoreAPI` with `ServerCore`'s signatures (alloc, free,
+fork, slot_info, get_state, export_state, put_state, prefill, info, render_metrics,
+check_ready), so the REST routes on top of it are the single server's own
+(`service.http.routes`). What a client sees is the single server's contract:
 
 - ids are opaque; a moved slot keeps the id its client holds (`SlotDirectory` maps its
   token to where it lives now; this class caches that map and refreshes an entry when a
@@ -35,6 +36,7 @@ from service.config import Settings
 from service.errors import InvalidRequest, NotReady
 from service.core.gate_params import Gate, load_gate_params
 from service.core.inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
+from service.core.metrics import Metrics
 from service.core.validation import validate_prefill
 from service.core.worker import off_loop
 from state_store import GeometryMismatch, PoolFull, PoolGeometry, SlotInfo, UnknownSlot
@@ -42,6 +44,7 @@ from state_store import GeometryMismatch, PoolFull, PoolGeometry, SlotInfo, Unkn
 from .errors import SlotGone, SlotMoving, UnknownShard
 from .ids import parse_slot_id
 from .links import DirectoryLink, ShardLink, ShardUnavailable
+from .metrics import merge_metrics
 from .payload import Array, ShardPrefill, ShardResult, ShardStatus, TakeFailed
 
 log = logging.getLogger("kda_serve.ray.router")
@@ -98,7 +101,10 @@ class ShardedCore:
     """Serves the API over ``shards`` (name -> link), with ``directory`` for moved slots.
     ``settings`` give the geometry and gates every shard shares (validation happens here
     too, so a split request is refused whole). ``move_wait_s``: how long a request waits
-    for a slot that is mid-move before answering 503."""
+    for a slot that is mid-move before answering 503. ``metrics``: the ingress's own
+    (HTTP requests, abandoned responses; free slots as of the last placement figures)."""
+
+    slot_missing: tuple[type[Exception], ...] = (UnknownSlot, SlotGone)
 
     def __init__(self, settings: Settings, shards: Mapping[str, ShardLink], directory: DirectoryLink,
                  move_wait_s: float = 10.0, status_max_age_s: float = 0.5) -> None:
@@ -116,6 +122,7 @@ class ShardedCore:
         self._free: dict[str, int] = {}  # placement figures, refreshed every status_max_age_s
         self._free_at = -float("inf")
         self._draining_seen: set[str] = set()  # the directory's draining set at the last placement
+        self.metrics = Metrics(free_slots=self.free_slots_seen)
 
     # -- routing -----------------------------------------------------------------------
 
@@ -272,43 +279,53 @@ class ShardedCore:
             raise failures[0]
         return ids
 
-    async def free(self, public: str) -> None:
-        await self._on_slot(public, "free")
-        token = self._token(public)
+    async def free(self, slot_id: str) -> None:
+        """Free the slot (``slot_id``: the id its client holds) on the shard that holds it."""
+        await self._on_slot(slot_id, "free")
+        token = self._token(slot_id)
         if self._moved.pop(token, None) is not None:
             await self.directory.forget(token)
 
-    async def fork(self, public: str) -> str:
+    async def fork(self, slot_id: str) -> str:
         """A copy of the slot on the shard that holds it."""
-        return await self._on_slot(public, "fork")
+        return await self._on_slot(slot_id, "fork")
 
-    async def slot_info(self, public: str) -> SlotInfo:
-        info: SlotInfo = await self._on_slot(public, "slot_info")
-        info.slot_id = public
+    async def slot_info(self, slot_id: str) -> SlotInfo:
+        """The slot's metadata from its shard, named by the id its client holds."""
+        info: SlotInfo = await self._on_slot(slot_id, "slot_info")
+        info.slot_id = slot_id
         return info
 
-    async def get_state(self, public: str) -> torch.Tensor:
-        array: Array = await self._on_slot(public, "get_state")
+    async def get_state(self, slot_id: str) -> torch.Tensor:
+        """The slot's state, [L, HV, V, K] in the pool dtype (a view of the bytes received)."""
+        array: Array = await self._on_slot(slot_id, "get_state")
         return array.tensor()
 
-    async def export_state(self, public: str) -> np.ndarray:
-        """The slot's export (safetensors) as bytes in a uint8 array."""
-        return await self._on_slot(public, "export_state")
+    async def export_state(self, slot_id: str) -> bytes:
+        """The slot's export (safetensors); it travels from the shard as a uint8 array."""
+        exported: np.ndarray = await self._on_slot(slot_id, "export_state")
+        return exported.tobytes()
 
-    async def put_state(self, public: str, state: torch.Tensor) -> None:
-        await self._on_slot(public, "put_state", Array.of(state))
+    async def put_state(self, slot_id: str, state: torch.Tensor) -> None:
+        """Replace the slot's state on its shard with ``state`` [L, HV, V, K]."""
+        await self._on_slot(slot_id, "put_state", Array.of(state))
 
     # -- prefill -----------------------------------------------------------------------
 
     async def prefill(self, inputs: PrefillInputs) -> PrefillResult:
-        """Validate whole, then run on the shards holding the slots (see the module docstring)."""
+        """Validate whole, then run on the shards holding the slots (see the module docstring).
+        The result's kernel_s is the longest launch among the shards that ran it."""
+        start = time.perf_counter()
         await off_loop(validate_prefill, inputs, self.geometry, self.gates, nbytes=self._nbytes(inputs))
+        validate_s = time.perf_counter() - start
         deadline = time.monotonic() + self._move_wait_s
         while True:
             try:
-                return await self._prefill_once(inputs, deadline)
+                result = await self._prefill_once(inputs, deadline)
             except _Reroute:
                 continue
+            result.validate_s = validate_s
+            return result
 
     def _routable(self, public: str) -> bool:
         parsed = parse_slot_id(public)
@@ -396,7 +413,7 @@ class ShardedCore:
         o = result.o.tensor()
         final = None if result.final_state is None else result.final_state.tensor()
         slots = [names.get(s, s) for s in result.slots]
-        return PrefillResult(slots, list(x.lengths), o, final, list(result.allocated))
+        return PrefillResult(slots, list(x.lengths), o, final, list(result.allocated), result.kernel_s)
 
     @staticmethod
     def _first_error(errors: Sequence[BaseException], order: Mapping[str, int]) -> BaseException:
@@ -472,7 +489,8 @@ class ShardedCore:
                     finals[i] = final[j:j + 1]
         o = torch.cat([t for t in o_parts if t is not None])
         final_state = torch.cat([t for t in finals if t is not None]) if x.params.return_final_state else None
-        return PrefillResult(slots, list(x.lengths), o, final_state, allocated)
+        kernel_s = max(result.kernel_s for result in replies if isinstance(result, ShardResult))
+        return PrefillResult(slots, list(x.lengths), o, final_state, allocated, kernel_s)
 
     # -- moves -------------------------------------------------------------------------
 
@@ -592,7 +610,17 @@ class ShardedCore:
             rows.append(row)
         return rows
 
-    async def metrics(self) -> dict[str, bytes]:
+    async def check_ready(self) -> None:
+        """Return while at least one shard answers; NotReady (503) when none does."""
+        if not any(isinstance(s, ShardStatus) for s in (await self.statuses()).values()):
+            raise NotReady("no shard answers")
+
+    async def render_metrics(self) -> bytes:
+        """One Prometheus page: the ingress's HTTP families and every answering shard's
+        others, labelled ``shard``."""
+        return merge_metrics(self.metrics.render(), await self.shard_metrics())
+
+    async def shard_metrics(self) -> dict[str, bytes]:
         """Each answering shard's Prometheus text."""
         names = list(self.shards)
         replies = await asyncio.gather(*(self.shards[n].call("metrics", timeout_s=STATUS_TIMEOUT_S) for n in names),

@@ -8,9 +8,10 @@ was asked about: `UnknownSlot` (404) for a slot freed in this chain of clean sto
 `SlotGone` (410) for one that may have died with an earlier process, `SlotMoving` (503)
 for one a move has taken out and not yet landed.
 
-Moves use only `ServerCore`'s public operations (so its journal sees every change): a
-`take` first turns new requests for the slot away (SlotMoving), waits until the requests
-already inside this shard for it are done, then reads its state and frees it.
+Moves use only `ServerCore`'s public operations (so its journal sees every change, and
+every change runs on its device thread): a `take` first turns new requests for the
+slot away (SlotMoving), waits until the requests already inside this shard for it are
+done, then reads its state and frees it; a `put` is `ServerCore.restore_slot`.
 
 Every public coroutine returns a `ShardFault` instead of raising an expected error.
 """
@@ -87,7 +88,7 @@ class ShardServer:
         if self._ttl is not None:
             self._sweeper = asyncio.create_task(self._sweep_forever(min(max(self._ttl / 4, 0.05), 10.0)))
         log.info("shard %s up: incarnation %d, %d slot(s) restored", self.name, self._incarnation.number,
-                 self.core.pool.stats().used)
+                 self.core.stats().used)
 
     async def close(self) -> None:
         """Finish queued work, let the core write its last snapshot, mark the stop clean."""
@@ -164,13 +165,13 @@ class ShardServer:
 
     @_faults
     async def status(self) -> ShardStatus:
-        stats = self.core.pool.stats()
+        stats = self.core.stats()
         return ShardStatus(self.name, self._incarnation.number, stats.capacity, stats.free, stats.used,
                            str(self.core.geometry.device), self.core.backend, os.getpid())
 
     @_faults
     async def metrics(self) -> bytes:
-        return self.core.metrics.render()
+        return await self.core.render_metrics()
 
     @_faults
     async def alloc(self, count: int) -> list[str]:
@@ -192,14 +193,14 @@ class ShardServer:
     async def slot_info(self, slot_id: str) -> SlotInfo:
         token, ids = self._one(slot_id)
         async with self._using(ids):
-            return self.core.slot_info(token)
+            return await self.core.slot_info(token)
 
     @_faults
     async def check(self, slot_ids: list[str]) -> None:
         """Raise (as a fault) for the first of ``slot_ids`` that cannot be used now."""
         for slot_id in slot_ids:
             token = self._token(slot_id)
-            if token in self._moved_out or not self.core.pool.contains(token):
+            if token in self._moved_out or not self.core.has_slot(token):
                 raise self._missing(slot_id)
 
     @_faults
@@ -231,7 +232,7 @@ class ShardServer:
         return ShardResult(
             slots=[ids.get(token) or issued[token] for token in result.slots], lengths=result.lengths,
             o=Array.of(result.o), final_state=None if result.final_state is None else Array.of(result.final_state),
-            allocated=[issued[token] for token in result.allocated],
+            allocated=[issued[token] for token in result.allocated], kernel_s=result.kernel_s,
         )
 
     # -- moves -------------------------------------------------------------------------
@@ -240,7 +241,7 @@ class ShardServer:
     async def slot_ids(self) -> list[str]:
         """An id for each live slot not being moved (this incarnation's form: any
         incarnation reaches a live token)."""
-        return [self._issue(token) for token in self.core.pool.slot_ids() if token not in self._moved_out]
+        return [self._issue(token) for token in self.core.slot_ids() if token not in self._moved_out]
 
     @_faults
     async def take(self, slot_id: str) -> SlotCargo:
@@ -255,7 +256,7 @@ class ShardServer:
                 await self._quiet.wait_for(lambda: token not in self._busy)
             try:
                 state = await self.core.get_state(token)
-                info = self.core.slot_info(token)
+                info = await self.core.slot_info(token)
                 await self.core.free(token)
             except UnknownSlot:
                 raise UnknownSlot(slot_id) from None
@@ -271,17 +272,7 @@ class ShardServer:
         the `take` chained into this call comes back as `TakeFailed`."""
         if isinstance(cargo, ShardFault):
             return TakeFailed(cargo)
-        (token,) = await self.core.alloc(1)
-        try:
-            if not cargo.state_lost:
-                await self.core.put_state(token, cargo.state.tensor())
-            for layer, count in enumerate(cargo.tokens_per_layer):
-                self.core.pool.record_tokens(token, layer, count)
-            if cargo.state_lost:
-                self.core.pool.mark_lost([token])
-        except BaseException:
-            await self.core.free(token)
-            raise
+        token = await self.core.restore_slot(cargo.state.tensor(), cargo.tokens_per_layer, cargo.state_lost)
         return self._issue(token)
 
     @_faults

@@ -32,7 +32,7 @@ from service.ray_serve.incarnation import Incarnation, ShardFiles  # noqa: E402
 from service.ray_serve.metrics import merge_metrics  # noqa: E402
 from service.ray_serve.payload import Array, ShardPrefill, SlotCargo, TakeFailed  # noqa: E402
 from service.core.inputs import REQUIRED_TENSORS, PrefillParams  # noqa: E402
-from service.ray_serve.router import plan_placement  # noqa: E402
+from service.ray_serve.router import ShardedCore, plan_placement  # noqa: E402
 from service.ray_serve.shard import ShardServer  # noqa: E402
 from state_store import PoolFull, UnknownSlot  # noqa: E402
 
@@ -299,3 +299,17 @@ def test_ingress_app_keeps_the_api_key_and_body_limit() -> None:
         assert r.status_code == 413
         paths = http.get("/openapi.json", headers={"authorization": "Bearer sesame"}).json()["paths"]
         assert {"/slots/{slot_id}/move", "/shards", "/shards/{name}/drain", "/prefill"} <= set(paths)
+
+
+# -- the sharded core is a core ------------------------------------------------------------
+
+def _placeholder_core(settings: Settings = SETTINGS) -> ShardedCore:
+    """A `ShardedCore` whose shard and directory links are never called (a call fails)."""
+    return ShardedCore(settings, {"a": object()}, object())  # type: ignore[dict-item,arg-type]
+
+
+def test_sharded_core_implements_the_core_protocol() -> None:
+    from route_helpers import assert_core_attributes, assert_implements_core_api
+
+    assert_implements_core_api(ShardedCore)
+    assert_core_attributes(_placeholder_core())

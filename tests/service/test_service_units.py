@@ -21,7 +21,7 @@ from service.core.inputs import PARAM_NAMES, REQUIRED_TENSORS, PrefillInputs, Pr
 from service.core.metrics import Metrics
 from service.core.validation import all_finite, finite_flags, validate_prefill
 from service.core.worker import DeviceWorker
-from state_store import PoolGeometry, UnknownSlot
+from state_store import PoolFull, PoolGeometry, UnknownSlot
 
 GEOMETRY = PoolGeometry(LAYERS, SLOTS, HV, K, V, torch.float32, torch.device("cpu"))
 
@@ -237,7 +237,7 @@ def test_server_core_runs_without_fastapi(gen):
             result = await core.prefill(x)
             with pytest.raises(UnknownSlot):
                 await core.prefill(inputs(gen, slots=["gone", None]))
-            assert core.info()["free_slots"] == 2  # the refused request allocated nothing
+            assert (await core.info())["free_slots"] == 2  # the refused request allocated nothing
             return result, await core.get_state(result.slots[1])
         finally:
             await core.close()
@@ -284,6 +284,50 @@ def test_a_prefill_is_validated_once(gen, monkeypatch):
     o_ref, final_ref = reference(seqs)
     assert validations == [1]
     assert rel(result.o, o_ref) < TOL and rel(result.final_state, final_ref) < TOL
+
+
+def test_server_core_queries_and_restore_slot(gen):
+    """The queries front ends use instead of the pool (has_slot, slot_ids, stats), readiness
+    after warmup, and restore_slot: a new slot bit for bit with its token counts, a lost one
+    flagged and not copied, and all or nothing (a state that does not fit or is not finite,
+    a full pool, token counts for a layer the pool lacks)."""
+    settings = Settings(num_layers=LAYERS, num_slots=3, num_heads=HV, head_dim=K, head_v_dim=V, batch_window_ms=0)
+    state = torch.randn(LAYERS, HV, V, K, generator=gen)
+
+    async def main():
+        core = ServerCore(settings)
+        await core.start()
+        try:
+            with pytest.raises(NotReady):
+                await core.check_ready()
+            await core.warmup()
+            await core.check_ready()
+            restored = await core.restore_slot(state, [7, 3], False)
+            assert core.has_slot(restored) and core.slot_ids() == [restored] and not core.has_slot("nope")
+            assert torch.equal(await core.get_state(restored), state)
+            info = await core.slot_info(restored)
+            assert info.tokens_per_layer == [7, 3] and not info.state_lost
+            lost = await core.restore_slot(state, [1, 0], True)
+            info = await core.slot_info(lost)
+            assert info.state_lost and info.tokens_per_layer == [1, 0]
+            assert not (await core.get_state(lost)).any()  # a lost state is not copied
+            nan = state.clone()
+            nan[1, 2, 3, 4] = float("nan")
+            for bad in (state.double(), nan):
+                with pytest.raises(InvalidRequest):
+                    await core.restore_slot(bad, [0, 0], False)
+            await core.alloc(1)
+            with pytest.raises(PoolFull):
+                await core.restore_slot(state, [0, 0], False)
+            assert core.stats().used == 3 and (await core.info())["free_slots"] == 0
+            await core.free(lost)
+            with pytest.raises(IndexError):  # a count for a layer the pool lacks
+                await core.restore_slot(state, [0, 0, 5], False)
+            assert core.stats().used == 2  # nothing was left behind
+        finally:
+            await core.close()
+
+    asyncio.run(main())
 
 
 def test_apps_keep_their_own_metrics():
