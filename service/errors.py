@@ -100,3 +100,13 @@ class NotReady(ServiceError):
     status = 503
     slug = "not-ready"
     title = "Service not ready"
+
+
+class SharedMemoryUnavailable(ServiceError):
+    """The deployment reads no shared memory (a sharded one: regions registered with one
+    ingress replica would be unknown to the others), so its region routes have nothing to
+    serve."""
+
+    status = 404
+    slug = "shared-memory-unavailable"
+    title = "No shared memory on this deployment"

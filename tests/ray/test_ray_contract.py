@@ -67,6 +67,22 @@ def test_split_prefill_matches_the_reference(cluster: Cluster, client: KDAClient
         client.free(s)
 
 
+def test_prefill_reports_server_timing(cluster: Cluster, client: KDAClient, json_client: KDAClient,
+                                      gen: torch.Generator) -> None:
+    """The ingress serves the single server's /prefill route: Server-Timing in both
+    encodings, on a request split over the two shards."""
+    for c in (client, json_client):
+        a, b = on_both(c, cluster)
+        seqs = [make_sequence(T, gen) for T in (6, 9)]
+        out = c.prefill(0, [(a, *seqs[0]), (b, *seqs[1])])
+        assert set(out.server_timing) == {"decode", "validate", "kernel", "encode"}
+        assert all(ms >= 0 for ms in out.server_timing.values()) and out.server_timing["kernel"] > 0
+        o_ref, final_ref = reference(seqs)
+        assert rel(out.o_packed, o_ref) < TOL and rel(out.final_state, final_ref) < TOL
+        for s in (a, b):
+            c.free(s)
+
+
 def test_json_encoding_and_no_final_state(cluster: Cluster, json_client: KDAClient, gen: torch.Generator) -> None:
     a, b = on_both(json_client, cluster)
     seqs = [make_sequence(T, gen) for T in (3, 66)]

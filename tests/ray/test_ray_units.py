@@ -301,7 +301,7 @@ def test_ingress_app_keeps_the_api_key_and_body_limit() -> None:
         assert {"/slots/{slot_id}/move", "/shards", "/shards/{name}/drain", "/prefill"} <= set(paths)
 
 
-# -- the sharded core is a core ------------------------------------------------------------
+# -- the ingress's REST routes are the single server's -------------------------------------
 
 def _placeholder_core(settings: Settings = SETTINGS) -> ShardedCore:
     """A `ShardedCore` whose shard and directory links are never called (a call fails)."""
@@ -313,3 +313,63 @@ def test_sharded_core_implements_the_core_protocol() -> None:
 
     assert_implements_core_api(ShardedCore)
     assert_core_attributes(_placeholder_core())
+
+
+def test_the_ingress_mounts_the_single_servers_rest_routes() -> None:
+    """Every REST route of the single app is served by the ingress from the same endpoint
+    of the same module; the ingress adds only move and the shard routes."""
+    from route_helpers import endpoints
+
+    from service.http.app import create_app
+    from service.ray_serve.ingress import create_ingress_app
+
+    single = {key: where for key, where in endpoints(create_app(SETTINGS)).items() if not key[1].startswith("/v2")}
+    ingress = endpoints(create_ingress_app(_placeholder_core(), SETTINGS))
+    assert {key: ingress.get(key) for key in single} == single
+    own = {key: where for key, where in ingress.items() if key not in single}
+    assert set(own) == {("POST", "/slots/{slot_id}/move"), ("GET", "/shards"), ("POST", "/shards/{name}/drain"),
+                        ("POST", "/shards/{name}/resume")}
+    assert {module for module, _ in own.values()} == {"service.ray_serve.ingress"}
+
+
+def test_the_ingress_refuses_shared_memory_with_a_clear_4xx() -> None:
+    """No region registry on a sharded deployment: a shared memory /prefill is 415 and the
+    region routes 404, each a problem saying so, and no shard is asked anything."""
+    from fastapi.testclient import TestClient
+
+    from service.ray_serve.ingress import create_ingress_app
+
+    with TestClient(create_ingress_app(_placeholder_core(), SETTINGS)) as http:
+        r = http.post("/prefill", content=b"{}", headers={"content-type": "application/vnd.kda.shm+json"})
+        assert r.status_code == 415 and r.headers["content-type"] == "application/problem+json"
+        assert "reads no shared memory" in r.json()["detail"]
+        for method, path in [("POST", "/shm/regions"), ("GET", "/shm/regions"), ("GET", "/shm/regions/x"),
+                             ("DELETE", "/shm/regions/x")]:
+            body = {"name": "x", "key": "/x", "byte_size": 8} if method == "POST" else None
+            r = http.request(method, path, json=body)
+            assert r.status_code == 404 and r.json()["type"].endswith(":shared-memory-unavailable"), (path, r.text)
+            assert "reads no shared memory" in r.json()["detail"]
+
+
+def test_ingress_bodies_reach_serve_as_picklable_bytes() -> None:
+    """Serve pickles every ASGI message from the ingress replica to its proxy: the body
+    pieces the routes send as memoryviews (uncopied tensor bytes) leave as bytes."""
+    from service.ray_serve.ingress import PicklableBodies
+
+    data = torch.arange(12, dtype=torch.float32)
+    sent: list[dict] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": memoryview(data.numpy()).cast("B"),  # type: ignore[operator]
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"end", "more_body": False})  # type: ignore[operator]
+
+    async def collect(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(PicklableBodies(app)({"type": "http"}, None, collect))  # type: ignore[arg-type]
+    back = pickle.loads(pickle.dumps(sent))
+    assert [m["type"] for m in back] == ["http.response.start", "http.response.body", "http.response.body"]
+    assert isinstance(back[1]["body"], bytes) and back[1]["body"] == data.numpy().tobytes()
+    assert back[2]["body"] == b"end" and back[1]["more_body"] and not back[2]["more_body"]

@@ -1,0 +1,39 @@
+"""`create_rest_app`: a FastAPI app serving the REST API over a core, with the middleware
+and error handling every deployment wears: problem+json for every error, the body limit
+and timeout, the API key when one is set, and per-route metrics in ``core.metrics``.
+The single-process app (`service.http.app`) and the Ray Serve ingress
+(`service.ray_serve.ingress`) are this app plus their own routes."""
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from typing import Callable, Optional
+
+from fastapi import FastAPI
+
+from ..config import Settings
+from ..core.api import CoreAPI
+from ..shm.registry import ShmRegistry
+from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from .openapi import install_openapi
+from .problem_details import install_problem_handlers
+from .routes import rest_router
+
+VERSION = "0.1.0"
+
+
+def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: str,
+                    regions: Optional[ShmRegistry] = None, lifespan: Optional[Callable[[FastAPI], AbstractAsyncContextManager[None]]] = None) -> FastAPI:
+    """The app serving `service.http.routes.rest_router` over ``core`` (``app.state.core``);
+    ``settings`` give the API key, body limit and body timeout; ``regions``: the shared
+    memory registry /prefill reads (None: refused); ``lifespan``: FastAPI's."""
+    app = FastAPI(title=title, version=VERSION, summary=summary, lifespan=lifespan,
+                  redirect_slashes=False)  # "/slots/" is a 404, not a redirect outside the documented statuses
+    app.state.core = core
+    install_problem_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    if settings.api_key is not None:
+        app.add_middleware(AuthMiddleware, api_key=settings.api_key)
+    app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
+    app.include_router(rest_router(core, regions))
+    install_openapi(app)
+    return app
