@@ -20,7 +20,7 @@ from ..core.inputs import (
     OPTIONAL_TENSORS, PARAM_NAMES, REQUIRED_TENSORS, TENSORS, PrefillInputs, PrefillParams, PrefillResult,
 )
 from .media import JSON
-from .safetensors_codec import encode_safetensors, parse_safetensors, safetensors_pieces
+from .safetensors_codec import parse_safetensors, safetensors_pieces
 from .schema import PrefillJSONRequest, PrefillJSONResponse, PrefillOptions, parse_model
 from .tensors import tensor_to_json
 
@@ -69,16 +69,10 @@ def encode_prefill_json(result: PrefillResult) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode("ascii")
 
 
-def encode_prefill_safetensors(result: PrefillResult) -> bytearray:
-    tensors = {"o": result.o}
-    if result.final_state is not None:
-        tensors["final_state"] = result.final_state
-    return encode_safetensors(tensors, {"response": json.dumps({"slots": result.slots})})
-
-
 def prefill_safetensors_pieces(result: PrefillResult) -> list[memoryview]:
-    """`encode_prefill_safetensors`'s body as pieces to send one after another: the header,
-    then views of o's and final_state's own bytes (no copy of the outputs)."""
+    """A safetensors /prefill response (o, final_state when given, ``__metadata__.response``
+    = ``{"slots": [...]}``) as pieces to send one after another: the header, then views of
+    o's and final_state's own bytes (no copy of the outputs)."""
     tensors = {"o": result.o}
     if result.final_state is not None:
         tensors["final_state"] = result.final_state
