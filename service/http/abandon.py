@@ -25,13 +25,17 @@ T = TypeVar("T")
 
 class Abandonment:
     """Frees slots through ``free`` (a core's, single or sharded) and counts each abandoned
-    response in ``counter``; ``missing``: the errors of a slot already gone, skipped."""
+    response in ``counter``; ``missing``: the errors of a slot already gone, skipped.
+    ``shield``: `made` shields the work from the caller's cancellation, for a server that
+    cancels the request of a client that left (Ray Serve); where none does (uvicorn), it
+    just awaits the work, sparing a task per request."""
 
     def __init__(self, free: Callable[[str], Awaitable[None]], counter: Counter,
-                 missing: tuple[type[Exception], ...] = (UnknownSlot,)) -> None:
+                 missing: tuple[type[Exception], ...] = (UnknownSlot,), shield: bool = True) -> None:
         self._free = free
         self._counter = counter
         self._missing = missing
+        self._shield = shield
         self._releasing: set[asyncio.Task[None]] = set()  # strong references until done
 
     async def release(self, created: Sequence[str]) -> None:
@@ -53,7 +57,9 @@ class Abandonment:
     async def made(self, create: Awaitable[T], slot_ids: Callable[[T], Sequence[str]]) -> T:
         """``await create`` (work that makes slots; ``slot_ids`` names them in its result)
         so that cancelling the caller cannot lose them: the work runs on, and once it is
-        done the slots it made are freed."""
+        done the slots it made are freed (with ``shield``; else plainly awaited)."""
+        if not self._shield:
+            return await create
         task = asyncio.ensure_future(create)
         try:
             return await asyncio.shield(task)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
-from typing import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import AsyncIterator
 
 from fastapi import FastAPI
 
@@ -30,7 +30,7 @@ from ..config import Settings
 from ..core.server import ServerCore
 from ..kserve import ProtocolErrors, kserve_router
 from ..shm.registry import ShmRegistry
-from .rest_app import create_rest_app
+from .rest_app import Lifespan, create_rest_app
 
 log = logging.getLogger("kda_serve.app")
 _REGION_EXPIRY_S = 1.0  # how often leased shared memory regions are checked for expiry
@@ -61,8 +61,7 @@ async def _expire_regions(registry: ShmRegistry) -> None:
         registry.expire()
 
 
-def _lifespan(core: ServerCore, registry: ShmRegistry,
-              settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Lifespan:
     """Start the core, warm the kernels in the background, expire leased regions, sweep
     idle slots when a ttl is set; at shutdown stop those and close the regions and the core
     (its last snapshot)."""

@@ -21,11 +21,16 @@ from .routes import rest_router
 VERSION = "0.1.0"
 
 
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
+
 def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: str,
-                    regions: Optional[ShmRegistry] = None, lifespan: Optional[Callable[[FastAPI], AbstractAsyncContextManager[None]]] = None) -> FastAPI:
+                    regions: Optional[ShmRegistry] = None, server_cancels: bool = False,
+                    lifespan: Optional[Lifespan] = None) -> FastAPI:
     """The app serving `service.http.routes.rest_router` over ``core`` (``app.state.core``);
     ``settings`` give the API key, body limit and body timeout; ``regions``: the shared
-    memory registry /prefill reads (None: refused); ``lifespan``: FastAPI's."""
+    memory registry /prefill reads (None: refused); ``server_cancels``: the server cancels
+    the request of a client that left (`rest_router`); ``lifespan``: FastAPI's."""
     app = FastAPI(title=title, version=VERSION, summary=summary, lifespan=lifespan,
                   redirect_slashes=False)  # "/slots/" is a 404, not a redirect outside the documented statuses
     app.state.core = core
@@ -34,6 +39,6 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
     if settings.api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
-    app.include_router(rest_router(core, regions))
+    app.include_router(rest_router(core, regions, server_cancels))
     install_openapi(app)
     return app

@@ -87,7 +87,8 @@ def shard_router(core: ShardedCore) -> APIRouter:
 def create_ingress_app(core: ShardedCore, settings: Settings) -> FastAPI:
     """The FastAPI app of the ingress: ``settings`` give the API key and body limit."""
     app = create_rest_app(core, settings, title="kda-serve (Ray Serve ingress)",
-                          summary="KDA chunked prefill over HTTP, sharded over one state pool per GPU")
+                          summary="KDA chunked prefill over HTTP, sharded over one state pool per GPU",
+                          server_cancels=True)  # Serve cancels the request of a client that left
     app.add_middleware(PicklableBodies)  # outermost: every body the app sends goes to Serve's pickle
     app.include_router(shard_router(core))
     return app

@@ -11,7 +11,7 @@ from service.http.abandon import Abandonment
 from state_store import UnknownSlot
 
 
-def _setup() -> tuple[Abandonment, list[str], CollectorRegistry]:
+def _setup(shield: bool = True) -> tuple[Abandonment, list[str], CollectorRegistry]:
     freed: list[str] = []
 
     async def free(slot_id: str) -> None:
@@ -20,7 +20,7 @@ def _setup() -> tuple[Abandonment, list[str], CollectorRegistry]:
         freed.append(slot_id)
 
     registry = CollectorRegistry()
-    return Abandonment(free, Counter("abandoned", "test", registry=registry)), freed, registry
+    return Abandonment(free, Counter("abandoned", "test", registry=registry), shield=shield), freed, registry
 
 
 def _count(registry: CollectorRegistry) -> float:
@@ -58,3 +58,27 @@ def test_a_cancelled_caller_frees_what_the_work_made_once_done(fail: bool) -> No
         assert freed == [] and _count(registry) == 0
     else:
         assert freed == ["a", "b"] and _count(registry) == 1
+
+
+def test_unshielded_made_just_awaits_so_a_cancel_stops_the_work() -> None:
+    """Where the server never cancels a request (uvicorn), `made` runs no task of its own:
+    a cancel reaches the work itself, and nothing is left running to free anything."""
+    left, freed, registry = _setup(shield=False)
+    finished: list[bool] = []
+
+    async def make() -> list[str]:
+        await asyncio.sleep(0.05)
+        finished.append(True)
+        return ["a"]
+
+    async def scenario() -> None:
+        assert await left.made(make(), list) == ["a"]
+        caller = asyncio.ensure_future(left.made(make(), list))
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    assert finished == [True] and freed == [] and _count(registry) == 0

@@ -29,12 +29,14 @@ from .slots import add_slot_routes
 from .state import add_state_routes
 from .status import add_status_routes
 
-def rest_router(core: CoreAPI, regions: Optional[ShmRegistry] = None) -> APIRouter:
+def rest_router(core: CoreAPI, regions: Optional[ShmRegistry] = None, server_cancels: bool = False) -> APIRouter:
     """Every REST route on ``core``; shared memory through ``regions`` (None: refused).
     Slots made for a client that left before learning their ids are freed again and
-    counted in ``core.metrics.abandoned``."""
+    counted in ``core.metrics.abandoned``; with ``server_cancels`` (the server cancels the
+    request of a client that left: Ray Serve) also when the request was cancelled while
+    they were being made."""
     router = APIRouter()
-    left = Abandonment(core.free, core.metrics.abandoned, missing=core.slot_missing)
+    left = Abandonment(core.free, core.metrics.abandoned, missing=core.slot_missing, shield=server_cancels)
     add_slot_routes(router, core, left)
     add_state_routes(router, core)
     add_prefill_route(router, core, left, regions)
