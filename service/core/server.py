@@ -9,8 +9,8 @@ serve the other front ends. Every method is for one asyncio loop.
 Threads: every pool call that touches pool memory (alloc, free, fork, state reads and
 writes, restores, launches, sweeps, snapshots) runs on the core's one `DeviceWorker`
 thread, in order; only metadata reads (has_slot, slot_ids, slot_info, stats) run inline
-on the loop. Work on a
-slot first holds its (slot, layer) keys in a `SlotOrdering`, so it runs in arrival order.
+on the loop. Work on a slot first holds its (slot, layer) keys in a `SlotOrdering`, so it
+runs in arrival order.
 
 Order of a prefill: validate (400) -> named slots exist (404) and are not flagged
 state_lost (409) -> allocate the null slots (503 when full) -> hold (slot, layer) of every
