@@ -47,6 +47,9 @@ class PrefillProblem:
     indices: [N] int64 on the device: sequence n reads and writes ``pool[indices[n]]``;
     -1 means a zero initial state and no write-back.
     A_log: [HV] or None; dt_bias: [HV, K] or None; lower_bound: float or None.
+    checkpoint_tokens: packed token positions (host ints), each a chunk end of its sequence
+    (``bounds[n] + 64 j``, j >= 1, or ``bounds[n + 1]``), distinct; checkpoint_states:
+    [C, ..] in the pool's layout and dtype, receives the state after each (None: none).
     """
 
     q: torch.Tensor
@@ -67,6 +70,8 @@ class PrefillProblem:
     use_beta_sigmoid: bool
     allow_neg_eigval: bool
     output_intermediate_states: bool
+    checkpoint_tokens: tuple[int, ...] = ()
+    checkpoint_states: Optional[torch.Tensor] = None
 
     @property
     def lengths(self) -> list[int]:
@@ -122,5 +127,6 @@ def packed_problem(
 
 # A backend runs a problem: returns o [T, HV, V] in v's dtype and, when
 # output_intermediate_states, h [NT, HV, V, K] (or [NT, HV, K, V]) in fp32: the state
-# before each chunk; final states are written into pool rows in place.
+# before each chunk; final states are written into pool rows in place, and the state after
+# each checkpoint position into its checkpoint_states row.
 Backend = Callable[[PrefillProblem], tuple[torch.Tensor, Optional[torch.Tensor]]]

@@ -26,10 +26,15 @@ on the real-scale vectors: o and states within 3e-6 of float64).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
-from .gate import activate_beta, block_sums, decay_tile, gate_params, load_rows
+from .config import LaunchConfig
+from .gate import GATE_LOWER_BOUND, LOG_DECAY_FLOOR, activate_beta, block_sums, decay_tile, gate_params, load_rows
+from .inputs import StageInputs
 
 BT = 64  # chunk
 BC = 16  # sub-block
@@ -258,3 +263,31 @@ def chunk_intra_kernel(
     tl.store(r_c + o_t * (HV * 2), rq, mask=m_t)
     tl.store(r_c + o_t * (HV * 2) + 1, rk, mask=m_t)
     tl.store(aqk + (t0 * HV + i_hv) * 64 + o_r, A_qk.to(aqk.dtype.element_ty), mask=m_t[:, None])
+
+
+@dataclass(frozen=True)
+class IntraOutputs:
+    """The intra stage's outputs: tb = T diag(beta) [T, HV, 64] (fp16 with fp16_solve, else
+    fp32), aqk = A_qk [T, HV, 64] in the operand dtype, rqk [T, HV, 2] fp32 (q, k norm factors)."""
+
+    tb: torch.Tensor
+    aqk: torch.Tensor
+    rqk: torch.Tensor
+
+    @classmethod
+    def alloc(cls, x: StageInputs) -> "IntraOutputs":
+        rows = (x.T, x.HV, BT)
+        return cls(tb=torch.empty(rows, dtype=torch.float16 if x.fp16_solve else torch.float32, device=x.device),
+                   aqk=torch.empty(rows, dtype=x.mat, device=x.device),
+                   rqk=torch.empty(x.T, x.HV, 2, dtype=torch.float32, device=x.device))
+
+
+def launch_intra(x: StageInputs, chunks: torch.Tensor, out: IntraOutputs, cfg: LaunchConfig) -> None:
+    """The intra-chunk matrices and the solve of the chunk rows ``chunks`` ([NTc, 3],
+    `kernels.triton_plan`), into ``out``."""
+    chunk_intra_kernel[(chunks.shape[0], x.HV)](
+        x.q, x.k, x.g, x.beta, x.a_log, x.dt_bias, out.tb, out.aqk, out.rqk, chunks, x.scale, x.lower_bound,
+        H=x.H, HV=x.HV, K=x.K, BK=cfg.intra_bk, BKD=cfg.intra_bkd, **x.flags, SAFE=x.gate == GATE_LOWER_BOUND,
+        DOT_PREC=x.dot_prec, FLOOR=LOG_DECAY_FLOOR, FP16_SOLVE=x.fp16_solve, DIAG16=cfg.solve_diag16,
+        FACTORED=cfg.factored_a, num_warps=cfg.intra_warps, num_stages=cfg.intra_stages,
+    )

@@ -7,8 +7,12 @@ with h the state before the chunk (from the state pass), qg = scale * Q * exp(G)
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from .config import LaunchConfig
+from .inputs import StageInputs
 
 
 @triton.jit
@@ -51,3 +55,14 @@ def chunk_output_kernel(
     b_v = tl.load(v_new + tv + p_tv, mask=m_tv, other=0.0)
     acc = tl.dot(b_a, b_v.to(b_a.dtype), acc, input_precision=DOT_PREC)
     tl.store(o + tv + p_tv, acc.to(o.dtype.element_ty), mask=m_tv)
+
+
+def launch_output(x: StageInputs, chunks: torch.Tensor, qg: torch.Tensor, h: torch.Tensor,
+                  h_strides: tuple[int, int], v_new: torch.Tensor, aqk: torch.Tensor, o: torch.Tensor,
+                  cfg: LaunchConfig) -> None:
+    """o [T, HV, V] of the chunk rows ``chunks`` from the state pass's per-chunk states ``h``
+    (key, value strides ``h_strides``) and v_new, and the WY stage's qg and intra's aqk."""
+    chunk_output_kernel[(chunks.shape[0] * triton.cdiv(x.V, cfg.out_bv), x.HV)](
+        qg, h, v_new, aqk, o, chunks, *h_strides, HV=x.HV, K=x.K, V=x.V, BK=cfg.out_bk, BV=cfg.out_bv,
+        DOT_PREC=x.dot_prec, num_warps=cfg.out_warps, num_stages=cfg.out_stages,
+    )

@@ -14,20 +14,39 @@ nothing. A segment of a sequence cut into pieces (`kernels.triton_plan`) reads a
 writes a carry row instead, by its segment-table entry. The pool is addressed through its strides, so [S, HV, V, K] and [S, HV, K, V]
 layouts (fp32 or bf16) are one code path. This kernel must never be autotuned: a timing
 run would advance live states.
+
+Checkpoints (CHECKPOINT): after each chunk, when ``ckpt_rows[chunk]`` names a row, the
+state after that chunk goes to that row of ``ckpt`` as well (`store_checkpoint`).
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import triton
 import triton.language as tl
+
+from .inputs import StageInputs, StateTargets
+from .wy import WyOutputs
+
+
+@triton.jit
+def store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, o_k, o_v, m_kv, c_row, c_head, c_k, c_v):
+    """Store the [BK, BV] fp32 state b_h (after chunk i_g) to ``ckpt`` row ckpt_rows[i_g] in
+    ckpt's dtype, head i_hv, element strides c_k, c_v; nothing when that row is -1."""
+    row = tl.load(ckpt_rows + i_g)
+    if row >= 0:
+        p = ckpt + row * c_row + i_hv * c_head + (o_k[:, None] * c_k + o_v[None, :] * c_v)
+        tl.store(p, b_h.to(ckpt.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit
 def chunk_state_kernel(
-    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry,
-    s_slot, s_head, s_pk, s_pv, s_hk, s_hv,
+    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry, ckpt_rows, ckpt,
+    s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_row, c_head, c_k, c_v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
+    FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Grid (Ns * HV * cdiv(V, BV),). segs: [Ns, 6] int64 (sequence id, first token, end
     token, h index of its first chunk, carry row to load or -1, carry row to store or -1);
@@ -36,7 +55,8 @@ def chunk_state_kernel(
     w, kg, qg: [T, HV, K] and aqk: [T, HV, 64] in the operand dtype (fp32 or fp16: the
     products cast S and v_new to it); u, v_new: [T, HV, V] and gexp: [NT, HV, K] fp32; o: [T, HV, V] in v's dtype (FUSE_OUT) ; v_new written unless FUSE_OUT;
     h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state (STORE_H);
-    pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64.
+    pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64;
+    ckpt_rows [NT] int64 and ckpt (row, head, key, value strides c_*) as in `StateTargets`.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -93,9 +113,31 @@ def chunk_state_kernel(
         b_gl = tl.load(gexp + (i_g * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
         b_k = tl.load(kg + p_tk, mask=m_tk, other=0.0)
         b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PREC)
+        if CHECKPOINT:
+            store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, o_k, o_v, m_kv, c_row, c_head, c_k, c_v)
 
     if store_carry >= 0:
         tl.store(carry + (store_carry * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :]), b_h, mask=m_kv)
     else:  # slot -1: no write
         p_pool = pool + slot * s_slot + i_hv * s_head + (o_k[:, None] * s_pk + o_v[None, :] * s_pv)
         tl.store(p_pool, b_h.to(pool.dtype.element_ty), mask=m_kv & (slot + o_k * 0 >= 0)[:, None])
+
+
+def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.Tensor, o: torch.Tensor,
+                 v_new: Optional[torch.Tensor], st: StateTargets, carry: torch.Tensor,
+                 launch: tuple[int, int, int]) -> None:
+    """The state pass over the segment rows ``segs`` ([Ns, 6], `kernels.triton_plan`), from
+    the WY factors ``wy`` and A_qk ``aqk`` [T, HV, 64]: o [T, HV, V] when ``v_new`` is None
+    (fused output), else v_new [T, HV, V] fp32 and the per-chunk states ``st.h`` for the
+    output stage; final states to the pool, checkpoints to ``st.ckpt``. ``launch``: (BV,
+    warps, stages) from `config.state_launch`."""
+    bv, warps, stages = launch
+    h, ckpt_rows, ckpt = st.pointers(o)
+    fused = v_new is None
+    chunk_state_kernel[(segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)](
+        wy.w, wy.u, wy.kg, wy.gexp, wy.qg, aqk, o, o if fused else v_new, h, st.pool, st.indices, segs, carry,
+        ckpt_rows, ckpt, *st.pool_strides, *st.h_strides, *st.ckpt_strides,
+        HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
+        STORE_H=st.h is not None, CHECKPOINT=st.ckpt is not None, DOT_PREC=x.dot_prec,
+        num_warps=warps, num_stages=stages,
+    )

@@ -16,10 +16,15 @@ no cancellation); G_last - G_t is the exclusive suffix sum, never G_last - G its
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
-from .gate import block_sums, decay_tile, gate_params, load_rows
+from .config import LaunchConfig
+from .gate import LOG_DECAY_FLOOR, block_sums, decay_tile, gate_params, load_rows
+from .inputs import StageInputs
 
 
 @triton.jit
@@ -123,4 +128,35 @@ def chunk_wy_kernel(
         v + (t0 * HV + i_hv) * V, w + tk, kg + tk, qg + tk, u + (t0 * HV + i_hv) * V, gexp + (i_g * HV + i_hv) * K,
         a_log, dt_bias, lower_bound, t1 - t0, i_hv, H, HV, K, V, BK, BV, GATE, HAS_A_LOG, HAS_DT_BIAS,
         DOT_PREC, FLOOR, BLOCK_SCAN, tb.dtype.element_ty == tl.float16,
+    )
+
+
+@dataclass(frozen=True)
+class WyOutputs:
+    """The WY stage's outputs (see the module docstring): w, kg, qg [T, HV, K] in the
+    operand dtype, u [T, HV, V] fp32, gexp [NT, HV, K] fp32."""
+
+    w: torch.Tensor
+    u: torch.Tensor
+    kg: torch.Tensor
+    qg: torch.Tensor
+    gexp: torch.Tensor
+
+    @classmethod
+    def alloc(cls, x: StageInputs, num_chunks: int) -> "WyOutputs":
+        w = torch.empty(x.T, x.HV, x.K, dtype=x.mat, device=x.device)
+        return cls(w=w, u=torch.empty(x.T, x.HV, x.V, dtype=torch.float32, device=x.device),
+                   kg=torch.empty_like(w), qg=torch.empty_like(w),
+                   gexp=torch.empty(num_chunks, x.HV, x.K, dtype=torch.float32, device=x.device))
+
+
+def launch_wy(x: StageInputs, chunks: torch.Tensor, tb: torch.Tensor, rqk: torch.Tensor, out: WyOutputs,
+              cfg: LaunchConfig) -> None:
+    """The WY factors of the chunk rows ``chunks`` ([NTc, 3], `kernels.triton_plan`) from
+    intra's tb [T, HV, 64] and rqk [T, HV, 2], into ``out``."""
+    chunk_wy_kernel[(chunks.shape[0], x.HV)](
+        x.q, x.k, x.v, x.g, x.a_log, x.dt_bias, tb, rqk, out.w, out.u, out.kg, out.qg, out.gexp, chunks,
+        x.lower_bound, H=x.H, HV=x.HV, K=x.K, V=x.V, BK=cfg.wy_bk, BV=cfg.wy_bv, **x.gate_flags,
+        DOT_PREC=x.dot_prec, FLOOR=LOG_DECAY_FLOOR, BLOCK_SCAN=cfg.wy_block_scan,
+        num_warps=cfg.wy_warps, num_stages=cfg.wy_stages,
     )
