@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from .backends import resolve_backend
+from .checkpoints import check_checkpoints
 from .problem import FLOAT_INPUTS, POOL_DTYPES, PrefillProblem, head_dims_error, lower_bound_error, packed_problem
 
 POOL_REQUIRED = "KDA prefill requires an indexed initial-state pool"
@@ -101,6 +102,8 @@ def build_problem(
     allow_neg_eigval: bool,
     state_v_first: bool,
     output_intermediate_states: bool,
+    checkpoint_tokens: Optional[torch.Tensor] = None,
+    checkpoint_states: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
     """Validate public arguments (batched layout [B, T, ...]) into a packed PrefillProblem."""
     _check_rank("q", q, 4)
@@ -150,6 +153,7 @@ def build_problem(
     cu, bounds = _packed_bounds(B, T, cu_seqlens, q.device)
     n_seq = len(bounds) - 1
     idx = _check_indices(indices, n_seq, pool.shape[0]).to(q.device)
+    positions, ckpt = check_checkpoints(checkpoint_tokens, checkpoint_states, bounds, pool)
 
     def packed(x: torch.Tensor) -> torch.Tensor:
         return x[:, :T].reshape(B * T, *x.shape[2:])
@@ -159,6 +163,7 @@ def build_problem(
         indices=idx, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first, output_intermediate_states=output_intermediate_states,
+        checkpoint_tokens=positions, checkpoint_states=ckpt,
     )
 
 
@@ -195,6 +200,8 @@ def chunk_kda(
     allow_neg_eigval: bool = False,
     state_v_first: bool = True,
     backend: Optional[str] = None,
+    checkpoint_tokens: Optional[torch.Tensor] = None,
+    checkpoint_states: Optional[torch.Tensor] = None,
     **training_knobs: Any,
 ):
     """KDA chunked prefill in place on an indexed state pool (SGLang's contract).
@@ -208,6 +215,14 @@ def chunk_kda(
 
     Returns o [B, T, HV, V] in v's dtype, or ``(o, h)`` with ``output_intermediate_states``,
     h [1, NT, HV, V, K] (fp32; [1, NT, HV, K, V] when not v-first): the state before each chunk.
+
+    Checkpoints: ``checkpoint_tokens`` (int64 [C], positions in the packed token axis) and
+    ``checkpoint_states`` (the caller's output tensor [C, HV, V, K], [C, HV, K, V] when not
+    v-first, in the pool's dtype). Each position must be ``cu_seqlens[n] + 64 j`` with
+    j >= 1, at most the end of its sequence n, or exactly that end ``cu_seqlens[n + 1]``;
+    positions are distinct. Row c receives the state of its sequence after the tokens
+    before ``checkpoint_tokens[c]`` (its initial state included), written by the same
+    launch: no second pass, no per-chunk state tensor. Other rows' memory is not touched.
     """
     _reject_training_knobs(training_knobs)
     if initial_state is None or initial_state_indices is None:
@@ -218,6 +233,7 @@ def chunk_kda(
         use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
         output_intermediate_states=output_intermediate_states,
+        checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states,
     )
     o, h = run_problem(problem, backend)
     o = o.reshape(v.shape)
@@ -246,12 +262,15 @@ def kda_prefill(
     backend: Optional[str] = None,
     cp_context: Any = None,
     disable_recompute: bool = False,
+    checkpoint_tokens: Optional[torch.Tensor] = None,
+    checkpoint_states: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA prefill, functional form: returns ``(o, final_state)``.
 
     Same tensors as `chunk_kda`; initial_state is [N, HV, V, K] (one per sequence, fp32 or
     bf16; not modified) or None for zeros. final_state: [N, HV, V, K] in initial_state's
-    dtype (fp32 when None).
+    dtype (fp32 when None). Checkpoints as in `chunk_kda`, ``checkpoint_states`` in the
+    final states' dtype.
     """
     _reject_training_knobs({"cp_context": cp_context, "disable_recompute": disable_recompute})
     B, T, H, K = q.shape if q.dim() == 4 else (0, 0, 0, 0)
@@ -271,5 +290,6 @@ def kda_prefill(
         q, k, v, g, beta, scale, states, indices, use_qk_l2norm_in_kernel, cu_seqlens,
         A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, backend=backend,
+        checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states,
     )
     return o, states

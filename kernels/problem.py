@@ -103,13 +103,16 @@ def packed_problem(
     cu_seqlens: Optional[torch.Tensor] = None,
     state_v_first: bool = True,
     output_intermediate_states: bool = False,
+    checkpoint_tokens: tuple[int, ...] = (),
+    checkpoint_states: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
     """The problem of packed inputs its caller has checked against the contract above
     (shapes as `PrefillProblem` gives them, all on one device; nothing is checked here).
 
     ``bounds``: the host offsets [0, ..., T] of the N sequences (``cu_seqlens``, int64 on
     the inputs' device, is made from them when not given); ``indices``: [N] int64 pool rows
-    on that device; ``scale`` None means K ** -0.5; dt_bias [HV, K] or [HV * K].
+    on that device; ``scale`` None means K ** -0.5; dt_bias [HV, K] or [HV * K];
+    checkpoints as `PrefillProblem` holds them (`kernels.checkpoints` checks them).
     """
     HV, K = v.shape[1], q.shape[2]
     bounds = tuple(bounds)
@@ -122,6 +125,7 @@ def packed_problem(
         lower_bound=None if lower_bound is None else float(lower_bound),
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
         allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
+        checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states,
     )
 
 

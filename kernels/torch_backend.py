@@ -13,6 +13,7 @@ small decays after it.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Optional
 
@@ -80,6 +81,26 @@ def _write_states(p: PrefillProblem, states: torch.Tensor) -> None:
     if p.state_v_first:
         rows = rows.transpose(-1, -2)
     p.pool.index_copy_(0, p.indices.index_select(0, live), rows.to(p.pool.dtype))
+
+
+def _checkpoints_by_chunk(p: PrefillProblem) -> list[tuple[int, int, int]]:
+    """(sequence n, chunk j of it, checkpoint row) of each checkpoint position of ``p``."""
+    out = []
+    for row, pos in enumerate(p.checkpoint_tokens):
+        n = bisect_left(p.bounds, pos) - 1  # bounds[n] < pos <= bounds[n + 1]
+        out.append((n, (pos - p.bounds[n] - 1) // CHUNK_SIZE, row))
+    return out
+
+
+def _write_checkpoints(p: PrefillProblem, saved: dict[int, torch.Tensor]) -> None:
+    """Math-layout states [HV, K, V] by row into ``p.checkpoint_states`` (pool layout and dtype)."""
+    if not saved:
+        return
+    rows = sorted(saved)
+    block = torch.stack([saved[r] for r in rows])
+    if p.state_v_first:
+        block = block.transpose(-1, -2)
+    p.checkpoint_states.index_copy_(0, torch.tensor(rows, device=block.device), block.to(p.checkpoint_states.dtype))
 
 
 def recurrent_step(
@@ -249,12 +270,16 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 
 def chunked_pass(
-    x: _Prepared, starts: list[int], lengths: list[int], states: torch.Tensor, keep_intermediate: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[list[torch.Tensor]]]:
+    x: _Prepared, starts: list[int], lengths: list[int], states: torch.Tensor, keep_intermediate: bool,
+    after: Optional[dict[int, list[tuple[int, int]]]] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[list[torch.Tensor]], dict[int, torch.Tensor]]:
     """Run multi-token sequences. states: [M, HV, K, V] initial states, one per sequence.
+    ``after``: for chunk step c, the (sequence m, checkpoint row) pairs that want the state
+    of sequence m after its chunk c.
 
     Returns (token_index [T'], o [T', HV, V] for those tokens, final states [M, HV, K, V],
-    and with keep_intermediate a list per sequence of [NC_m, HV, K, V] states before each chunk).
+    with keep_intermediate a list per sequence of [NC_m, HV, K, V] states before each chunk,
+    and the checkpoint states [HV, K, V] by row).
     """
     C = CHUNK_SIZE
     layout = _chunk_layout(starts, lengths, x.q.device)
@@ -266,6 +291,8 @@ def chunked_pass(
     S = states.index_select(0, order)  # sorted by chunk count, descending
     o = torch.empty_like(terms.u)  # [NC, HV, C, V]
     h = S.new_empty(layout.num_chunks, *S.shape[1:]) if keep_intermediate else None
+    rank_of = {m: rank for rank, m in enumerate(layout.order)}
+    saved: dict[int, torch.Tensor] = {}
     for c, n_act in enumerate(layout.active):
         sl = slice(layout.offsets[c], layout.offsets[c] + n_act)
         S_c = S[:n_act]
@@ -278,6 +305,8 @@ def chunked_pass(
             (terms.decay[sl][..., None] * S_c).flatten(0, 1),
             terms.kd[sl].transpose(-1, -2).flatten(0, 1), u.flatten(0, 1),
         ).view_as(S_c)
+        for m, row in (after or {}).get(c, ()):
+            saved[row] = S[rank_of[m]].clone()
     o += terms.aqk @ terms.u
     finals = torch.empty_like(S)
     finals[order] = S
@@ -288,7 +317,7 @@ def chunked_pass(
         for rank, m in enumerate(layout.order):
             n_chunks = (lengths[m] + C - 1) // C
             inter[m] = torch.stack([h[layout.offsets[c] + rank] for c in range(n_chunks)])
-    return layout.token_index, o_tok, finals, inter
+    return layout.token_index, o_tok, finals, inter, saved
 
 
 def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -308,18 +337,30 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         o[tokens], finals[sel] = recurrent_step(x, tokens, states[sel])
         for n in single:
             inter[n] = states[n : n + 1]
+    wanted = _checkpoints_by_chunk(p)
+    saved: dict[int, torch.Tensor] = {}
     if multi:
         sel = torch.tensor(multi, device=states.device)
-        tok, o_tok, f, hs = chunked_pass(
-            x, [starts[n] for n in multi], [lengths[n] for n in multi], states[sel], p.output_intermediate_states
+        local = {n: m for m, n in enumerate(multi)}
+        after: dict[int, list[tuple[int, int]]] = {}
+        for n, j, row in wanted:
+            if n in local:
+                after.setdefault(j, []).append((local[n], row))
+        tok, o_tok, f, hs, saved = chunked_pass(
+            x, [starts[n] for n in multi], [lengths[n] for n in multi], states[sel], p.output_intermediate_states,
+            after,
         )
         o[tok] = o_tok
         finals[sel] = f
         if hs is not None:
             for j, n in enumerate(multi):
                 inter[n] = hs[j]
+    for n, _, row in wanted:
+        if lengths[n] == 1:
+            saved[row] = finals[n]
 
     _write_states(p, finals)
+    _write_checkpoints(p, saved)
     h = None
     if p.output_intermediate_states:
         h = torch.cat(inter)

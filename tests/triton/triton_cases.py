@@ -10,7 +10,7 @@ unnamed rows bit-identical, and optionally the per-chunk intermediate states.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -153,16 +153,73 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
-def run_triton(case: Case, inp: Inputs):
-    """chunk_kda on the Triton backend: returns (o [1, T, HV, V], h or None)."""
+def run_triton(case: Case, inp: Inputs, backend: str = "triton", **checkpoints: Optional[torch.Tensor]):
+    """chunk_kda on the Triton backend (or ``backend``): returns (o [1, T, HV, V], h or
+    None). ``checkpoints``: checkpoint_tokens and checkpoint_states, passed through."""
     res = chunk_kda(
         inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.pool, initial_state_indices=inp.indices,
         use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=inp.cu_seqlens,
         output_intermediate_states=case.intermediate, use_beta_sigmoid_in_kernel=case.sigmoid,
-        allow_neg_eigval=case.neg_eigval, state_v_first=case.v_first, backend="triton",
-        **inp.gate_kwargs,
+        allow_neg_eigval=case.neg_eigval, state_v_first=case.v_first, backend=backend,
+        **inp.gate_kwargs, **checkpoints,
     )
     return res if case.intermediate else (res, None)
+
+
+def chunk_ends(bounds: list[int], seed: int) -> list[int]:
+    """Every checkpoint position the contract allows (each sequence's 64-token multiples
+    and its end), in a seeded random order."""
+    ends = sorted({t for a, b in zip(bounds[:-1], bounds[1:]) for t in [*range(a + CHUNK_SIZE, b, CHUNK_SIZE), b]})
+    order = torch.randperm(len(ends), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [ends[i] for i in order]
+
+
+def reference_checkpoints(inp: Inputs, case: Case, positions: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """[C, HV, V, K] (V-first) reference state after each position, from the per-chunk
+    states of `reference` (a position is a chunk end: the state before the next chunk, or
+    the final state)."""
+    _, finals, before = reference(inp, replace(case, intermediate=True), dtype)
+    bounds = inp.cu_seqlens.tolist()
+    first = [0]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        first.append(first[-1] + -(-(b - a) // CHUNK_SIZE))
+    rows = []
+    for pos in positions:
+        n = max(i for i in range(len(bounds) - 1) if bounds[i] < pos)
+        j = (pos - bounds[n] - 1) // CHUNK_SIZE + 1  # chunks done
+        rows.append(finals[n] if first[n] + j == first[n + 1] else before[first[n] + j])
+    return torch.stack(rows)
+
+
+def check_checkpoints(case: Case, device: torch.device | str, seed: int, tol: float, backend: str = "triton",
+                      ref_dtype: torch.dtype = torch.float64) -> float:
+    """Run ``case`` with a checkpoint at every allowed position (random order) into rows
+    1..C of a NaN-poisoned [C + 2, ...] buffer; assert every named row written and within
+    ``tol`` of the reference, rows 0 and C + 1 bit-identical, and o and the final states
+    as good as without checkpoints. Returns the checkpoints' error."""
+    inp = make_inputs(case, device, seed)
+    positions = chunk_ends(inp.cu_seqlens.tolist(), seed)
+    ref_ckpt = reference_checkpoints(inp, case, positions, ref_dtype)
+    ref_o, ref_final, _ = reference(inp, case, ref_dtype)
+    C = len(positions)
+    buf = torch.full((C + 2, *inp.pool.shape[1:]), float("nan"), dtype=inp.pool.dtype, device=inp.pool.device)
+    before = buf.clone()
+    o, _ = run_triton(case, inp, backend, checkpoint_tokens=torch.tensor(positions, dtype=torch.int64, device=device),
+                      checkpoint_states=buf[1:C + 1])
+    assert same_bits(buf[0], before[0]) and same_bits(buf[C + 1], before[C + 1]), "a row outside the checkpoints changed"
+    got = buf[1:C + 1].float()
+    assert not torch.isnan(got).any(), "checkpoint rows not fully written"
+    if not case.v_first:
+        got = got.transpose(-1, -2)
+    err = rel_err(got, ref_ckpt)
+    assert err <= tol, f"checkpoints: rel L2 error {err:.3e} > {tol:.0e} ({case})"
+    assert rel_err(o[0], ref_o) <= tol
+    live = [(n, i) for n, i in enumerate(inp.indices.tolist()) if i >= 0]
+    final = torch.stack([inp.pool[i].float() for _, i in live])
+    if not case.v_first:
+        final = final.transpose(-1, -2)
+    assert rel_err(final, torch.stack([ref_final[n] for n, _ in live])) <= tol
+    return err
 
 
 def reference_errors(case: Case, inp: Inputs) -> dict[str, float]:

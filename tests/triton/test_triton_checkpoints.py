@@ -1,0 +1,53 @@
+"""Checkpoints (`chunk_kda(checkpoint_tokens=..., checkpoint_states=...)`): the state after
+every allowed position, written by the prefill's own launch, against the float64
+reference, into a NaN-poisoned buffer whose rows outside the checkpoints must stay
+bit-identical (`triton_cases.check_checkpoints`).
+
+Interpreted on the CPU without CUDA (CI), compiled on a GPU; the last tests run only
+there, at serving shapes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.triton_kernels import config
+from triton_cases import Case, check_checkpoints
+
+FP32_TOL = 1e-4
+BF16_TOL = 1e-2
+LENGTHS = (130, 1, 64, 200, 5)  # partial, decode, exact, multi-chunk, short; one index -1
+
+
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
+def test_checkpoints_match_reference(device: str, output_path: str, gate: str) -> None:
+    check_checkpoints(Case(LENGTHS, gate=gate), device, seed=21, tol=FP32_TOL)
+
+
+def test_checkpoints_k_first_bf16_pool(device: str) -> None:
+    check_checkpoints(Case((70, 1, 129), v_first=False, K=16, V=32, pool_dtype=torch.bfloat16, gate="lower_bound"),
+                      device, seed=22, tol=BF16_TOL)
+
+
+def test_checkpoints_across_pieces(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of one chunk: every sequence's state crosses carry rows between its checkpoints."""
+    case = Case(LENGTHS, gate="lower_bound", intermediate=True)
+    monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", case.HV)
+    check_checkpoints(case, device, seed=23, tol=FP32_TOL)
+
+
+def test_checkpoints_torch_backend() -> None:
+    """The CPU backend takes the same checkpoints."""
+    check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=24, tol=FP32_TOL, backend="torch")
+    check_checkpoints(Case((70, 1, 129), v_first=False, K=16, V=32), "cpu", seed=25, tol=FP32_TOL, backend="torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
+@pytest.mark.parametrize("lengths", [(4096,), (2048, 1, 777, 300, 64)], ids=["narrow", "wide"])
+def test_checkpoints_serving_shapes(lengths: tuple[int, ...], pieces: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if pieces:
+        monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 7 * 32)
+    check_checkpoints(Case(lengths, H=32, HV=32, K=128, V=128, gate="lower_bound", dtype=torch.bfloat16),
+                      "cuda", seed=26, tol=5e-3, ref_dtype=torch.float32)
