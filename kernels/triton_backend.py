@@ -33,15 +33,17 @@ import torch
 
 from .problem import PrefillProblem
 from .triton_kernels import LaunchConfig, select_config
-from .triton_kernels.config import fuse_output, piece_chunks, state_launch
+from .triton_kernels.config import fold_wy, folded_state_launch, fuse_output, piece_chunks, state_launch
 from .triton_kernels.gate import GATE_GIVEN, GATE_LOWER_BOUND, GATE_SOFTPLUS
 from .triton_kernels.inputs import StageInputs, StateTargets
 from .triton_kernels.intra import IntraOutputs, launch_intra
 from .triton_kernels.output import launch_output
 from .triton_kernels.recurrent import launch_decode
 from .triton_kernels.state import launch_state
+from .triton_kernels.state_wy import launch_state_wy
 from .triton_kernels.wy import WyOutputs, launch_wy
 from .triton_plan import LaunchPlan, checkpoint_rows, launch_plan
+from .triton_toolchain import configure_toolchain
 
 
 def _gate_mode(p: PrefillProblem) -> int:
@@ -129,6 +131,7 @@ def run_triton(
     overrides the shape-chosen launch config (bench)."""
     K, V = p.q.shape[2], p.v.shape[2]
     cfg = config or select_config(K, V, os.environ.get("TRITON_INTERPRET") == "1")
+    configure_toolchain(p.q.device)  # before the first compile
     x = stage_inputs(p, cfg)
     n_multi = sum(1 for a, b in zip(p.bounds[:-1], p.bounds[1:]) if b - a > 1)
     plan = launch_plan(p.bounds, piece_chunks(cfg, x.HV, n_multi), x.device)
@@ -146,8 +149,15 @@ def run_triton(
         return o, h
 
     intra = IntraOutputs.alloc(x)
-    wy = WyOutputs.alloc(x, NT)
     carry = torch.empty(max(plan.num_carry, 1), x.HV, K, V, dtype=torch.float32, device=x.device)
+    if fold_wy(cfg):
+        launch = folded_state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize)
+        _run_pieces(plan, x.device, lambda c0, c1: launch_intra(x, plan.chunks[c0:c1], intra, cfg),
+                    lambda c0, c1, s0, s1: launch_state_wy(x, plan.segs[s0:s1], intra, o, st, carry, launch,
+                                                           cfg.wy_block_scan))
+        return o, h
+
+    wy = WyOutputs.alloc(x, NT)
     launch = state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize)
     fused = fuse_output(cfg, n_multi * x.HV)
     v_new = None if fused else torch.empty_like(wy.u)

@@ -76,7 +76,7 @@ def recurrent_step_kernel(
     tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     tl.store(p_pool, b_s.to(pool.dtype.element_ty), mask=m_live)
     if CHECKPOINT:
-        store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_s, o_k, o_v, m_kv, c_row, c_head, c_k, c_v)
+        store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_s, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv, c_row, c_head)
 
 
 def launch_decode(x: StageInputs, decs: torch.Tensor, o: torch.Tensor, st: StateTargets, cfg: LaunchConfig) -> None:

@@ -31,13 +31,13 @@ from .wy import WyOutputs
 
 
 @triton.jit
-def store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, o_k, o_v, m_kv, c_row, c_head, c_k, c_v):
-    """Store the [BK, BV] fp32 state b_h (after chunk i_g) to ``ckpt`` row ckpt_rows[i_g] in
-    ckpt's dtype, head i_hv, element strides c_k, c_v; nothing when that row is -1."""
+def store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, offsets, mask, c_row, c_head):
+    """Store the fp32 state tile b_h (after chunk i_g) to ``ckpt`` row ckpt_rows[i_g], head
+    i_hv, in ckpt's dtype at element ``offsets`` (b_h's shape: its key and value indices
+    times the key and value strides) where ``mask``; nothing when that row is -1."""
     row = tl.load(ckpt_rows + i_g)
     if row >= 0:
-        p = ckpt + row * c_row + i_hv * c_head + (o_k[:, None] * c_k + o_v[None, :] * c_v)
-        tl.store(p, b_h.to(ckpt.dtype.element_ty), mask=m_kv)
+        tl.store(ckpt + row * c_row + i_hv * c_head + offsets, b_h.to(ckpt.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -114,7 +114,8 @@ def chunk_state_kernel(
         b_k = tl.load(kg + p_tk, mask=m_tk, other=0.0)
         b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PREC)
         if CHECKPOINT:
-            store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, o_k, o_v, m_kv, c_row, c_head, c_k, c_v)
+            store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv,
+                             c_row, c_head)
 
     if store_carry >= 0:
         tl.store(carry + (store_carry * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :]), b_h, mask=m_kv)
