@@ -66,6 +66,7 @@ VARIANTS: dict[str, dict] = {
     "three kernels": dict(fold_wy=False),
     "folded BV 64": dict(fold_wy=True, state_bv=64),
     "folded BV 128": dict(fold_wy=True, state_bv=128),
+    "intra 8 warps": dict(intra_warps=8),
     "decode BV 64": dict(rec_bv=64),
 }
 STAGE_OF = {"chunk_intra_kernel": "intra", "chunk_wy_kernel": "wy", "chunk_state_kernel": "state",

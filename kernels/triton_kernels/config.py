@@ -145,8 +145,9 @@ def folded_state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, o
     (the [64, K] fp32 tiles it builds per chunk spill heavily at 4: sm_90 compiles, Triton
     3.6), BV = 128 for wide batches (q, k, g read and the gate built once per head), 64 for
     narrow ones (twice the programs on the chain), and 2 pipeline stages (1 past K = 128 or
-    for fp32 operands: shared memory)."""
-    bv = cfg.state_bv or min(_pow2(V), 128 if _wide(num_seq_heads) else 64)
+    for fp32 operands: shared memory). fp32 operands take BV = 128 always: at K = 256 and
+    BV = 64 the compiled kernel asks for 256 KB of shared memory, at BV = 128 for 128 KB."""
+    bv = cfg.state_bv or min(_pow2(V), 128 if _wide(num_seq_heads) or operand_bytes > 2 else 64)
     stages = cfg.state_stages or (1 if K > 128 or operand_bytes > 2 else 2)
     return bv, cfg.state_warps or 8, stages
 
