@@ -174,11 +174,12 @@ def chunk_ends(bounds: list[int], seed: int) -> list[int]:
     return [ends[i] for i in order]
 
 
-def reference_checkpoints(inp: Inputs, case: Case, positions: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """[C, HV, V, K] (V-first) reference state after each position, from the per-chunk
-    states of `reference` (a position is a chunk end: the state before the next chunk, or
-    the final state)."""
-    _, finals, before = reference(inp, replace(case, intermediate=True), dtype)
+def reference_checkpoints(inp: Inputs, case: Case, positions: list[int],
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference`'s o and final states, and [C, HV, V, K] (V-first): the state after each
+    position, from its per-chunk states (a position is a chunk end: the state before the
+    next chunk, or the final state)."""
+    ref_o, finals, before = reference(inp, replace(case, intermediate=True), dtype)
     bounds = inp.cu_seqlens.tolist()
     first = [0]
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -188,7 +189,7 @@ def reference_checkpoints(inp: Inputs, case: Case, positions: list[int], dtype: 
         n = max(i for i in range(len(bounds) - 1) if bounds[i] < pos)
         j = (pos - bounds[n] - 1) // CHUNK_SIZE + 1  # chunks done
         rows.append(finals[n] if first[n] + j == first[n + 1] else before[first[n] + j])
-    return torch.stack(rows)
+    return ref_o, finals, torch.stack(rows)
 
 
 def check_checkpoints(case: Case, device: torch.device | str, seed: int, tol: float, backend: str = "triton",
@@ -199,8 +200,7 @@ def check_checkpoints(case: Case, device: torch.device | str, seed: int, tol: fl
     as good as without checkpoints. Returns the checkpoints' error."""
     inp = make_inputs(case, device, seed)
     positions = chunk_ends(inp.cu_seqlens.tolist(), seed)
-    ref_ckpt = reference_checkpoints(inp, case, positions, ref_dtype)
-    ref_o, ref_final, _ = reference(inp, case, ref_dtype)
+    ref_o, ref_final, ref_ckpt = reference_checkpoints(inp, case, positions, ref_dtype)
     C = len(positions)
     buf = torch.full((C + 2, *inp.pool.shape[1:]), float("nan"), dtype=inp.pool.dtype, device=inp.pool.device)
     before = buf.clone()
