@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in three device calls (each at most 10 minutes; the
-# caps fit the times seen on 2026-12-01: GPU suite ~220 s, kernels ~250, service ~110):
-#   run(command="bash bench/h200.sh gpu-tests:300 kernels:285", carry=[".whl", ".srvwhl"])
-#   run(command="bash bench/h200.sh cuda-ipc:140 transport:190 service-tests:260", carry=[".whl", ".srvwhl"])
-#   run(command="bash bench/h200.sh kernel-sweep:400 kernel-variants:180", carry=[".whl", ".srvwhl"])
+# caps fit the times seen on 2026-12-01/02: GPU suite ~220 s, kernels ~420 (the peers'
+# warm-up alone 190 s, fla autotuning at H = 32 and 96), service ~110):
+#   run(command="bash bench/h200.sh kernels:480", carry=[".whl", ".peers"])
+#   run(command="bash bench/h200.sh gpu-tests:300 cuda-ipc:140 transport:150", carry=[".whl", ".srvwhl"])
+#   run(command="bash bench/h200.sh kernel-sweep:540", carry=[".whl", ".peers"])
 # .whl holds fla-core 0.6.0 and einops, .srvwhl the server's wheels (fastapi, starlette,
 # pydantic, pydantic-core, uvicorn, httptools, ...), all cp312, downloaded as
-# /work/.library/device/README.md says (git-ignored). Figures land under $OUT; record them in
+# /work/.library/device/README.md says, .peers the FlashKDA build (its README in the shared
+# peers folder says how), all git-ignored. Figures land under $OUT; record them in
 # bench/RESULTS.md with the commit.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl .srvwhl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD FLA_FLASH_KDA=0 TRITON_DEFAULT_FP_FUSION=1
+    .whl/*.whl $(ls .srvwhl/*.whl 2>/dev/null) || exit 1
+# FLA_FLASH_KDA=0: fla-core runs its own Triton path, not FlashKDA (timed on its own)
+export PYTHONPATH=/tmp/site:$PWD:$PWD/.peers FLA_FLASH_KDA=0 TRITON_DEFAULT_FP_FUSION=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log --oneline -1 2>/dev/null
 # Steps run in the order given; `name:seconds` caps one step's time (default below), so

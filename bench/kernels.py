@@ -46,7 +46,6 @@ from kernels.problem import PrefillProblem  # noqa: E402
 from kernels.reference import naive_recurrent_kda  # noqa: E402
 from kernels.triton_backend import run_triton  # noqa: E402
 from kernels.triton_kernels import LaunchConfig, select_config  # noqa: E402
-from kernels.triton_kernels.config import fold_wy  # noqa: E402
 from kernels.triton_toolchain import toolchain_report  # noqa: E402
 
 K, V = 128, 128
@@ -63,14 +62,10 @@ DECODE_POOL = 2048
 FP32_CASES = [("1x4096 H32 fp32", (4096,), 32), ("8x4096 H32 fp32", (4096,) * 8, 32)]
 # config variants timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
-    "three kernels": dict(fold_wy=False),
-    "folded BV 64": dict(fold_wy=True, state_bv=64),
-    "folded BV 128": dict(fold_wy=True, state_bv=128),
-    "intra 8 warps": dict(intra_warps=8),
     "decode BV 64": dict(rec_bv=64),
 }
 STAGE_OF = {"chunk_intra_kernel": "intra", "chunk_wy_kernel": "wy", "chunk_state_kernel": "state",
-            "chunk_state_wy_kernel": "state", "chunk_output_kernel": "output", "recurrent_step_kernel": "decode"}
+            "chunk_output_kernel": "output", "recurrent_step_kernel": "decode"}
 
 
 def make_case(lengths: tuple[int, ...], heads: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
@@ -148,12 +143,10 @@ def stage_times(fn: Callable[[], object], iters: int = 5) -> dict[str, float]:
 def compiled_resources() -> list[str]:
     """Registers / spills / shared memory of every compiled variant of our kernels."""
     from kernels import triton_kernels as tk
-    from kernels.triton_kernels import state_wy
 
     lines = []
-    fns = {name: getattr(tk, name) for name in STAGE_OF if hasattr(tk, name)}
-    fns["chunk_state_wy_kernel"] = state_wy.chunk_state_wy_kernel
-    for name, fn in fns.items():
+    for name in STAGE_OF:
+        fn = getattr(tk, name)
         for dev_cache in (getattr(fn, "device_caches", None) or {}).values():
             kernels = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
             for compiled in kernels.values():
@@ -294,8 +287,7 @@ def time_case(name: str, c: dict, with_peers: bool, variants: list[str]) -> dict
                 row[f"o vs {peer}"] = rel(o_d.reshape(o_p.shape), o_p)
                 row[f"state vs {peer}"] = rel(pool_d[c["idx"]], pool_p[c["idx"]])
         times = stage_times(ours_fn(c, c["pool"].clone()))
-    folded = fold_wy(select_config(K, V, False))
-    moved = stage_bytes(c["lengths"], c["heads"], c["heads"], K, V, c["q"].element_size(), 4, folded)
+    moved = stage_bytes(c["lengths"], c["heads"], c["heads"], K, V, c["q"].element_size(), 4)
     token_heads = row["tokens"] * c["heads"]
     row["stages"] = {s: dict(ms=t, bytes_per_token_head=moved.get(s, 0) / token_heads,
                              tb_per_s=moved.get(s, 0) / (t * 1e-3) / 1e12) for s, t in times.items()}

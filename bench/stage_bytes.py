@@ -11,11 +11,10 @@ from __future__ import annotations
 CHUNK = 64
 
 
-def stage_bytes(lengths: list[int], H: int, HV: int, K: int, V: int, in_bytes: int, pool_bytes: int,
-                folded: bool) -> dict[str, int]:
+def stage_bytes(lengths: list[int], H: int, HV: int, K: int, V: int, in_bytes: int,
+                pool_bytes: int) -> dict[str, int]:
     """{stage: bytes} for one launch over sequences of ``lengths`` tokens (1-token ones
-    take the decode step); ``folded``: the two-kernel pipeline (`state_wy`), else intra, WY
-    and state."""
+    take the decode step): intra, WY, state (o fused), decode."""
     T = sum(n for n in lengths if n > 1)
     n_seq = sum(1 for n in lengths if n > 1)
     NT = sum(-(-n // CHUNK) for n in lengths if n > 1)
@@ -27,13 +26,10 @@ def stage_bytes(lengths: list[int], H: int, HV: int, K: int, V: int, in_bytes: i
     states = 2 * n_seq * HV * K * V * pool_bytes  # read once, written once
     out: dict[str, int] = {}
     if T:
+        wkq, u, gexp = 3 * T * HV * K * mat, T * HV * V * 4, NT * HV * K * 4
         out["intra"] = qk + g + beta + tb + aqk + rqk
-        if folded:
-            out["state"] = qk + g + v + tb + aqk + rqk + o + states
-        else:
-            wkq, u, gexp = 3 * T * HV * K * mat, T * HV * V * 4, NT * HV * K * 4
-            out["wy"] = qk + g + v + tb + rqk + wkq + u + gexp
-            out["state"] = wkq + u + gexp + aqk + o + states
+        out["wy"] = qk + g + v + tb + rqk + wkq + u + gexp
+        out["state"] = wkq + u + gexp + aqk + o + states
     n1 = sum(1 for n in lengths if n == 1)
     if n1:
         out["decode"] = n1 * (2 * H * K + HV * (K + V + 1) + HV * V) * in_bytes + 2 * n1 * HV * K * V * pool_bytes

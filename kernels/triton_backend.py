@@ -33,14 +33,13 @@ import torch
 
 from .problem import PrefillProblem
 from .triton_kernels import LaunchConfig, select_config
-from .triton_kernels.config import fold_wy, folded_state_launch, fuse_output, piece_chunks, state_launch
+from .triton_kernels.config import fuse_output, piece_chunks, state_launch
 from .triton_kernels.gate import GATE_GIVEN, GATE_LOWER_BOUND, GATE_SOFTPLUS
 from .triton_kernels.inputs import StageInputs, StateTargets
 from .triton_kernels.intra import IntraOutputs, launch_intra
 from .triton_kernels.output import launch_output
 from .triton_kernels.recurrent import launch_decode
 from .triton_kernels.state import launch_state
-from .triton_kernels.state_wy import launch_state_wy
 from .triton_kernels.wy import WyOutputs, launch_wy
 from .triton_plan import LaunchPlan, checkpoint_rows, launch_plan
 from .triton_toolchain import configure_toolchain
@@ -150,13 +149,6 @@ def run_triton(
 
     intra = IntraOutputs.alloc(x)
     carry = torch.empty(max(plan.num_carry, 1), x.HV, K, V, dtype=torch.float32, device=x.device)
-    if fold_wy(cfg):
-        launch = folded_state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize)
-        _run_pieces(plan, x.device, lambda c0, c1: launch_intra(x, plan.chunks[c0:c1], intra, cfg),
-                    lambda c0, c1, s0, s1: launch_state_wy(x, plan.segs[s0:s1], intra, o, st, carry, launch,
-                                                           cfg.wy_block_scan))
-        return o, h
-
     wy = WyOutputs.alloc(x, NT)
     launch = state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize)
     fused = fuse_output(cfg, n_multi * x.HV)

@@ -53,10 +53,6 @@ class LaunchConfig:
     # tensor-core products of the operands' high and low parts: about fp32's accuracy) or
     # "ieee" (fp32 FMAs, off the tensor cores). 16-bit inputs always take fp16/tf32 products.
     fp32_products: str = "tf32x3"
-    # The WY factors rebuilt inside the state pass from the inputs (`state_wy`: two kernels,
-    # ~2.6 KB per token-head) instead of stored by a WY stage and read back (`wy` + `state`:
-    # three kernels, ~5.7 KB). None: the default (`FOLD_WY`).
-    fold_wy: bool | None = None
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)
@@ -96,15 +92,6 @@ FACTORED_A = True
 FP32_PRODUCTS = "tf32x3"
 
 
-# The folded pipeline (`LaunchConfig.fold_wy`): prediction and measurement in bench/RESULTS.md.
-FOLD_WY = True
-
-
-def fold_wy(cfg: LaunchConfig) -> bool:
-    """Whether the state pass rebuilds the WY factors itself (`state_wy`)."""
-    return FOLD_WY if cfg.fold_wy is None else cfg.fold_wy
-
-
 def fuse_output(cfg: LaunchConfig, num_seq_heads: int) -> bool:
     """Whether the state pass also computes o (no h / v_new round trip through memory)."""
     if cfg.fuse_output is not None:
@@ -138,18 +125,6 @@ def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, operand_
     bv = cfg.state_bv or min(_pow2(V), 64 if _wide(num_seq_heads) and K <= 128 else 32)
     stages = cfg.state_stages or (1 if K > 128 else 3 if operand_bytes <= 2 else 2)
     return bv, cfg.state_warps or 4, stages
-
-
-def folded_state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, operand_bytes: int) -> tuple[int, int, int]:
-    """(BV, warps, stages) of the folded state pass (`state_wy`): the config's, else 8 warps
-    (the [64, K] fp32 tiles it builds per chunk spill heavily at 4: sm_90 compiles, Triton
-    3.6), BV = 128 for wide batches (q, k, g read and the gate built once per head), 64 for
-    narrow ones (twice the programs on the chain), and 2 pipeline stages (1 past K = 128 or
-    for fp32 operands: shared memory). fp32 operands take BV = 128 always: at K = 256 and
-    BV = 64 the compiled kernel asks for 256 KB of shared memory, at BV = 128 for 128 KB."""
-    bv = cfg.state_bv or min(_pow2(V), 128 if _wide(num_seq_heads) or operand_bytes > 2 else 64)
-    stages = cfg.state_stages or (1 if K > 128 or operand_bytes > 2 else 2)
-    return bv, cfg.state_warps or 8, stages
 
 
 def _pow2(n: int, lo: int = 16) -> int:

@@ -32,14 +32,12 @@ def _interpret_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(params=["folded", "fused", "split"])
+@pytest.fixture(params=["fused", "split"])
 def output_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Force the pipeline: the WY factors rebuilt inside the state pass ("folded", two
-    kernels), or stored by the WY stage with o computed inside the state pass ("fused") or
-    by the separate output kernel ("split"); the backend otherwise picks by its config."""
+    """Force o to be computed inside the state pass ("fused") or by the separate output
+    kernel ("split"); the backend otherwise picks by the number of sequence-heads."""
     from kernels.triton_kernels import config
 
-    monkeypatch.setattr(config, "FOLD_WY", request.param == "folded")
     monkeypatch.setattr(config, "FUSE_MIN_SEQ_HEADS", 0 if request.param == "fused" else 1 << 62)
     return request.param
 

@@ -28,10 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from kernels.triton_kernels import (  # noqa: E402
     chunk_intra_kernel, chunk_output_kernel, chunk_state_kernel, chunk_wy_kernel, recurrent_step_kernel,
 )
-from kernels.triton_kernels.config import (  # noqa: E402
-    WIDE_STATE_MIN_SEQ_HEADS, folded_state_launch, select_config, state_launch,
-)
-from kernels.triton_kernels.state_wy import chunk_state_wy_kernel  # noqa: E402
+from kernels.triton_kernels.config import WIDE_STATE_MIN_SEQ_HEADS, select_config, state_launch  # noqa: E402
 from kernels.triton_kernels.gate import GATE_LOWER_BOUND, LOG_DECAY_FLOOR  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -86,14 +83,6 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
                    dict(HV=HEADS, K=K, V=V, BK=bk, BV=bv, FUSE_OUT=fuse, STORE_H=not fuse, CHECKPOINT=True,
                         DOT_PREC=dot_prec),
                    warps, stages)
-    for seq_heads in (HEADS, WIDE_STATE_MIN_SEQ_HEADS):
-        bv, warps, stages = folded_state_launch(cfg, seq_heads, K, V, 4 if fp32_inputs else 2)
-        yield ("state_wy", {"seq_heads": seq_heads}, chunk_state_wy_kernel,
-               {**io, "tb": "fp16" if fp16_solve else "fp32", "aqk": mat, "indices": "i64", "segs": "i64",
-                "ckpt_rows": "i64"},
-               dict(H=HEADS, HV=HEADS, K=K, V=V, BK=bk, BV=bv, GATE=GATE_LOWER_BOUND, HAS_A_LOG=True, HAS_DT_BIAS=True,
-                    DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, BLOCK_SCAN=cfg.wy_block_scan, STORE_H=False,
-                    CHECKPOINT=True), warps, stages)
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)
     yield ("recurrent", {}, recurrent_step_kernel, {**io, "indices": "i64", "decs": "i64", "ckpt_rows": "i64"},

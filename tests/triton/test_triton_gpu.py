@@ -49,15 +49,13 @@ def test_fp32_inputs(dims: tuple[int, int], lengths: tuple[int, ...]) -> None:
 
 def test_random_varlen_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """100 random batches mixing decode tokens, partial, exact and multi-chunk sequences,
-    alternating gates and the three pipelines (folded; stored WY factors with o fused or
-    split: see conftest's output_path) (one GVA geometry: head counts and dims are
+    alternating gates and both output paths (one GVA geometry: head counts and dims are
     compile-time constants, and each new combination costs a compile)."""
     from kernels.triton_kernels import config
 
     rng = random.Random(0)
     for i in range(100):
-        monkeypatch.setattr(config, "FOLD_WY", i % 3 == 0)
-        monkeypatch.setattr(config, "FUSE_MIN_SEQ_HEADS", 0 if i % 3 == 1 else 1 << 62)
+        monkeypatch.setattr(config, "FUSE_MIN_SEQ_HEADS", 0 if i % 2 else 1 << 62)
         n = rng.randint(1, 8)
         lengths = tuple(rng.choice([1, rng.randint(2, 63), 64, rng.randint(65, 700)]) for _ in range(n))
         case = Case(lengths, H=2, HV=4, K=128, V=128, gate=("softplus", "lower_bound")[(i // 2) % 2],
