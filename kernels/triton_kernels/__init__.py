@@ -6,7 +6,11 @@
 - `state`: the sequential chunk-to-chunk state pass, in place on the pool;
 - `output`: per-chunk outputs from the states and the intra-chunk matrices;
 - `recurrent`: single-token sequences (decode), in place on the pool;
-- `config`: fixed launch configurations by shape.
+- `config`: fixed launch configurations by shape;
+- `inputs`: what the stages' host launchers share (`StageInputs`, `StateTargets`).
+
+Each stage's host launcher (`launch_intra`, `launch_wy`, ...) sits beside its kernel;
+`kernels.triton_backend.run_triton` chains them.
 """
 from .config import LaunchConfig, select_config
 from .intra import chunk_intra_kernel
