@@ -150,7 +150,7 @@ def run_triton(
     intra = IntraOutputs.alloc(x)
     carry = torch.empty(max(plan.num_carry, 1), x.HV, K, V, dtype=torch.float32, device=x.device)
     wy = WyOutputs.alloc(x, NT)
-    launch = state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize)
+    launch = state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize, checkpoint=st.ckpt is not None)
     fused = fuse_output(cfg, n_multi * x.HV)
     v_new = None if fused else torch.empty_like(wy.u)
     if not fused and h is None:  # scratch states for the output stage, [NT, HV, K, V]

@@ -112,7 +112,8 @@ def piece_chunks(cfg: LaunchConfig, HV: int, num_seqs: int) -> int:
     return max(1, -(-target // HV)) if target > 0 else 0
 
 
-def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, operand_bytes: int) -> tuple[int, int, int]:
+def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, operand_bytes: int,
+                 checkpoint: bool = False) -> tuple[int, int, int]:
     """(BV, warps, stages) of the state pass: the config's, else 4 warps (they share an SM
     with the parallel kernels, and beat 8 warps even alone: 4.20 vs 4.36 ms on 8x4096, H200),
     BV = 64 for wide batches, 32 for narrow ones (more programs to spread over the GPU:
@@ -121,9 +122,11 @@ def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, operand_
     per element: 2 for fp16, 4 for fp32) as fit in the 227 KB of shared memory a Hopper
     block may take (sm_90 compiles, `tests/triton/test_triton_sm90_shared_memory.py`):
     3 stages of fp16 at K <= 128 take 192-216 KB, of fp32 256-288 KB, so fp32 takes 2
-    (136-160 KB); K > 128 takes 1."""
+    (136-160 KB); K > 128 takes 1. With ``checkpoint`` (the state stored inside the loop
+    too) at most 2: Triton 3.9 gives that store 16 KB of scratch, and the wide 3-stage fp16
+    pass then asks for 232 KB of the 227 a block may take (Triton 3.6: 216 KB)."""
     bv = cfg.state_bv or min(_pow2(V), 64 if _wide(num_seq_heads) and K <= 128 else 32)
-    stages = cfg.state_stages or (1 if K > 128 else 3 if operand_bytes <= 2 else 2)
+    stages = cfg.state_stages or (1 if K > 128 else 3 if operand_bytes <= 2 and not checkpoint else 2)
     return bv, cfg.state_warps or 4, stages
 
 

@@ -77,11 +77,11 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
     state_ptrs = {**io, "w": mat, "kg": mat, "qg": mat, "aqk": mat, "indices": "i64", "segs": "i64",
                   "ckpt_rows": "i64"}
     for seq_heads in (HEADS, WIDE_STATE_MIN_SEQ_HEADS):
-        bv, warps, stages = state_launch(cfg, seq_heads, K, V, 4 if fp32_inputs else 2)
-        for fuse in (True, False):
-            yield ("state", {"seq_heads": seq_heads, "fused_output": fuse}, chunk_state_kernel, state_ptrs,
-                   dict(HV=HEADS, K=K, V=V, BK=bk, BV=bv, FUSE_OUT=fuse, STORE_H=not fuse, CHECKPOINT=True,
-                        DOT_PREC=dot_prec),
+        for fuse, ckpt in ((True, False), (True, True), (False, True)):
+            bv, warps, stages = state_launch(cfg, seq_heads, K, V, 4 if fp32_inputs else 2, checkpoint=ckpt)
+            yield ("state", {"seq_heads": seq_heads, "fused_output": fuse, "checkpoints": ckpt}, chunk_state_kernel,
+                   state_ptrs, dict(HV=HEADS, K=K, V=V, BK=bk, BV=bv, FUSE_OUT=fuse, STORE_H=not fuse,
+                                    CHECKPOINT=ckpt, DOT_PREC=dot_prec),
                    warps, stages)
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)
