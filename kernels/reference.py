@@ -1,6 +1,6 @@
 """Per-token recurrent KDA: the oracle every backend is tested against.
 
-Written directly from the per-token math in DESIGN.md, one token at a time, with no
+Written directly from the per-token math in docs/KDA.md, one token at a time, with no
 chunking and no factoring of decays, in float64 (or float32 for the speed baseline).
 """
 from __future__ import annotations

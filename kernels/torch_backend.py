@@ -46,7 +46,7 @@ class _Prepared:
 
 
 def prepare_inputs(p: PrefillProblem) -> _Prepared:
-    """Apply the fused input transforms of DESIGN.md in fp32."""
+    """Apply the fused input transforms (docs/KDA.md) in fp32."""
     f32 = torch.float32
     q, k = p.q.to(f32), p.k.to(f32)
     if p.use_qk_l2norm:

@@ -1,4 +1,4 @@
-"""The `chunk_kda` / `kda_prefill` contract of DESIGN.md: argument handling, word-for-word
+"""The `chunk_kda` / `kda_prefill` contract of docs/KDA.md: argument handling, word-for-word
 errors, batch layouts, pool semantics, on the torch backend against the float64 reference."""
 from __future__ import annotations
 
