@@ -8,15 +8,26 @@ behind the copies on the same stream. The buffer is allocated once, grown to the
 launch seen (up to ``max_bytes``; larger launches take the plain path), and reused: before
 packing into it again, `to_device` waits for the copies of the previous launch that read it.
 Inputs already on the device (CUDA shared memory) do not pass through it.
+
+`copy_stream(device)`: the side stream device-to-device and shared memory copies run on.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
 
 ALIGN = 256  # bytes; where each packed input starts in the buffer
 DEFAULT_MAX_BYTES = 2 << 30
+
+
+@lru_cache(maxsize=None)
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream copies into and out of CUDA shared memory run on, for ``device``: waiting
+    for one's copies (``synchronize()``) then never waits for a kernel launch in flight on
+    the launch stream, as a device-wide synchronize would."""
+    return torch.cuda.Stream(device=device)
 
 
 class PinnedStaging:

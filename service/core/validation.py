@@ -14,7 +14,7 @@ import torch
 from kernels.problem import FLOAT_INPUTS, lower_bound_error
 from state_store import PoolGeometry
 
-from ..shm.cuda_ipc import copy_stream
+from .staging import copy_stream
 from ..errors import InvalidRequest
 from .gate_params import Gate, gate_key
 from .inputs import OPTIONAL_TENSORS, REQUIRED_TENSORS, TENSORS, PrefillInputs

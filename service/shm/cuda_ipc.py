@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
-from functools import lru_cache
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,14 +33,6 @@ def unavailable_reason() -> Optional[str]:
     if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
         return NO_CUDA_PYTHON
     return None
-
-
-@lru_cache(maxsize=None)
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream copies into and out of CUDA shared memory run on, for ``device``: waiting
-    for one's copies (``synchronize()``) then never waits for a kernel launch in flight on
-    the launch stream, as a device-wide synchronize would."""
-    return torch.cuda.Stream(device=device)
 
 
 class _CudaArray:

@@ -33,7 +33,8 @@ import torch
 
 from tensor_io.views import tensor_bytes
 
-from .cuda_ipc import IpcMappings, IpcMemory, copy_stream, unavailable_reason
+from ..core.staging import copy_stream
+from .cuda_ipc import IpcMappings, IpcMemory, unavailable_reason
 from ..errors import InvalidRequest
 
 log = logging.getLogger("kda_serve.shm")

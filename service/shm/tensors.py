@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tensor_io.views import nbytes, view_tensor
 
 from ..wire.buffers import WarmBuffers
-from .cuda_ipc import copy_stream
+from ..core.staging import copy_stream
 from .registry import Region
 
 ALIGN = 64  # where each copied-out input starts in its buffer
