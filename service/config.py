@@ -63,6 +63,17 @@ class Settings:
     )
     body_timeout_s: float = _opt(30.0, "longest wait for the next bytes of a request body (408 after)")
     log_level: str = _opt("info", "uvicorn log level")
+    # -- reliability limits (docs/RELIABILITY.md) -------------------------------------
+    body_deadline_s: float = _opt(120.0, "longest time a whole request body may take to arrive (408 after)")
+    header_timeout_s: float = _opt(10.0, "longest time a request's headers may take, from their first byte "
+                                         "(408 after)")
+    max_header_kb: float = _opt(64.0, "largest request line and headers accepted, in KiB (431 beyond)")
+    first_request_timeout_s: float = _opt(10.0, "how long a new connection may stay silent before its first "
+                                                "request (closed after)")
+    max_shm_regions: int = _opt(256, "most shared memory regions registered at a time (system and CUDA)")
+    max_shm_mb: float = _opt(32768.0, "most bytes of system shared memory regions mapped at a time, in MiB")
+    self_test_fault: Optional[str] = _opt(None, "testing only: corrupt o of the self-test path of this name, "
+                                                "to prove a mismatch keeps the server unready")
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,6 +102,11 @@ class Settings:
             problems.append(f"snapshot_interval_s must be >= 0, got {self.snapshot_interval_s}")
         if not self.body_timeout_s > 0:
             problems.append(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        for name in ("body_deadline_s", "header_timeout_s", "max_header_kb", "first_request_timeout_s", "max_shm_mb"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_shm_regions < 0:
+            problems.append(f"max_shm_regions must be >= 0, got {self.max_shm_regions}")
         if self.slot_ttl_s is not None and not self.slot_ttl_s > 0:
             problems.append(f"slot_ttl_s must be > 0, got {self.slot_ttl_s}")
         if self.api_key is not None and not self.api_key:
@@ -106,6 +122,14 @@ class Settings:
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * (1 << 20))
+
+    @property
+    def max_header_bytes(self) -> int:
+        return int(self.max_header_kb * 1024)
+
+    @property
+    def max_shm_bytes(self) -> int:
+        return int(self.max_shm_mb * (1 << 20))
 
     @property
     def torch_state_dtype(self) -> torch.dtype:

@@ -93,7 +93,7 @@ def create_app(settings: Settings) -> FastAPI:
     the core, warms the kernels in the background (/health/ready answers 200 after), sweeps
     idle slots when a ttl is set, and closes the core (snapshot) at shutdown."""
     core = ServerCore(settings)
-    registry = ShmRegistry()
+    registry = ShmRegistry(max_regions=settings.max_shm_regions, max_bytes=settings.max_shm_bytes)
     app = create_rest_app(core, settings, title="kda-serve",
                           summary="KDA (Kimi Delta Attention) chunked prefill over HTTP, on an in-place state pool",
                           regions=registry, lifespan=_lifespan(core, registry, settings))

@@ -17,12 +17,22 @@ memory itself belongs to the client: it is never unlinked or freed here.
 A region may be registered with a lease (``ttl_s``): each request that uses it renews it,
 and `expire` unregisters the regions idle past their lease, so a client that died without
 unregistering leaves no mapping behind for long.
+
+A system region never faults the process, whatever the client does to its object: the
+object is opened without following a symbolic link and must be a regular file; its size is
+checked (fstat) at every use, and the host copies in and out go through the file
+(``preadv``/``pwritev``), never through the mapping, so an object truncated mid-copy makes
+a short read (a 400), not a SIGBUS. The mapping serves only DMA to and from a GPU, once
+page-locked (pinned pages outlive a truncation; an unpinned mapping is never touched by
+the CPU). The registry holds at most ``max_regions`` regions and ``max_bytes`` bytes of
+system regions (``--max-shm-regions``, ``--max-shm-mb``).
 """
 from __future__ import annotations
 
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -47,6 +57,17 @@ class UnknownRegion(InvalidRequest):
 
     slug = "unknown-shared-memory-region"
     title = "Unknown shared memory region"
+
+
+class RegionLimit(InvalidRequest):
+    """A registration past the registry's caps on regions or mapped bytes (HTTP 400)."""
+
+    slug = "shared-memory-limit"
+    title = "Shared memory limit reached"
+
+
+DEFAULT_MAX_REGIONS = 256
+DEFAULT_MAX_BYTES = 32 << 30
 
 
 class _Region(ABC):
@@ -89,8 +110,8 @@ class _Region(ABC):
 
 
 class SystemRegion(_Region):
-    """Bytes [offset, offset + byte_size) of the POSIX shared memory object ``key``, mapped
-    read-write."""
+    """Bytes [offset, offset + byte_size) of the POSIX shared memory object ``key``: its
+    file kept open for the copies, and mapped read-write for DMA to and from a GPU."""
 
     kind = SYSTEM
 
@@ -98,59 +119,95 @@ class SystemRegion(_Region):
         super().__init__(name, byte_size)
         self.key = key
         self.offset = offset
-        path = os.path.join(SHM_DIR, _object_name(key))
+        self._fd = _open_object(key)
         try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as e:
-            raise InvalidRequest(f"unable to open shared memory key {key!r}: {e.strerror}", field="key") from None
-        try:
-            size = os.fstat(fd).st_size
-            if offset + byte_size > size:
-                raise InvalidRequest(f"shared memory key {key!r} holds {size} bytes, fewer than offset {offset} + "
-                                     f"byte_size {byte_size}", field="byte_size")
+            self._require_size(os.fstat(self._fd).st_size, "byte_size")
             start = offset - offset % mmap.ALLOCATIONGRANULARITY
             self._base = offset - start
-            self._map = mmap.mmap(fd, self._base + byte_size, offset=start)
-        finally:
-            os.close(fd)
+            try:
+                self._map = mmap.mmap(self._fd, self._base + byte_size, offset=start)
+            except (OSError, OverflowError, ValueError) as e:
+                raise InvalidRequest(f"shared memory key {key!r}: {byte_size} bytes at offset {offset} cannot be "
+                                     f"mapped ({e})", field="byte_size") from None
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._host: Optional[torch.Tensor] = None  # uint8 over the mapping, for copies to and from a GPU
         self._pinned = False  # the mapping is page-locked with CUDA (cudaHostRegister)
         self._pin_lock = threading.Lock()
 
+    def _require_size(self, size: int, field: str) -> None:
+        if self.offset + self.byte_size > size:
+            raise InvalidRequest(f"{field}: shared memory key {self.key!r} holds {size} bytes, fewer than offset "
+                                 f"{self.offset} + byte_size {self.byte_size} (the object shrank, or was never that "
+                                 f"large)", field=field)
+
+    def check(self, offset: int, nbytes: int, field: str) -> None:
+        """That [offset, offset + nbytes) lies inside the region, and the object still
+        holds the whole region (fstat: a client may have truncated it since)."""
+        super().check(offset, nbytes, field)
+        self._require_size(os.fstat(self._fd).st_size, field)
+
+    def _pread(self, offset: int, dest: memoryview) -> None:
+        """``dest.nbytes`` bytes at region ``offset`` into ``dest``, through the file: an
+        object truncated meanwhile makes a short read (InvalidRequest), not a fault."""
+        position, done = self.offset + offset, 0
+        while done < dest.nbytes:
+            n = os.preadv(self._fd, [dest[done:]], position + done)
+            if n == 0:
+                raise InvalidRequest(f"shared memory key {self.key!r} shrank to {os.fstat(self._fd).st_size} bytes "
+                                     f"while region {self.name!r} was read", field="shared_memory_region")
+            done += n
+
     def read_into(self, offset: int, dest: memoryview) -> None:
-        begin = self._base + offset
-        with memoryview(self._map) as whole:
-            dest[:] = whole[begin:begin + dest.nbytes]
+        with dest.cast("B") as flat:
+            self._pread(offset, flat)
 
     def read_into_tensor(self, offset: int, dest: torch.Tensor) -> None:
         """Copy the ``dest.numel()`` bytes at ``offset`` into the uint8 tensor ``dest`` on a
-        GPU (bounds checked by the caller), on the device's copy stream, straight from the
-        mapping (page-locked on first use, so the copy is one DMA); the copy may be in flight
-        on return: synchronize the stream before the client may write the region again."""
-        if dest.numel():
-            source = self._device_view(dest.device)[self._base + offset:self._base + offset + dest.numel()]
-            with torch.cuda.stream(copy_stream(dest.device)):
-                dest.copy_(source, non_blocking=self._pinned)
+        GPU (bounds checked by the caller), on the device's copy stream: straight from the
+        mapping when it is page-locked (one DMA), else read through the file into host
+        memory first. The copy may be in flight on return: synchronize the stream before
+        the client may write the region again."""
+        if not dest.numel():
+            return
+        mapping = self._pinned_view(dest.device)
+        if mapping is not None:
+            source = mapping[self._base + offset:self._base + offset + dest.numel()]
+        else:
+            source = torch.empty(dest.numel(), dtype=torch.uint8)
+            self._pread(offset, memoryview(source.numpy()))
+        with torch.cuda.stream(copy_stream(dest.device)):
+            dest.copy_(source, non_blocking=self._pinned)
 
     def write(self, offset: int, t: torch.Tensor) -> None:
         """``t`` (on the host, or on a GPU and complete: the launch synchronized) stored at
-        ``offset``, in place when this returns; from a GPU straight into the mapping."""
-        begin = self._base + offset
-        if t.is_cuda:
+        ``offset``, in place when this returns: from a GPU into the page-locked mapping,
+        else through the file (an object truncated meanwhile grows back; nothing faults).
+        InvalidRequest when the file refuses the bytes (a full /dev/shm)."""
+        mapping = self._pinned_view(t.device) if t.is_cuda else None
+        if mapping is not None:
+            begin = self._base + offset
             data = t.detach().contiguous().reshape(-1).view(torch.uint8)
             stream = copy_stream(t.device)
             with torch.cuda.stream(stream):
-                self._device_view(t.device)[begin:begin + data.numel()].copy_(data, non_blocking=self._pinned)
+                mapping[begin:begin + data.numel()].copy_(data, non_blocking=True)
             stream.synchronize()  # in place before the response says so
             return
-        data = tensor_bytes(t)
-        with memoryview(self._map) as whole:
-            whole[begin:begin + data.size] = data
+        data = memoryview(tensor_bytes(t))
+        position, done = self.offset + offset, 0
+        try:
+            while done < data.nbytes:
+                done += os.pwritev(self._fd, [data[done:]], position + done)
+        except OSError as e:
+            raise InvalidRequest(f"the outputs could not be written into shared memory region {self.name!r}: "
+                                 f"{e.strerror}", field="outputs") from None
 
-    def _device_view(self, device: torch.device) -> torch.Tensor:
+    def _pinned_view(self, device: torch.device) -> Optional[torch.Tensor]:
         """The whole mapping as a uint8 host tensor, page-locked with CUDA the first time
-        (portable: for every device). Refused pinning (a memlock limit, say) leaves it
-        pageable: copies still work, through the driver's staging buffers."""
+        (portable: for every device); None when pinning was refused (a memlock limit, a
+        truncated object): the CPU never touches an unpinned mapping, copies go through
+        the file instead."""
         with self._pin_lock:
             if self._host is None:
                 self._host = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -160,19 +217,40 @@ class SystemRegion(_Region):
                 self._pinned = _cuda_success(code)
                 if not self._pinned:
                     log.warning("shared memory region %r could not be page-locked (%s): its copies to and from "
-                                "the GPU go through pageable memory", self.name, code)
-            return self._host
+                                "the GPU go through host memory", self.name, code)
+            return self._host if self._pinned else None
 
     def status(self) -> dict[str, Union[str, int]]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
     def close(self) -> None:
-        if self._host is not None:
-            if self._pinned:
-                torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
-                self._pinned = False
-            self._host = None  # its export of the mapping ends here, so the mapping can close
-        self._map.close()
+        try:
+            if self._host is not None:
+                if self._pinned:
+                    torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+                    self._pinned = False
+                self._host = None  # its export of the mapping ends here, so the mapping can close
+            self._map.close()
+        finally:
+            os.close(self._fd)
+
+
+def _open_object(key: str) -> int:
+    """A read-write fd of the POSIX shared memory object ``key``: a symbolic link is not
+    followed and anything but a regular file is refused (InvalidRequest)."""
+    path = os.path.join(SHM_DIR, _object_name(key))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if os.path.islink(path):
+            raise InvalidRequest(f"shared memory key {key!r} is a symbolic link: not followed", field="key") from None
+        if os.path.isdir(path):
+            raise InvalidRequest(f"shared memory key {key!r} is not a regular file", field="key") from None
+        raise InvalidRequest(f"unable to open shared memory key {key!r}: {e.strerror}", field="key") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidRequest(f"shared memory key {key!r} is not a regular file", field="key")
+    return fd
 
 
 class CudaRegion(_Region):
@@ -255,19 +333,24 @@ class ShmRegistry:
     """The regions registered with one app, by name (system and CUDA share the names).
 
     Used from the event loop only. ``cuda_reason`` says why CUDA regions cannot be
-    registered in this process (None where they can).
+    registered in this process (None where they can). At most ``max_regions`` regions
+    (system and CUDA) and ``max_bytes`` bytes of system regions are registered at a time;
+    a registration past either is refused (400) before anything is opened.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_regions: int = DEFAULT_MAX_REGIONS, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._regions: dict[str, Region] = {}
         self._ipc = IpcMappings()
         self.cuda_reason = unavailable_reason()
+        self.max_regions = max_regions
+        self.max_bytes = max_bytes
 
     def register_system(self, name: str, key: str, offset: int, byte_size: int,
                         ttl_s: Optional[float] = None) -> SystemRegion:
         """Map ``byte_size`` bytes at ``offset`` of POSIX shared memory ``key`` as region
         ``name``; with ``ttl_s`` it is unregistered after that long unused (see `expire`)."""
         self._free_name(name)
+        self._room_for(byte_size)
         region = SystemRegion(name, key, offset, byte_size)
         region.ttl_s = ttl_s
         self._regions[name] = region
@@ -282,6 +365,7 @@ class ShmRegistry:
         is unregistered after that long unused (see `expire`)."""
         self.require_cuda()
         self._free_name(name)
+        self._room_for(0)
         memory = self._ipc.acquire(raw_handle, device_id)
         try:
             region = CudaRegion(name, memory, byte_size, self._ipc.release)
@@ -291,6 +375,17 @@ class ShmRegistry:
         region.ttl_s = ttl_s
         self._regions[name] = region
         log.info("registered CUDA shared memory region %r (device %d, %d bytes)", name, device_id, byte_size)
+
+    def _room_for(self, system_bytes: int) -> None:
+        """That one more region, of ``system_bytes`` mapped bytes, fits the caps."""
+        if len(self._regions) >= self.max_regions:
+            raise RegionLimit(f"{len(self._regions)} shared memory regions are registered, the most this server "
+                              f"holds (--max-shm-regions {self.max_regions}); unregister one first", field="name")
+        mapped = sum(r.byte_size for r in self._regions.values() if r.kind == SYSTEM)
+        if mapped + system_bytes > self.max_bytes:
+            raise RegionLimit(f"registering {system_bytes} bytes would map {mapped + system_bytes} bytes of system "
+                              f"shared memory, more than this server maps (--max-shm-mb: {self.max_bytes} bytes)",
+                              field="byte_size")
 
     def require_cuda(self) -> None:
         """InvalidRequest (400) saying why, where CUDA shared memory cannot work."""

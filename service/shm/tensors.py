@@ -9,7 +9,9 @@ regions, one DMA from page-locked system regions: no host copy); every other inp
 CPU server all of them) into one host buffer at 64-byte aligned offsets, taken from
 `WarmBuffers` when one of the size is free (its pages already mapped: fresh pages cost ~8x
 the copy). Outputs are written with `Region.write` (from the device directly when the
-result stayed there).
+result stayed there). A system region's host copies, both ways, go through its file
+(``preadv``/``pwritev``, never the mapping) and its size is checked at every use, so a client
+that truncates its object gets a 400, never a SIGBUS (`service.shm.registry`).
 """
 from __future__ import annotations
 

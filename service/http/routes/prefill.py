@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from ...core.api import CoreAPI
 from ...core.inputs import PrefillResult
 from ...core.worker import off_loop
-from ...errors import UnsupportedMediaType
+from ...errors import ServiceError, UnsupportedMediaType
 from ...shm.prefill import (
     SHM_JSON, PrefillShmRequest, PrefillShmResponse, host_bytes, input_refs, parse_shm_request, read_request,
     region_names, write_result,
@@ -97,8 +97,13 @@ def add_prefill_route(router: APIRouter, core: CoreAPI, left: Abandonment, regio
             if result.allocated and (gone := await left.check(request, result.allocated)):
                 return gone
             start = time.perf_counter()
-            doc = await off_loop(write_result, plan, result, leased,
-                                 nbytes=host_bytes((plan.o, plan.final_state), leased))
+            try:
+                doc = await off_loop(write_result, plan, result, leased,
+                                     nbytes=host_bytes((plan.o, plan.final_state), leased))
+            except ServiceError:  # the outputs cannot reach the client: nor may the slots made for it
+                for slot_id in result.allocated:
+                    await core.free(slot_id)
+                raise
         timing = server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
                                encode=time.perf_counter() - start)
         return JSONResponse(doc, headers=timing)
