@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from typing import Callable
 
@@ -18,10 +19,45 @@ from ..core.metrics import Metrics
 from ..errors import API_KEY_REQUIRED
 from .problem_details import PAYLOAD_TOO_LARGE, problem
 
+log = logging.getLogger("kda_serve.http")
+
 OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
 """The only paths served without the API key: the liveness and readiness probes (ours and
 KServe v2's), which orchestrators call without credentials. Anything else, unknown paths
 included, is 401 without the key, so nothing about the API shows."""
+
+
+class InternalErrors:
+    """An exception that escapes a route (a bug: every refusal is a ServiceError with its
+    own 4xx) becomes a 500 problem with ``Connection: close``, logged once with its
+    traceback: the server then closes the connection, so a keep-alive client's next request
+    goes out on a fresh one. Add it inside `ProtocolErrors` (which gives ``/v2`` its
+    ``{"error"}`` form) and outside the metrics (which count the 500). An exception after
+    the response started cannot be answered: it propagates, and uvicorn closes the
+    connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            if started:
+                raise
+            log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
+            response = problem(500, "internal-error", f"internal error ({type(e).__name__}); the server log has "
+                               "details", headers={"Connection": "close"})
+            await response(scope, receive, send)
 
 
 class MetricsMiddleware:

@@ -46,8 +46,12 @@ def _name(status: int) -> tuple[str, str]:
     return _HTTP_NAMES.get(status, (phrase.lower().replace(" ", "-").replace("'", ""), phrase))
 
 
+CLOSE = {"Connection": "close"}  # after a 500 the connection is not reused
+
+
 async def _service_error(_: Request, e: ServiceError) -> JSONResponse:
-    return problem(e.status, e.slug, e.detail, title=e.title, **e.extra())
+    return problem(e.status, e.slug, e.detail, title=e.title, headers=CLOSE if e.status == 500 else None,
+                   **e.extra())
 
 
 async def _schema_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -88,7 +92,8 @@ async def _client_disconnect(request: Request, _: ClientDisconnect) -> JSONRespo
 
 async def _internal(_: Request, e: Exception) -> JSONResponse:
     # Starlette re-raises after this response, so the server logs the traceback once.
-    return problem(500, "internal-error", f"internal error ({type(e).__name__}); the server log has details")
+    return problem(500, "internal-error", f"internal error ({type(e).__name__}); the server log has details",
+                   headers=CLOSE)
 
 
 def install_problem_handlers(app: FastAPI) -> None:

@@ -1,6 +1,7 @@
 """`create_rest_app`: a FastAPI app serving the REST API over a core, with the middleware
-and error handling every deployment wears: problem+json for every error, the body limit
-and timeout, the API key when one is set, and per-route metrics in ``core.metrics``.
+and error handling every deployment wears: problem+json for every error (a 500 for what
+escapes a route, with ``Connection: close``), the body limit and timeout, the API key when
+one is set, and per-route metrics in ``core.metrics``.
 The single-process app (`service.http.app`) and the Ray Serve ingress
 (`service.ray_serve.ingress`) are this app plus their own routes."""
 from __future__ import annotations
@@ -13,7 +14,7 @@ from fastapi import FastAPI
 from ..config import Settings
 from ..core.api import CoreAPI
 from ..shm.registry import ShmRegistry
-from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from .middleware import AuthMiddleware, BodyLimitMiddleware, InternalErrors, MetricsMiddleware
 from .openapi import install_openapi
 from .problem_details import install_problem_handlers
 from .routes import rest_router
@@ -39,6 +40,7 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
     if settings.api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
+    app.add_middleware(InternalErrors)  # a 500 problem with Connection: close for what escapes a route
     app.include_router(rest_router(core, regions, server_cancels))
     install_openapi(app)
     return app
