@@ -30,7 +30,7 @@ run_step() {  # name, time limit (s), command...
 for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     name=${spec%%:*}; limit=${spec#*:}; [[ $limit == "$spec" ]] && limit=540
     case $name in
-    gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store ;;
+    gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store tests/reliability ;;
     # the service's GPU paths only (shared memory, staging, validation), and the POSIX shared
     # memory tests unfiltered: their server is on the GPU there
     service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store || rc=1
@@ -43,6 +43,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
         python3 -m pytest -q "$f" || rc=1; done; exit $rc' ;;
     cuda-ipc) run_step "$name" "$limit" python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json" --server-log "$OUT/cuda_ipc_server.log" ;;
     transport) run_step "$name" "$limit" python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3 ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-variants, cuda-ipc, transport)"; exit 2 ;;
+    # the transactional launch's row copies and finite check against the kernel, 8x4096 H32 (goal < 3%)
+    transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-variants, cuda-ipc, transport, transaction)"; exit 2 ;;
     esac
 done

@@ -50,6 +50,7 @@ from .gate_params import Gate, load_gate_params
 from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics
 from .staging import PinnedStaging
+from .transaction import LaunchTransaction
 from .validation import ValidPrefill, validate_prefill, validate_state
 from .worker import DeviceWorker, off_loop
 
@@ -383,8 +384,10 @@ class ServerCore:
         A job whose slot vanished since it was checked (expired) fails alone with
         UnknownSlot, one whose slot was flagged lost since (a failed launch before it) with
         StateLost; the others are journaled and launch together. A journal that cannot be
-        written fails them all (SnapshotError) before anything changes. Slots of a failed
-        launch are marked lost.
+        written fails them all (SnapshotError) before anything changes. The launch is a
+        `LaunchTransaction`: a job whose update diverged (non-finite state or o) is rolled
+        back and fails alone with UpdateDiverged (422); a failed launch restores every slot
+        and fails them all with LaunchFailed (slots are marked lost only when that fails).
         """
         outcomes: list[Union[PrefillResult, BaseException, None]] = [None] * len(jobs)
         live, rows = [], []
@@ -423,7 +426,7 @@ class ServerCore:
             log.warning("pinned staging failed, copying this launch's inputs directly: %s", e)
             return None
 
-    def _launch(self, jobs: list[_Job], rows: list[int]) -> list[PrefillResult]:
+    def _launch(self, jobs: list[_Job], rows: list[int]) -> list[Union[PrefillResult, BaseException]]:
         device = self.geometry.device
         first = jobs[0].valid
         x, gate, layer = first.inputs.params, first.gate, first.inputs.params.layer
@@ -444,6 +447,8 @@ class ServerCore:
         to_host = any(not job.valid.inputs.device_outputs for job in jobs)
         start = time.perf_counter()
         staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in REQUIRED_TENSORS])
+        transaction = LaunchTransaction(  # the rows as they are, to restore
+            pool_layer, indices, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs])
         try:
             q, k, v, g, beta = staged or [packed(name) for name in REQUIRED_TENSORS]
             problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
@@ -455,28 +460,32 @@ class ServerCore:
             )
             o, _ = kernels.run_problem(problem, self.backend)
             finals = pool_layer.index_select(0, indices) if wants_final else None
-            o_host = o.cpu() if to_host else None  # (a kernel's asynchronous failure surfaces here)
+            refused = transaction.settle(o, finals)  # diverged requests rolled back (an asynchronous failure shows here)
+            o_host = o.cpu() if to_host else None  # (or here)
             finals_host = finals.cpu() if to_host and finals is not None else None
             if device.type == "cuda" and not to_host:
                 torch.cuda.current_stream(device).synchronize()  # or here; results complete before any response
-        except Exception:
-            self.pool.mark_lost(slots)
-            log.error("launch failed; marked %d slot(s) state_lost: %s", len(slots), slots)
-            raise
+        except Exception as e:
+            raise transaction.abort(e, lambda: self.pool.mark_lost(slots)) from e
         kernel_s = time.perf_counter() - start
-        for slot_id, n in zip(slots, lengths):
-            self.pool.record_tokens(slot_id, layer, n)
-        self.metrics.tokens.inc(sum(lengths))
-        self.metrics.sequences.inc(len(lengths))
         self.metrics.batch_sequences.observe(len(lengths))
         self.metrics.batch_tokens.observe(sum(lengths))
 
-        results, t0, n0 = [], 0, 0
-        for job in jobs:
+        results: list[Union[PrefillResult, BaseException]] = []
+        t0, n0 = 0, 0
+        for j, job in enumerate(jobs):
             job_lengths = job.valid.inputs.lengths
             t1, n1 = t0 + sum(job_lengths), n0 + len(job_lengths)
-            o_all, final_all = (o, finals) if job.valid.inputs.device_outputs else (o_host, finals_host)
-            final = final_all[n0:n1] if final_all is not None and job.valid.inputs.params.return_final_state else None
-            results.append(PrefillResult(job.slots, list(job_lengths), o_all[t0:t1], final, job.allocated, kernel_s))
+            if j in refused:
+                results.append(refused[j])
+            else:
+                for slot_id, n in zip(job.slots, job_lengths):
+                    self.pool.record_tokens(slot_id, layer, n)
+                self.metrics.tokens.inc(sum(job_lengths))
+                self.metrics.sequences.inc(len(job_lengths))
+                o_all, final_all = (o, finals) if job.valid.inputs.device_outputs else (o_host, finals_host)
+                final = final_all[n0:n1] if final_all is not None and job.valid.inputs.params.return_final_state else None
+                results.append(PrefillResult(job.slots, list(job_lengths), o_all[t0:t1], final, job.allocated,
+                                             kernel_s))
             t0, n0 = t1, n1
         return results

@@ -114,55 +114,66 @@ def _resolve_gate(x: PrefillInputs, geometry: PoolGeometry, server: Optional[Gat
     return Gate(x.A_log, dt_bias, lower_bound, key=gate_key(x.A_log, dt_bias, lower_bound))
 
 
-def finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
-    """For each float tensor of ``tensors``, whether every value is finite, in one pass over
-    it that allocates nothing of its size: min and max propagate NaN, and are infinite when
+def extremes(tensors: Sequence[torch.Tensor]) -> list[Optional[tuple[float, float]]]:
+    """(min, max) of each float tensor of ``tensors`` (None when empty), in one pass over
+    it that allocates nothing of its size; min and max propagate NaN and are infinite when
     any value is. (``torch.isfinite(t).all()`` writes a bool tensor of t's size and reads it
     again: ~10x slower.) Tensors on a GPU (inputs copied out of shared memory) are scanned on
     the stream that copied them, so the answer never waits for a launch in flight, and are
     read back with one synchronization per device for all of them."""
-    flags: list[Optional[bool]] = [None] * len(tensors)
+    out: list[Optional[tuple[float, float]]] = [None] * len(tensors)
     on_gpu: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel() == 0:
-            flags[i] = True
-        elif t.is_cuda:
+            continue
+        if t.is_cuda:
             on_gpu.setdefault(t.device, []).append(i)
         else:
             lo, hi = torch.aminmax(t)
-            flags[i] = math.isfinite(lo.item()) and math.isfinite(hi.item())  # two scalars: no more tensor ops
+            out[i] = (lo.item(), hi.item())  # two scalars: no more tensor ops
     for device, indices in on_gpu.items():
         with torch.cuda.stream(copy_stream(device)):
-            ends = torch.stack([torch.stack(torch.aminmax(tensors[i])).float() for i in indices])  # [n, 2]
-            finite = torch.isfinite(ends).all(dim=1).tolist()
-        for i, ok in zip(indices, finite):
-            flags[i] = ok
-    return [bool(f) for f in flags]
+            ends = torch.stack([torch.stack(torch.aminmax(tensors[i])).float() for i in indices]).tolist()  # [n, 2]
+        for i, (lo, hi) in zip(indices, ends):
+            out[i] = (lo, hi)
+    return out
+
+
+def finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """For each float tensor of ``tensors``, whether every value is finite (`extremes`)."""
+    return [e is None or (math.isfinite(e[0]) and math.isfinite(e[1])) for e in extremes(tensors)]
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether every value of the float tensor ``t`` is finite (`finite_flags`)."""
+    """Whether every value of the float tensor ``t`` is finite (`extremes`)."""
     return finite_flags([t])[0]
 
 
-def _check_finite(x: PrefillInputs) -> None:
+def _check_values(x: PrefillInputs, gate: Gate) -> None:
+    """Every value finite, ``scale`` > 0, and a given log decay (g without a gate) <= 0:
+    a positive one grows the state by exp(g) per token, so a finite request would leave
+    Inf or NaN in its slot."""
     scale = x.params.scale
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise _fail("scale", f"scale must be a finite number > 0, got {scale}")
     named = [(name, t) for name in TENSORS if (t := getattr(x, name)) is not None]
-    for (name, t), finite in zip(named, finite_flags([t for _, t in named])):
-        if not finite:
+    for (name, t), ends in zip(named, extremes([t for _, t in named])):
+        if ends is not None and not (math.isfinite(ends[0]) and math.isfinite(ends[1])):
             raise _fail(name, f"{name} {describe(t)} holds non-finite values (NaN or Inf)")
+        if name == "g" and not gate.fused and ends is not None and ends[1] > 0:
+            raise _fail("g", f"g {describe(t)} is the log decay (no gate: no A_log, lower_bound or server gate "
+                             f"parameters), so every value must be <= 0; its largest is {ends[1]:g}")
 
 
 def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mapping[int, Gate]) -> ValidPrefill:
     """Check ``x`` against the pool's ``geometry`` and the server's gates, cheapest checks
     first: layer, sequences and lengths, slots named once, shapes and dtypes, the gate,
-    then finiteness of every value. Raises InvalidRequest (400) on the first failure."""
+    then the values (finite; a given log decay <= 0). Raises InvalidRequest (400) on the
+    first failure."""
     _check_sequences(x, geometry)
     heads = _check_tensors(x, geometry)
     gate = _resolve_gate(x, geometry, server_gates.get(x.params.layer))
-    _check_finite(x)
+    _check_values(x, gate)
     key = (x.params.launch_key, heads, tuple(getattr(x, n).dtype for n in REQUIRED_TENSORS), gate.key)
     return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=key)
 

@@ -146,16 +146,24 @@ class SystemRegion(_Region):
         """That [offset, offset + nbytes) lies inside the region, and the object still
         holds the whole region (fstat: a client may have truncated it since)."""
         super().check(offset, nbytes, field)
-        self._require_size(os.fstat(self._fd).st_size, field)
+        self._require_size(os.fstat(self._file()).st_size, field)
+
+    def _file(self) -> int:
+        """The object's fd; ValueError once the region is closed (its number may be another
+        file's by then)."""
+        if self._fd < 0:
+            raise ValueError(f"shared memory region {self.name!r} is closed")
+        return self._fd
 
     def _pread(self, offset: int, dest: memoryview) -> None:
         """``dest.nbytes`` bytes at region ``offset`` into ``dest``, through the file: an
         object truncated meanwhile makes a short read (InvalidRequest), not a fault."""
+        fd = self._file()
         position, done = self.offset + offset, 0
         while done < dest.nbytes:
-            n = os.preadv(self._fd, [dest[done:]], position + done)
+            n = os.preadv(fd, [dest[done:]], position + done)
             if n == 0:
-                raise InvalidRequest(f"shared memory key {self.key!r} shrank to {os.fstat(self._fd).st_size} bytes "
+                raise InvalidRequest(f"shared memory key {self.key!r} shrank to {os.fstat(fd).st_size} bytes "
                                      f"while region {self.name!r} was read", field="shared_memory_region")
             done += n
 
@@ -195,10 +203,10 @@ class SystemRegion(_Region):
             stream.synchronize()  # in place before the response says so
             return
         data = memoryview(tensor_bytes(t))
-        position, done = self.offset + offset, 0
+        fd, position, done = self._file(), self.offset + offset, 0
         try:
             while done < data.nbytes:
-                done += os.pwritev(self._fd, [data[done:]], position + done)
+                done += os.pwritev(fd, [data[done:]], position + done)
         except OSError as e:
             raise InvalidRequest(f"the outputs could not be written into shared memory region {self.name!r}: "
                                  f"{e.strerror}", field="outputs") from None
@@ -232,7 +240,9 @@ class SystemRegion(_Region):
                 self._host = None  # its export of the mapping ends here, so the mapping can close
             self._map.close()
         finally:
-            os.close(self._fd)
+            fd, self._fd = self._fd, -1
+            if fd >= 0:
+                os.close(fd)
 
 
 def _open_object(key: str) -> int:

@@ -1,0 +1,143 @@
+"""What the transactional launch costs: `service.core.transaction.LaunchTransaction` (copies of
+the pool rows a launch writes, then the finite check of the final states and of o) against
+the kernel it guards, in one run.
+
+Serving config (as bench/kernels.py): bf16 q/k/v/g/beta, H = HV = 32, K = V = 128, gate
+``lower_bound = -5`` with A_log/dt_bias, q/k L2 norm and beta sigmoid in kernel, varlen
+cu_seqlens, an fp32 pool [S, HV, V, K] written in place; 8 sequences of 4096 tokens by
+default. The pool is a scratch one: the timed launches advance its rows.
+
+Two figures, both medians over ``--reps`` launches after warm-up, interleaved:
+- GPU time (CUDA events) of the kernel alone, of the row copies, and of the check
+  (reductions, no host read);
+- wall time of the launch as the server runs it (kernel, the final states gathered, a
+  synchronization) with and without the transaction (copies, kernel, check with its one
+  host read): the added time.
+The goal is a ratio under 3% at 8x4096.
+
+Usage (GPU machine): ``python bench/transaction.py`` [--case 8x4096] [--reps 50]. On a CPU
+(``--device cpu --case 2x256 --heads 4``) it runs the torch backend, as a smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels.problem import packed_problem  # noqa: E402
+from service.core.transaction import LaunchTransaction  # noqa: E402
+
+K = V = 128
+LOWER_BOUND = -5.0
+GOAL = 0.03
+
+
+def make_case(n_seq: int, length: int, heads: int, device: torch.device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    T = n_seq * length
+
+    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    rows = n_seq + 8
+    return dict(
+        q=randn(T, heads, K), k=randn(T, heads, K), v=randn(T, heads, V), g=randn(T, heads, K),
+        beta=randn(T, heads), A_log=torch.rand(heads, generator=gen, device=device),
+        dt_bias=2.0 * randn(heads, K, dtype=torch.float32) - 3.0,
+        bounds=list(range(0, T + 1, length)),
+        pool=0.1 * randn(rows, heads, V, K, dtype=torch.float32),
+        idx=torch.randperm(rows, generator=gen, device=device)[:n_seq],
+        lengths=[length] * n_seq,
+    )
+
+
+def launch(c: dict, backend: str) -> torch.Tensor:
+    """The server's kernel call (`ServerCore._launch`: a `packed_problem` of checked inputs
+    run by `kernels.run_problem`), in place on the scratch pool; o [T, HV, V]."""
+    problem = packed_problem(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], bounds=c["bounds"], pool=c["pool"], indices=c["idx"],
+        scale=None, A_log=c["A_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND, use_qk_l2norm=True,
+        use_beta_sigmoid=True, allow_neg_eigval=False,
+    )
+    return kernels.run_problem(problem, backend)[0]
+
+
+def gpu_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """One call's time on the device (CUDA events), or wall time on a CPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--case", default="8x4096", help="NxT: N sequences of T tokens")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    n_seq, length = (int(x) for x in args.case.split("x"))
+    backend = kernels.default_backend(device)
+    c = make_case(n_seq, length, args.heads, device)
+    layer = c["pool"]
+    requests = [([n], [None]) for n in c["lengths"]]
+    for _ in range(3):  # compile, autotune, warm caches
+        o = launch(c, backend)
+    sync(device)
+
+    kernel, copies, checks, plain, guarded = [], [], [], [], []
+    for _ in range(args.reps):
+        kernel.append(gpu_ms(lambda: launch(c, backend), device))
+        copies.append(gpu_ms(lambda: layer.index_select(0, c["idx"]), device))
+        txn = LaunchTransaction(layer, c["idx"], requests)
+        checks.append(gpu_ms(lambda: txn.diverged(o), device))  # with its one host read
+        sync(device)
+        start = time.perf_counter()
+        launch(c, backend)
+        layer.index_select(0, c["idx"])  # the final states a response returns
+        sync(device)
+        plain.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        txn = LaunchTransaction(layer, c["idx"], requests)
+        o = launch(c, backend)
+        refused = txn.settle(o, layer.index_select(0, c["idx"]))
+        sync(device)
+        guarded.append(time.perf_counter() - start)
+        assert not refused, refused
+
+    med = statistics.median
+    k_ms, c_ms, x_ms = med(kernel), med(copies), med(checks)
+    p_ms, g_ms = med(plain) * 1e3, med(guarded) * 1e3
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name}, backend {backend}, {n_seq}x{length} H{args.heads} K{K} V{V} bf16 inputs, fp32 pool, "
+          f"{args.reps} reps (medians)")
+    print(f"device time: kernel {k_ms:.3f} ms, row copies {c_ms:.3f} ms ({c_ms / k_ms:.2%}), "
+          f"finite check {x_ms:.3f} ms ({x_ms / k_ms:.2%})")
+    ratio = (g_ms - p_ms) / p_ms
+    print(f"wall time of a launch: {p_ms:.3f} ms plain, {g_ms:.3f} ms transactional: +{ratio:.2%} "
+          f"(goal < {GOAL:.0%}: {'met' if ratio < GOAL else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()

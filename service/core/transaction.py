@@ -1,0 +1,146 @@
+"""Transactional launches: a launch applies to every slot it touches, or leaves each as it was.
+
+Before the kernels run, `LaunchTransaction` copies the pool rows the launch will write (one
+[HV, V, K] row per sequence, on the pool's device: 2 MiB at HV = 32, K = V = 128, fp32).
+After they ran it finds the sequences whose final state or output holds a non-finite value
+(`diverged`: two reductions and one synchronization for the whole launch). The rows of a
+request with such a sequence are written back (`roll_back`), so that request changes
+nothing and is refused with `UpdateDiverged` (422) while the other requests of the launch
+stand; when the launch itself fails, every row is written back (`abort`), and only when
+even that fails are the slots flagged ``state_lost``.
+
+Finite inputs can still diverge: the recurrence multiplies the state by about |k|^2 per
+token without l2norm, and v near float32's largest value overflows the update; a given log
+decay > 0 (a growing state) is refused earlier, by validation.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from ..errors import ServiceError
+
+log = logging.getLogger("kda_serve.core")
+
+
+class UpdateDiverged(ServiceError):
+    """The request's update would leave non-finite values (NaN or Inf) in a state or in o;
+    it was rolled back, so its slots hold what they held before."""
+
+    status = 422
+    slug = "update-diverged"
+    title = "Update diverged"
+
+    def __init__(self, sequences: Sequence[int], slots: Sequence[Optional[str]]) -> None:
+        named = [f"{i} (slot {slot!r})" if slot else str(i) for i, slot in zip(sequences, slots)]
+        super().__init__(
+            f"the update of sequence(s) {', '.join(named)} leaves non-finite values (NaN or Inf) in the state or o, "
+            "though every input is finite (values too large, q/k without l2norm over many tokens, ...); it was "
+            "rolled back: no slot of this request changed", field="sequences")
+        self.sequences = list(sequences)
+
+    def extra(self) -> dict[str, object]:
+        return {**super().extra(), "sequences": self.sequences}
+
+
+class LaunchFailed(ServiceError):
+    """The kernels failed; every slot of the launch was restored from its copy (or, when
+    that failed too, flagged state_lost: ``restored`` says which)."""
+
+    status = 500
+    slug = "launch-failed"
+    title = "Kernel launch failed"
+
+    def __init__(self, cause: BaseException, restored: bool) -> None:
+        outcome = ("its slots were restored: nothing changed" if restored
+                   else "its slots could not be restored and are flagged state_lost")
+        super().__init__(f"the kernel launch failed ({type(cause).__name__}: {cause}); {outcome}")
+        self.restored = restored
+
+
+class LaunchTransaction:
+    """Copies of the rows ``indices`` [N] (int64, on the pool's device) of ``layer`` (one
+    layer of the pool, [S, HV, V, K]) taken at construction. ``requests`` are the launch's
+    requests in order, each as (its sequences' lengths, the slot each names, None for a
+    new one): together N sequences, packed along tokens in that order."""
+
+    def __init__(self, layer: torch.Tensor, indices: torch.Tensor,
+                 requests: Sequence[tuple[Sequence[int], Sequence[Optional[str]]]]) -> None:
+        self._layer = layer
+        self._indices = indices
+        self._requests = requests
+        self._bounds = [0, *itertools.accumulate(n for lengths, _ in requests for n in lengths)]
+        self._saved = layer.index_select(0, indices)  # [N, HV, V, K]: a copy, on the device
+
+    def settle(self, o: torch.Tensor, finals: Optional[torch.Tensor] = None) -> dict[int, UpdateDiverged]:
+        """After the kernels wrote o [T, HV, V] and the rows (``finals``, when the caller
+        gathered them already: the rows [N, HV, V, K] now): each request with a diverged
+        sequence (`diverged`) rolled back, and its error, by request index."""
+        bad = set(self.diverged(o, finals))
+        refused: dict[int, UpdateDiverged] = {}
+        n0 = 0
+        for j, (lengths, slots) in enumerate(self._requests):
+            n1 = n0 + len(lengths)
+            mine = [n - n0 for n in range(n0, n1) if n in bad]
+            if mine:
+                self.roll_back(range(n0, n1))
+                refused[j] = UpdateDiverged(mine, [slots[i] for i in mine])
+            n0 = n1
+        return refused
+
+    def diverged(self, o: torch.Tensor, finals: Optional[torch.Tensor] = None) -> list[int]:
+        """Positions (0..N-1) of the sequences whose final state (the rows now; ``finals``
+        when given) or whose tokens of ``o`` [T, HV, V] hold a non-finite value. One pass
+        over o and the rows and one synchronization for the whole launch (a kernel's
+        asynchronous failure surfaces here); only when something is not finite, a second
+        pass finds which sequences."""
+        rows = self._layer.index_select(0, self._indices) if finals is None else finals
+        ends = torch.stack([torch.stack(torch.aminmax(x)).float() for x in (o, rows)]).tolist()
+        if all(math.isfinite(e) for pair in ends for e in pair):
+            return []
+        n = len(self._bounds) - 1
+        bad_rows = ~_finite_rows(rows.reshape(n, -1))
+        bad_tokens = (~_finite_rows(o.reshape(o.shape[0], -1))).to(torch.int64)
+        counts = torch.cat([bad_tokens.new_zeros(1), torch.cumsum(bad_tokens, 0)])  # [T + 1]
+        bounds = torch.tensor(self._bounds, dtype=torch.int64, device=o.device)
+        bad_seqs = (counts[bounds[1:]] - counts[bounds[:-1]]) > 0
+        flags = (bad_rows | bad_seqs.to(bad_rows.device)).tolist()
+        return [i for i, bad in enumerate(flags) if bad]
+
+    def roll_back(self, positions: Optional[Iterable[int]] = None) -> None:
+        """Write back the copied rows of ``positions`` (every row when None)."""
+        if positions is None:
+            self._layer.index_copy_(0, self._indices, self._saved)
+            return
+        which = torch.tensor(list(positions), dtype=torch.int64, device=self._indices.device)
+        if which.numel():
+            self._layer.index_copy_(0, self._indices.index_select(0, which), self._saved.index_select(0, which))
+
+    def abort(self, cause: BaseException, mark_lost: Callable[[], None]) -> LaunchFailed:
+        """After a failed launch: every row written back, synchronized; when that fails
+        too, ``mark_lost`` flags the slots. The error to raise (logged here)."""
+        try:
+            self.roll_back()
+            if self._layer.is_cuda:
+                torch.cuda.current_stream(self._layer.device).synchronize()
+            restored = True
+        except Exception:
+            log.exception("restoring the rows of a failed launch failed")
+            mark_lost()
+            restored = False
+        log.error("launch of %d sequence(s) failed (%s: %s); their slots %s", len(self._bounds) - 1,
+                  type(cause).__name__, cause, "were restored" if restored else "are flagged state_lost")
+        return LaunchFailed(cause, restored)
+
+
+def _finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """[R] bool: whether row r of ``x`` [R, C] is all finite. min and max propagate NaN
+    and are infinite when any value is: one pass, nothing of x's size allocated."""
+    if x.numel() == 0:
+        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    lo, hi = torch.aminmax(x, dim=1)
+    return torch.isfinite(lo) & torch.isfinite(hi)

@@ -1,0 +1,135 @@
+"""`service.core.transaction`: a launch applies to every slot it touches or leaves each as
+it was. The module on a pool layer by itself, then `ServerCore` with a kernel that fails
+after writing the pool (a fault injected around the real kernel): every slot comes back
+bit for bit, none is flagged, and the next prefill runs from the old states. On the CPU,
+and on the GPU where there is one (marked ``gpu``)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+import pytest
+import torch
+from server_harness import HV, K, LAYERS, TOL, V, make_sequence, reference, rel
+
+import service.core.server as server_module
+from kernels.problem import PrefillProblem
+from service.config import Settings
+from service.core.inputs import PrefillInputs, PrefillParams
+from service.core.server import ServerCore
+from service.core.transaction import LaunchFailed, LaunchTransaction, UpdateDiverged
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="needs a CUDA device")]),
+]
+
+
+def _layer(device: str, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(8, HV, V, K, generator=gen).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_diverged_sequence_rolls_back_its_whole_request_only(device: str, gen: torch.Generator) -> None:
+    """Requests of 2, 1 and 2 sequences on rows [5, 1 | 6 | 0, 3]: the kernel's writes kept
+    for the requests whose sequences are finite, every row of the request with a NaN state
+    (or a NaN in its tokens of o) written back as it was."""
+    layer = _layer(device, gen)
+    before = layer.clone()
+    indices = torch.tensor([5, 1, 6, 0, 3], device=device)
+    requests = [([3, 2], ["a", None]), ([4], ["c"]), ([1, 2], ["d", "e"])]
+    txn = LaunchTransaction(layer, indices, requests)
+    layer[indices] += 1.0  # the kernel's update
+    updated = layer.clone()
+    layer[0, 2, 3, 4] = float("nan")  # sequence 3 (request 2's first) diverged in its state
+    o = torch.randn(12, HV, V, device=device)
+    o[3, 1, 0] = float("inf")  # token 3: sequence 1 (request 0's second) diverged in o
+    refused = txn.settle(o)
+    assert sorted(refused) == [0, 2]
+    assert isinstance(refused[0], UpdateDiverged) and refused[0].sequences == [1]
+    assert refused[2].sequences == [0] and "slot 'd'" in refused[2].detail
+    for row in (5, 1, 0, 3):
+        assert torch.equal(layer[row], before[row])
+    assert torch.equal(layer[6], updated[6])
+    assert torch.equal(layer[[2, 4, 7]], before[[2, 4, 7]])  # rows of no sequence: never touched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_clean_launch_keeps_every_update(device: str, gen: torch.Generator) -> None:
+    layer = _layer(device, gen)
+    indices = torch.tensor([2, 7], device=device)
+    txn = LaunchTransaction(layer, indices, [([1], [None]), ([64], ["x"])])
+    layer[indices] *= 0.5
+    updated = layer.clone()
+    assert txn.settle(torch.randn(65, HV, V, device=device)) == {}
+    assert torch.equal(layer, updated)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_abort_restores_every_row_and_flags_nothing(device: str, gen: torch.Generator) -> None:
+    layer = _layer(device, gen)
+    before = layer.clone()
+    indices = torch.tensor([4, 0], device=device)
+    txn = LaunchTransaction(layer, indices, [([2, 3], [None, "s"])])
+    layer[indices] = float("nan")
+    flagged: list[bool] = []
+    error = txn.abort(RuntimeError("kernel fault"), lambda: flagged.append(True))
+    assert isinstance(error, LaunchFailed) and error.restored and error.status == 500
+    assert torch.equal(layer, before) and not flagged
+
+
+def test_abort_flags_the_slots_when_even_the_restore_fails(gen: torch.Generator) -> None:
+    layer = _layer("cpu", gen)
+    txn = LaunchTransaction(layer, torch.tensor([1]), [([2], ["s"])])
+    txn._saved = torch.empty(0)  # a restore that cannot run (as on a GPU whose context is gone)
+    flagged: list[bool] = []
+    error = txn.abort(RuntimeError("kernel fault"), lambda: flagged.append(True))
+    assert flagged == [True] and not error.restored and "state_lost" in error.detail
+
+
+def _failing_kernel(real: Any) -> Any:
+    def run(problem: PrefillProblem, backend: Optional[str] = None) -> Any:
+        real(problem, backend)  # writes the pool's rows in place
+        problem.pool.fill_(float("nan"))  # and leaves garbage in the whole layer
+        raise RuntimeError("injected kernel failure")
+    return run
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_launch_restores_its_slots_in_the_server(device: str, gen: torch.Generator,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(device=device, num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V,
+                        batch_window_ms=0)
+    first, second = make_sequence(9, gen), make_sequence(70, gen)
+
+    def prefill_inputs(slot: str, seq: tuple[torch.Tensor, ...]) -> PrefillInputs:
+        tensors = dict(zip(("q", "k", "v", "g", "beta"), seq))
+        return PrefillInputs.of(PrefillParams(layer=0), [slot], [seq[0].shape[0]], tensors)
+
+    async def main() -> tuple[torch.Tensor, torch.Tensor, LaunchFailed, Any, Any]:
+        core = ServerCore(settings)
+        await core.start()
+        try:
+            slot = (await core.alloc())[0]
+            await core.prefill(prefill_inputs(slot, first))
+            before = await core.get_state(slot)
+            real = server_module.kernels.run_problem
+            monkeypatch.setattr(server_module.kernels, "run_problem", _failing_kernel(real))
+            with pytest.raises(LaunchFailed) as failed:
+                await core.prefill(prefill_inputs(slot, second))
+            monkeypatch.setattr(server_module.kernels, "run_problem", real)
+            after = await core.get_state(slot)
+            info = await core.slot_info(slot)
+            result = await core.prefill(prefill_inputs(slot, second))
+            return before, after, failed.value, info, result
+        finally:
+            await core.close()
+
+    before, after, failed, info, result = asyncio.run(main())
+    assert failed.restored and "injected kernel failure" in failed.detail
+    assert torch.equal(before, after) and not info.state_lost
+    assert info.tokens_per_layer == [9, 0]  # the failed launch counted no token
+    o1, h1 = reference([first])
+    o2, h2 = reference([second], initial=h1)
+    assert rel(result.o, o2) < TOL and rel(result.final_state, h2) < TOL
