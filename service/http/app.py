@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager, suppress
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 
@@ -30,6 +30,7 @@ from ..config import Settings
 from ..core.server import ServerCore
 from ..kserve import ProtocolErrors, kserve_router
 from ..shm.registry import ShmRegistry
+from .limits import LIMITS_STATE_KEY, ConnectionLimits
 from .rest_app import Lifespan, create_rest_app
 
 log = logging.getLogger("kda_serve.app")
@@ -63,11 +64,14 @@ async def _expire_regions(registry: ShmRegistry) -> None:
 
 def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Lifespan:
     """Start the core, warm the kernels in the background, expire leased regions, sweep
-    idle slots when a ttl is set; at shutdown stop those and close the regions and the core
-    (its last snapshot)."""
+    idle slots when a ttl is set, and hand `KDAHttpProtocol` the connection limits (uvicorn's
+    lifespan state); at shutdown stop those and close the regions and the core (its last
+    snapshot)."""
+    limits = ConnectionLimits(header_timeout_s=settings.header_timeout_s, max_header_bytes=settings.max_header_bytes,
+                              first_request_timeout_s=settings.first_request_timeout_s)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
         await core.start()
         tasks = [asyncio.create_task(_warm(core), name="kda-warmup"),
                  asyncio.create_task(_expire_regions(registry), name="kda-shm-leases")]
@@ -75,7 +79,7 @@ def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Li
             period = min(max(settings.slot_ttl_s / 4, 0.05), 10.0)
             tasks.append(asyncio.create_task(_sweep_forever(core, period), name="kda-sweep"))
         try:
-            yield
+            yield {LIMITS_STATE_KEY: limits}  # uvicorn's per-server state: KDAHttpProtocol reads it
         finally:
             for task in tasks:
                 task.cancel()

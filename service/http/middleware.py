@@ -114,18 +114,29 @@ class BodyLimitMiddleware:
     """Refuses bodies over ``max_bytes``: from Content-Length before reading a byte (413,
     and the connection is closed), and by counting while reading (HTTP 413 raised from
     ``receive``, rendered by the app's handlers). A body whose next bytes take longer than
-    ``timeout_s`` to arrive (a client that announced more than it sends, or stalls) is
-    refused the same way with 408, so a stalled upload holds no handler for long."""
+    ``timeout_s`` to arrive (a client that announced more than it sends, or stalls), or
+    that is not complete ``deadline_s`` after the request's headers (a client dribbling a
+    byte now and then), is refused the same way with 408, so a slow upload holds no handler
+    for long. A ``Transfer-Encoding`` other than ``chunked`` alone is 501 (the server
+    decodes no other coding), before the body is read."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, deadline_s: float = 120.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = Headers(scope=scope).get("content-length")
+        deadline = time.monotonic() + self.deadline_s
+        headers = Headers(scope=scope)
+        codings = [c.strip().lower() for value in headers.getlist("transfer-encoding") for c in value.split(",")]
+        if codings and codings != ["chunked"]:
+            response = problem(501, "not-implemented", f"Transfer-Encoding {', '.join(codings)!r}: this server "
+                               "decodes only 'chunked'; send the body uncompressed", headers={"Connection": "close"})
+            return await response(scope, receive, send)
+        declared = headers.get("content-length")
         if declared is not None:
             if not declared.strip().isdigit():
                 response = problem(400, "bad-content-length", f"Content-Length {declared!r} is not a byte count",
@@ -143,12 +154,17 @@ class BodyLimitMiddleware:
             nonlocal received, complete
             if complete:  # after the body: a wait for the client to disconnect, with no deadline
                 return await receive()
+            left = deadline - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), self.timeout_s)
+                message = await asyncio.wait_for(receive(), max(min(self.timeout_s, left), 0.0))
             except asyncio.TimeoutError:
-                raise HTTPException(408, f"no request body bytes arrived for {self.timeout_s:g} s after the "
-                                         f"{received} received (--body-timeout-s)",
-                                    headers={"Connection": "close"}) from None
+                if left <= self.timeout_s:
+                    detail = (f"the request body did not arrive within {self.deadline_s:g} s ({received} bytes "
+                              "received; --body-deadline-s)")
+                else:
+                    detail = (f"no request body bytes arrived for {self.timeout_s:g} s after the {received} "
+                              "received (--body-timeout-s)")
+                raise HTTPException(408, detail, headers={"Connection": "close"}) from None
             complete = message["type"] != "http.request" or not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_bytes:

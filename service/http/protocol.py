@@ -30,6 +30,16 @@ with an RFC 9457 problem (``bad-content-length`` for a malformed Content-Length 
 framing the body twice, 413 ``payload-too-large`` for one beyond 64 bits, ``bad-request``
 otherwise), and closes the connection, as uvicorn does.
 
+Connections are bounded where uvicorn leaves them open (`ConnectionLimits`, from the
+server's settings through uvicorn's per-server ``app_state``, `LIMITS_STATE_KEY`): a new
+connection must begin its first request within ``first_request_timeout_s`` (and one idle
+between requests, its next within uvicorn's keep-alive timeout), else it is closed; a
+request's line and headers must arrive within ``header_timeout_s`` of their first byte (408
+after) and hold at most ``max_header_bytes`` (431, counted as they arrive, so a client
+cannot make the server hold a 48 MiB header). A request asking to ``Upgrade`` (WebSocket,
+h2c) is answered 400 ``upgrade-not-supported``: the server speaks HTTP/1.1 only. Each of
+these answers is problem+json and closes the connection.
+
     uvicorn.run(app, http=KDAHttpConnection)
 
 It overrides hooks of uvicorn's ``HttpToolsProtocol`` that are not public API
@@ -49,6 +59,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
+from .limits import LIMITS_STATE_KEY, ConnectionLimits
 from .problem_details import PAYLOAD_TOO_LARGE, problem
 from ..wire.buffers import WarmBuffers
 
@@ -58,6 +69,22 @@ PROGRESS_S = 0.1
 
 WARM_STATE_KEY = "kda_serve.warm_bodies"
 """Where the server's `WarmBuffers` lives in uvicorn's per-server lifespan state."""
+
+
+class _Refusal(Exception):
+    """Raised from a parser callback to stop parsing: ``response`` (whole, bytes) is sent
+    and the connection closed."""
+
+    def __init__(self, response: bytes) -> None:
+        super().__init__("request refused")
+        self.response = response
+
+
+def raw_problem(status: int, slug: str, detail: str, title: Optional[str] = None) -> bytes:
+    """A whole HTTP/1.1 problem+json response with ``Connection: close``, as bytes."""
+    response = problem(status, slug, detail, title=title, headers={"Connection": "close"})
+    head = [STATUS_LINE[status]] + [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
+    return b"".join(head) + b"\r\n" + response.body
 
 
 def declared_length(headers: list[tuple[bytes, bytes]]) -> Optional[int]:
@@ -80,16 +107,10 @@ def parser_problem(error: httptools.HttpParserError) -> tuple[int, bytes]:
     detail = str(error) or "invalid HTTP request"
     if "Content-Length overflow" in detail:
         slug, title = PAYLOAD_TOO_LARGE
-        status, response = 413, problem(413, slug, f"{detail}: the body's size does not fit in 64 bits", title=title,
-                                        headers={"Connection": "close"})
-    elif "Content-Length" in detail:
-        status, response = 400, problem(400, "bad-content-length", f"{detail}: the body's framing cannot be trusted",
-                                        headers={"Connection": "close"})
-    else:
-        status, response = 400, problem(400, "bad-request", f"{detail}: not a valid HTTP/1.1 request",
-                                        headers={"Connection": "close"})
-    head = [STATUS_LINE[status]] + [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
-    return status, b"".join(head) + b"\r\n" + response.body
+        return 413, raw_problem(413, slug, f"{detail}: the body's size does not fit in 64 bits", title=title)
+    if "Content-Length" in detail:
+        return 400, raw_problem(400, "bad-content-length", f"{detail}: the body's framing cannot be trusted")
+    return 400, raw_problem(400, "bad-request", f"{detail}: not a valid HTTP/1.1 request")
 
 
 class _Collect:
@@ -157,6 +178,83 @@ class KDAHttpProtocol(HttpToolsProtocol):
         self._warm: WarmBuffers = app_state.setdefault(WARM_STATE_KEY, WarmBuffers())
         self._whole: Optional[_Collect] = None  # the body being collected whole, if any
         self._woken = 0.0  # when its reader was last woken (time.monotonic)
+        self.limits: ConnectionLimits = app_state.get(LIMITS_STATE_KEY) or ConnectionLimits()
+        self._in_headers = False  # a request has begun and its headers are not complete
+        self._header_bytes = 0  # bytes of those headers seen so far (at least)
+        self._messages = 0  # requests begun on this connection
+        self._idle: Optional[asyncio.TimerHandle] = None  # closes a connection that starts no request
+        self._header_deadline: Optional[asyncio.TimerHandle] = None  # 408 for headers still incomplete
+
+    # -- connection limits ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._idle = self.loop.call_later(self.limits.first_request_timeout_s, self._close_idle)
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._idle, self._header_deadline):
+            if timer is not None:
+                timer.cancel()
+        self._idle = self._header_deadline = None
+
+    def _close_idle(self) -> None:
+        """No request began in time: nothing to answer, the connection just closes."""
+        self._idle = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _headers_too_slow(self) -> None:
+        self._header_deadline = None
+        if self._in_headers and not self.transport.is_closing():
+            self._refuse(raw_problem(408, "request-timeout", f"the request's headers did not arrive within "
+                                     f"{self.limits.header_timeout_s:g} s of their first byte (--header-timeout-s)"))
+
+    def _refuse(self, response: bytes) -> None:
+        self._cancel_timers()
+        self.logger.warning("refused a request: %s", response.split(b"\r\n", 1)[0].decode("latin-1"))
+        self.transport.write(response)
+        self.transport.close()
+
+    def _header_size_problem(self, size: int) -> bytes:
+        return raw_problem(431, "request-header-fields-too-large", f"the request line and headers hold {size} bytes "
+                           f"or more, over the {self.limits.max_header_bytes}-byte limit (--max-header-kb)")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self._in_headers, self._header_bytes = True, 0
+        self._messages += 1
+        self._header_deadline = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.limits.max_header_bytes:
+            raise _Refusal(self._header_size_problem(size))
+        if self.parser.should_upgrade():
+            upgrade = dict(self.headers).get(b"upgrade", b"").decode("latin-1")
+            raise _Refusal(raw_problem(400, "upgrade-not-supported", f"this server speaks HTTP/1.1 only: it does not "
+                                       f"upgrade the connection (Upgrade: {upgrade[:64]!r}); send the request "
+                                       "without Upgrade", title="Upgrade not supported"))
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and not self.pipeline and self._idle is None:
+            # idle between requests: uvicorn's keep-alive timer, which any byte cancels; this
+            # one only a request's start does
+            self._idle = self.loop.call_later(self.timeout_keep_alive, self._close_idle)
+
+    # -- bytes in ------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
@@ -173,18 +271,28 @@ class KDAHttpProtocol(HttpToolsProtocol):
             data = data[n:]
             if not data:
                 return
+        counted = self._messages if self._in_headers else -1  # this request's headers go on in data
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+        except httptools.HttpParserCallbackError as e:
+            if not isinstance(e.__context__, _Refusal):
+                raise
+            self._refuse(e.__context__.response)
+            return
+        except httptools.HttpParserUpgrade:  # refused in on_headers_complete: not reached
+            self._refuse(raw_problem(400, "upgrade-not-supported", "this server does not upgrade connections"))
+            return
         except httptools.HttpParserError as e:
             status, response = parser_problem(e)
             self.logger.warning("Invalid HTTP request received (%s): %d", e, status)
+            self._cancel_timers()
             self.transport.write(response)
             self.transport.close()
+            return
+        if self._in_headers and self._messages == counted:  # still the same headers: all of data was theirs
+            self._header_bytes += len(data)  # (a request that began inside data is counted from the next read)
+            if self._header_bytes > self.limits.max_header_bytes:
+                self._refuse(self._header_size_problem(self._header_bytes))
 
     def body_target(self) -> Optional[memoryview]:
         """Where the next read may land directly (`KDAHttpConnection`): the rest of the

@@ -29,14 +29,15 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
                     regions: Optional[ShmRegistry] = None, server_cancels: bool = False,
                     lifespan: Optional[Lifespan] = None) -> FastAPI:
     """The app serving `service.http.routes.rest_router` over ``core`` (``app.state.core``);
-    ``settings`` give the API key, body limit and body timeout; ``regions``: the shared
+    ``settings`` give the API key, body limit, body timeout and deadline; ``regions``: the shared
     memory registry /prefill reads (None: refused); ``server_cancels``: the server cancels
     the request of a client that left (`rest_router`); ``lifespan``: FastAPI's."""
     app = FastAPI(title=title, version=VERSION, summary=summary, lifespan=lifespan,
                   redirect_slashes=False)  # "/slots/" is a 404, not a redirect outside the documented statuses
     app.state.core = core
     install_problem_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                       deadline_s=settings.body_deadline_s)
     if settings.api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
