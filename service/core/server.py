@@ -49,6 +49,7 @@ from ..errors import InvalidRequest, NotReady, StateLost
 from .gate_params import Gate, load_gate_params
 from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics
+from .self_test import SelfTestReport, run_self_test
 from .staging import PinnedStaging
 from .transaction import LaunchTransaction
 from .validation import ValidPrefill, validate_prefill, validate_state
@@ -73,7 +74,7 @@ class ServerCore:
     ``settings`` gives the pool geometry, device, backend, gate parameters, batching, ttl,
     snapshot path and interval. Metrics go to the core's own registry (``metrics.registry``).
     Call `start` in the serving loop before use and `close` at the end; it is ready
-    (`check_ready`) once `warmup` has run.
+    (`check_ready`) once `warmup` has run and the kernel self-test passed.
     """
 
     slot_missing: tuple[type[Exception], ...] = (UnknownSlot,)
@@ -87,13 +88,15 @@ class ServerCore:
         self.geometry = self.pool.geometry
         self.backend = kernels.default_backend(self.geometry.device) if settings.backend == "auto" else settings.backend
         self.gates: dict[int, Gate] = load_gate_params(settings.gate_params, self.geometry) if settings.gate_params else {}
+        self.self_test_report: Optional[SelfTestReport] = None  # set by `self_test`
+        self._self_test_fault = settings.self_test_fault
         self.snapshot_path = settings.snapshot_path
         self.snapshot_interval_s = settings.snapshot_interval_s
         self.persistence = Persistence(self.pool, settings.snapshot_path) if settings.snapshot_path else None
         self.metrics = Metrics(free_slots=lambda: self.pool.stats().free)
         self._snapshot_task: Optional[asyncio.Task[None]] = None
         self._checkpoint_hooks: list[Callable[[], None]] = []
-        self._warm = False
+        self._not_ready: Optional[str] = "warming the kernels"  # why `check_ready` refuses; None once ready
         self.ordering = SlotOrdering()
         self.worker = DeviceWorker(self.geometry.device)
         # host inputs reach a GPU through pinned memory (`_launch`, on the worker thread only)
@@ -120,20 +123,37 @@ class ServerCore:
                     self._snapshot_every(self.snapshot_interval_s), name="kda-snapshots")
         self.batcher.start()
 
-    async def warmup(self) -> None:
+    async def warmup(self) -> SelfTestReport:
         """Run the kernels once per gate configuration on a scratch pool (never the live
-        one), so compilation and autotuning happen before the first request."""
-        await self.worker.run(self._warm_kernels)
-        self._warm = True
+        one), so compilation and autotuning happen before the first request, then their
+        `self_test`; the core is ready (`check_ready`) once both ran and the test passed.
+        Returns the self-test's report."""
+        try:
+            await self.worker.run(self._warm_kernels)
+        except Exception:
+            self._not_ready = "kernel warm-up failed (see the server log)"
+            raise
+        self._not_ready = "running the kernel self-test"
+        report = await self.self_test()
+        self._not_ready = None if report.passed else report.describe()
+        return report
 
-    def is_warm(self) -> bool:
-        """Whether `warmup` has run (the kernels are compiled and tuned)."""
-        return self._warm
+    def is_ready(self) -> bool:
+        """Whether `warmup` has run and the kernel self-test passed."""
+        return self._not_ready is None
 
     async def check_ready(self) -> None:
-        """Return once `warmup` has run; NotReady (503) before."""
-        if not self._warm:
-            raise NotReady("warming the kernels")
+        """Return once `warmup` has run and the kernel self-test passed; NotReady (503)
+        saying why not before (warming, testing, or the failed paths and toolchain)."""
+        if self._not_ready is not None:
+            raise NotReady(self._not_ready)
+
+    async def self_test(self) -> SelfTestReport:
+        """Run every kernel path this server launches against the float64 reference, on a
+        scratch pool (`service.core.self_test`); the report is kept for `info`."""
+        self.self_test_report = await self.worker.run(run_self_test, self.geometry, self.backend, self.gates,
+                                                      self._self_test_fault)
+        return self.self_test_report
 
     async def close(self) -> None:
         """Finish the launch in progress, write the snapshot when configured, stop the thread."""
@@ -332,11 +352,13 @@ class ServerCore:
         """The ``GET /info`` document (read inline: it never waits)."""
         g = self.geometry
         stats = self.pool.stats()
+        report = self.self_test_report
         return {
             "num_layers": g.num_layers, "num_slots": g.num_slots, "num_heads": g.num_heads,
             "head_k_dim": g.head_k_dim, "head_v_dim": g.head_v_dim, "state_dtype": g.dtype_name,
             "device": str(g.device), "backend": self.backend,
             "free_slots": stats.free, "used_slots": stats.used, "gate_layers": sorted(self.gates),
+            "self_test": report.summary() if report is not None else {"status": "pending"},
         }
 
     async def render_metrics(self) -> bytes:
@@ -346,7 +368,10 @@ class ServerCore:
     # -- prefill -----------------------------------------------------------------------
 
     async def prefill(self, inputs: PrefillInputs) -> PrefillResult:
-        """Run one prefill request; see the module docstring for the order of checks."""
+        """Run one prefill request; see the module docstring for the order of checks. A
+        server whose kernel self-test failed refuses every prefill (NotReady, 503)."""
+        if self.self_test_report is not None and not self.self_test_report.passed:
+            raise NotReady(self.self_test_report.describe())
         # a scan of device memory is GPU work: the loop only waits microseconds for it
         host = [t for t in (getattr(inputs, name) for name in REQUIRED_TENSORS) if not t.is_cuda]
         size = sum(t.numel() * t.element_size() for t in host)

@@ -38,13 +38,17 @@ _REGION_EXPIRY_S = 1.0  # how often leased shared memory regions are checked for
 
 
 async def _warm(core: ServerCore) -> None:
-    """Warm the kernels; the core is ready (/health/ready 200) once they are."""
+    """Warm the kernels and run their self-test; the core is ready (/health/ready 200) once
+    they are warm and the test passed."""
     try:
-        await core.warmup()
+        report = await core.warmup()
     except Exception:
         log.exception("kernel warmup failed: /health/ready stays 503")
         return
-    log.info("kernels warm (%s on %s); ready", core.backend, core.geometry.device)
+    if not report.passed:
+        log.error("%s; /health/ready stays 503", report.describe())
+        return
+    log.info("kernels warm (%s on %s), %s; ready", core.backend, core.geometry.device, report.describe())
 
 
 async def _sweep_forever(core: ServerCore, period: float) -> None:
@@ -63,10 +67,10 @@ async def _expire_regions(registry: ShmRegistry) -> None:
 
 
 def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Lifespan:
-    """Start the core, warm the kernels in the background, expire leased regions, sweep
-    idle slots when a ttl is set, and hand `KDAHttpProtocol` the connection limits (uvicorn's
-    lifespan state); at shutdown stop those and close the regions and the core (its last
-    snapshot)."""
+    """Start the core, warm and self-test the kernels in the background, expire leased
+    regions, sweep idle slots when a ttl is set, and hand `KDAHttpProtocol` the connection
+    limits (uvicorn's lifespan state); at shutdown stop those and close the regions and the
+    core (its last snapshot)."""
     limits = ConnectionLimits(header_timeout_s=settings.header_timeout_s, max_header_bytes=settings.max_header_bytes,
                               first_request_timeout_s=settings.first_request_timeout_s)
 
@@ -103,5 +107,5 @@ def create_app(settings: Settings) -> FastAPI:
                           regions=registry, lifespan=_lifespan(core, registry, settings))
     app.add_middleware(ProtocolErrors)  # outermost: {"error": ...} bodies under /v2, from every layer
     # Open Inference Protocol (KServe v2): /v2/... over HTTP, and gRPC on --grpc-port when set
-    app.include_router(kserve_router(core, core.is_warm, registry, settings))
+    app.include_router(kserve_router(core, core.is_ready, registry, settings))
     return app

@@ -43,10 +43,10 @@ class Reply:
 
 
 class KServeEndpoint:
-    """The KServe model ``kda`` on ``core``. ``ready`` says whether the kernels are warm;
-    ``registry`` holds the app's shared memory regions (its owner closes it). The sequence
-    table is saved beside the pool snapshot (when the core has a snapshot path): call
-    `load` once the core has started."""
+    """The KServe model ``kda`` on ``core``. ``ready`` says whether the kernels are warm and
+    passed their self-test; ``registry`` holds the app's shared memory regions (its owner
+    closes it). The sequence table is saved beside the pool snapshot (when the core has a
+    snapshot path): call `load` once the core has started."""
 
     def __init__(self, core: ServerCore, ready: Callable[[], bool], registry: ShmRegistry) -> None:
         self.core = core
@@ -68,11 +68,12 @@ class KServeEndpoint:
 
     async def infer(self, model: str, version: Optional[str], request: ParsedRequest) -> Reply:
         """Run ``request`` on model ``model`` (version ``version``; None or "": any): 404
-        for another model, 503 (gRPC UNAVAILABLE) while the kernels warm, then as
-        `service.kserve.infer` says. A refusal changes nothing."""
+        for another model, 503 (gRPC UNAVAILABLE) until the kernels are warm and passed their
+        self-test, then as `service.kserve.infer` says. A refusal changes nothing."""
         check_model(model, version)
         if not self.ready():
-            raise NotReady("warming the kernels: the model is not ready yet")
+            raise NotReady("the model is not ready yet: its kernels are warming, or failed their self-test "
+                           "(/health/ready says which)")
         g = self.core.geometry
         with self.registry.lease(request.regions) as regions:
             tensors = await off_loop(read_inputs, request, regions, self.shm_inputs, g.device,

@@ -75,10 +75,10 @@ def _grpc_front_end(endpoint: KServeEndpoint, settings: Settings) -> Any:
 
 def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegistry,
                   settings: Optional[Settings] = None) -> APIRouter:
-    """The KServe v2 routes on ``core``; ``ready`` says whether the kernels are warm;
-    ``registry`` holds the app's shared memory regions (its owner closes it); a non-zero
-    ``settings.grpc_port`` serves gRPC too. Mount with ``app.include_router`` and add
-    `ProtocolErrors` to the app."""
+    """The KServe v2 routes on ``core``; ``ready`` says whether the kernels are warm and
+    passed their self-test; ``registry`` holds the app's shared memory regions (its owner
+    closes it); a non-zero ``settings.grpc_port`` serves gRPC too. Mount with
+    ``app.include_router`` and add `ProtocolErrors` to the app."""
     endpoint = KServeEndpoint(core, ready, registry)
     grpc = _grpc_front_end(endpoint, settings) if settings is not None and settings.grpc_port else None
 
@@ -110,7 +110,7 @@ def _health_and_metadata(router: APIRouter, endpoint: KServeEndpoint) -> None:
     async def live() -> Response:
         return Response(status_code=200)
 
-    @router.get("/v2/health/ready", summary="200: ready (the kernels are warm); 400 while warming")
+    @router.get("/v2/health/ready", summary="200: ready (the kernels warm and self-tested); 400 until then")
     async def server_ready() -> Response:
         return Response(status_code=200 if endpoint.ready() else 400)
 
@@ -120,8 +120,8 @@ def _health_and_metadata(router: APIRouter, endpoint: KServeEndpoint) -> None:
         check_model(model, request.path_params.get("version"))
         return model_metadata(endpoint.core)
 
-    @router.get("/v2/models/{model}/ready", summary="200: the model is ready; 400 while warming")
-    @router.get("/v2/models/{model}/versions/{version}/ready", summary="200: the model is ready; 400 while warming")
+    @router.get("/v2/models/{model}/ready", summary="200: the model is ready; 400 until then")
+    @router.get("/v2/models/{model}/versions/{version}/ready", summary="200: the model is ready; 400 until then")
     async def model_ready(model: str, request: Request) -> Response:
         check_model(model, request.path_params.get("version"))
         return Response(status_code=200 if endpoint.ready() else 400)

@@ -78,13 +78,16 @@ class ShardServer:
 
     async def start(self) -> None:
         """Begin an incarnation, start the core (it restores its snapshot), warm the
-        kernels, and sweep idle slots when a ttl is set."""
+        kernels and run their self-test (RuntimeError when it fails), and sweep idle slots
+        when a ttl is set."""
         if self._files is not None:
             self._incarnation = await asyncio.to_thread(self._files.open, self._lock_timeout_s)
         else:
             self._incarnation = Incarnation.fresh()
         await self.core.start()
-        await self.core.warmup()
+        report = await self.core.warmup()  # and the kernels' self-test
+        if not report.passed:  # a shard whose kernels compute wrong numbers must not serve
+            raise RuntimeError(f"shard {self.name}: {report.describe()}")
         if self._ttl is not None:
             self._sweeper = asyncio.create_task(self._sweep_forever(min(max(self._ttl / 4, 0.05), 10.0)))
         log.info("shard %s up: incarnation %d, %d slot(s) restored", self.name, self._incarnation.number,

@@ -112,6 +112,22 @@ class SlotMetadata(BaseModel):
     state_lost: bool = Field(description="the state cannot be trusted: an update on it failed midway")
 
 
+class SelfTestFailure(BaseModel):
+    path: str = Field(description="the kernel path, e.g. decode/bfloat16/lower_bound")
+    detail: str = Field(description="its errors against the float64 reference, or what it raised")
+
+
+class SelfTestInfo(BaseModel):
+    """The kernel self-test run after warm-up: until it passes, /health/ready is 503."""
+
+    status: Literal["pending", "passed", "failed"]
+    paths: list[str] = Field(default_factory=list, description="every path tested")
+    failures: list[SelfTestFailure] = Field(default_factory=list)
+    toolchain: dict[str, str] = Field(default_factory=dict, description="what compiled the kernels: backend, "
+                                                                         "torch, triton, ptxas (path, version)")
+    seconds: float = 0.0
+
+
 class Info(BaseModel):
     num_layers: int
     num_slots: int
@@ -124,6 +140,7 @@ class Info(BaseModel):
     free_slots: int
     used_slots: int
     gate_layers: list[int] = Field(description="layers with server gate parameters (--gate-params)")
+    self_test: Optional[SelfTestInfo] = Field(None, description="the kernel self-test (a server; not the ingress)")
 
 
 class Problem(BaseModel):

@@ -30,9 +30,11 @@ def add_status_routes(router: APIRouter, core: CoreAPI) -> None:
     async def live() -> dict[str, str]:
         return {"status": "live"}
 
-    @router.get("/health/ready", responses={503: {"description": "warming up, or no shard answers",
+    @router.get("/health/ready", responses={503: {"description": "warming up, the kernel self-test failed, or no "
+                                                                 "shard answers",
                                                   "content": {PROBLEM: {"schema": ref(Problem)}}}},
-                summary="Ready once the core can serve (the kernels are warm; on a sharded deployment: a shard answers)")
+                summary="Ready once the core can serve (the kernels are warm and passed their self-test; on a sharded "
+                        "deployment: a shard answers)")
     async def ready_probe() -> dict[str, str]:
         await core.check_ready()
         return {"status": "ready"}
