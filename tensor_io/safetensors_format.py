@@ -9,8 +9,8 @@ may hold ``__metadata__``: string -> string.
 Nothing is trusted: the header length is capped (`MAX_HEADER_BYTES` for files, whose
 metadata may hold a pool's slot index; `MAX_REQUEST_HEADER_BYTES` for request bodies,
 whose headers are a few KB) and must fit the container; the header must be a JSON object
-without duplicate keys, every dtype one the caller takes, every shape a short list of
-non-negative ints whose byte count equals its offsets' span, and the spans must tile the
+without duplicate keys, every dtype a string the caller takes, every shape one a tensor can
+have (`tensor_io.shapes.shape_problem`) whose byte count equals its offsets' span, and the spans must tile the
 data exactly (no overlap, no hole, no trailing bytes) as the format requires. Only then are
 tensors made: zero-copy views over an in-memory container (`parse`), or read from a stream
 into one new buffer (`read_tensor`, for files too large to hold twice). Containers written
@@ -26,11 +26,11 @@ from typing import Any, BinaryIO, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .shapes import shape_problem
 from .views import nbytes, tensor_bytes, view_tensor
 
 MAX_HEADER_BYTES = 100 << 20  # files: the safetensors package's own limit
 MAX_REQUEST_HEADER_BYTES = 8 << 20  # request bodies: their headers need KBs
-MAX_RANK = 8
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -119,9 +119,8 @@ def _entry(name: str, spec: Any, data_size: int, dtypes: Mapping[str, torch.dtyp
     code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if not isinstance(code, str) or code not in dtypes:
         raise ContainerError(f"tensor {name!r} has dtype {code!r:.40}; supported: {sorted(dtypes)}", name)
-    if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_uint(d) for d in shape):
-        raise ContainerError(f"tensor {name!r} shape must be a list of at most {MAX_RANK} non-negative ints, "
-                             f"got {shape!r:.200}", name)
+    if (problem := shape_problem(shape)) is not None:
+        raise ContainerError(f"tensor {name!r}: {problem}", name)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
         raise ContainerError(f"tensor {name!r} data_offsets must be [begin, end] non-negative ints, "
                              f"got {offsets!r:.200}", name)

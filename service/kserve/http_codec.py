@@ -120,7 +120,7 @@ def encode_response(request: ParsedRequest, model: str, version: str, tensors: M
         doc["id"] = request.id
     if parameters:
         doc["parameters"] = dict(parameters)
-    header = json.dumps(doc, separators=(",", ":")).encode()
+    header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()  # outputs are finite (transactions)
     if not sections:
         return header, None
     return b"".join([header, *sections]), len(header)

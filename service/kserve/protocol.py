@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from tensor_io.safetensors_format import MAX_RANK
+from ..wire.schema import Shape
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 ParameterValue = Union[StrictBool, StrictInt, StrictFloat, StrictStr]
@@ -26,7 +26,7 @@ class RequestInput(BaseModel):
 
     model_config = _STRICT
     name: Annotated[str, Field(max_length=NAME_MAX)]
-    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_RANK)]
+    shape: Shape
     datatype: Annotated[str, Field(max_length=16)]
     parameters: Parameters = Field(default_factory=dict)
     data: Optional[list[Any]] = Field(None, description="row-major numbers, nested or flat")

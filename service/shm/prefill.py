@@ -34,7 +34,7 @@ from ..core.inputs import REQUIRED_TENSORS, TENSORS, PrefillInputs, PrefillResul
 from .registry import CudaRegion, Region
 from .tensors import ShmInput, ShmRef, copy_out
 from ..wire.prefill import prefill_inputs_of
-from ..wire.schema import PrefillOptions, parse_model
+from ..wire.schema import PrefillOptions, Shape, parse_model
 from ..wire.tensors import JSON_DTYPES, JSON_NAMES
 from ..wire.buffers import WarmBuffers
 
@@ -48,7 +48,7 @@ class ShmTensor(BaseModel):
 
     model_config = _STRICT
     dtype: Literal["float32", "bfloat16", "float16"]
-    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=8)]
+    shape: Shape
     shm: ShmRef
 
 

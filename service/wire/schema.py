@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Annotated, Literal, Optional, Type, TypeVar, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from tensor_io.shapes import MAX_RANK, shape_problem
 
 from ..errors import MalformedBody, SchemaError
 from .tensors import tensor_from_json
@@ -31,12 +33,25 @@ def parse_model(model: Type[_M], raw: Union[bytes, bytearray, str], where: str =
         raise SchemaError(f"{loc}: {errors[0]['msg']} ({len(errors)} error(s))", errors) from None
 
 
+def _possible(shape: list[int]) -> list[int]:
+    problem = shape_problem(shape)
+    if problem is not None:
+        raise ValueError(problem)
+    return shape
+
+
+Shape = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_RANK), AfterValidator(_possible)]
+"""A tensor's shape in a JSON document: at most 8 non-negative ints that a tensor can have
+(`tensor_io.shapes.shape_problem`, the check the safetensors parser makes too); every JSON
+decoder's shapes are this type."""
+
+
 class JSONTensor(BaseModel):
     """A tensor: ``data`` is the base64 of its little-endian, row-major bytes."""
 
     model_config = _STRICT
     dtype: Literal["float32", "bfloat16", "float16", "int64", "int32"]
-    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=8)]
+    shape: Shape
     data: str = Field(description="base64 (RFC 4648, with padding) of the tensor's bytes")
 
     def to_tensor(self, field: str) -> torch.Tensor:

@@ -285,10 +285,20 @@ def parameter_without_value(c: Ctx, via: Via) -> None:
     c.stub.ModelInfer(request)
 
 
-@case("INVALID_ARGUMENT", None, "input 'q': shape [6, -2, 16] must have at most 8 sizes >= 0")
+@case("INVALID_ARGUMENT", None, "input 'q': shape must be a list of at most 8 non-negative ints, got [6, -2, 16]")
 def negative_shape(c: Ctx, via: Via) -> None:
     request = c.raw()
     request.inputs[0].shape[1] = -2
+    c.stub.ModelInfer(request)
+
+
+@case("INVALID_ARGUMENT", None, "input 'q': shape [1099511627776, 1099511627776, 0] describes more than 2^")
+def empty_shape_no_tensor_can_have(c: Ctx, via: Via) -> None:
+    """0 bytes, but [2^40, 2^40, 0] is no tensor's: the one shape check (`tensor_io.shapes`)."""
+    request = c.raw()
+    del request.inputs[0].shape[:]
+    request.inputs[0].shape.extend([1 << 40, 1 << 40, 0])
+    request.raw_input_contents[0] = b""
     c.stub.ModelInfer(request)
 
 

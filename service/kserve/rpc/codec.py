@@ -16,7 +16,7 @@ from typing import Mapping, Union
 
 import torch
 
-from tensor_io.safetensors_format import MAX_RANK
+from tensor_io.shapes import shape_problem
 from tensor_io.views import tensor_bytes
 
 from ...core.worker import off_loop
@@ -60,7 +60,7 @@ def set_parameter(entry: pb.InferParameter, value: ParameterValue) -> None:
 
 def _check_sizes(request: pb.ModelInferRequest) -> None:
     """The bounds the HTTP schema sets: 1..16 inputs, <= 16 outputs, names and ids of at most
-    256 characters, shapes of rank <= 8 with sizes >= 0."""
+    256 characters, shapes a tensor can have (`tensor_io.shapes`)."""
     if not 1 <= len(request.inputs) <= MAX_TENSORS or len(request.outputs) > MAX_TENSORS:
         raise bad("inputs", f"a request has 1..{MAX_TENSORS} inputs and at most {MAX_TENSORS} outputs, got "
                             f"{len(request.inputs)} and {len(request.outputs)}")
@@ -70,8 +70,8 @@ def _check_sizes(request: pb.ModelInferRequest) -> None:
         if len(x.name) > NAME_MAX:
             raise bad("inputs", f"tensor names have at most {NAME_MAX} characters, got {len(x.name)}")
     for x in request.inputs:
-        if len(x.shape) > MAX_RANK or any(d < 0 for d in x.shape):
-            raise bad(x.name, f"input {x.name!r}: shape {list(x.shape)} must have at most {MAX_RANK} sizes >= 0")
+        if (problem := shape_problem(list(x.shape))) is not None:  # the check every decoder makes
+            raise bad(x.name, f"input {x.name!r}: {problem}")
 
 
 def _contents(x: pb.ModelInferRequest.InferInputTensor) -> list[float]:

@@ -1,0 +1,29 @@
+"""Which shapes become tensors: the one shape check of every decoder.
+
+A shape read from a request or a file is a list of at most `MAX_RANK` non-negative ints
+describing at most `MAX_EXTENT` elements, its zero dims counted as 1. `shape_problem` says
+why one is not, before any tensor is made: the safetensors parser (`tensor_io.safetensors_format`:
+request bodies, slot imports, snapshots, gate files) calls it for each header entry, and the
+JSON, shared memory and KServe documents' shapes are one pydantic type that calls it
+(`service.wire.schema.Shape`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+MAX_RANK = 8
+MAX_EXTENT = 1 << 62
+"""The most elements a shape may describe, its zero dims counted as 1: beyond it neither
+torch nor numpy can make the tensor, not even an empty one (``[2^63, 0]``, ``[2^40, 2^40, 0]``)."""
+
+
+def shape_problem(shape: Any) -> Optional[str]:
+    """Why ``shape`` can be no tensor's (not a list of at most `MAX_RANK` non-negative ints,
+    or more than `MAX_EXTENT` elements with zero dims counted as 1), or None."""
+    if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
+        return f"shape must be a list of at most {MAX_RANK} non-negative ints, got {shape!r:.200}"
+    if math.prod(max(d, 1) for d in shape) > MAX_EXTENT:
+        return (f"shape {shape} describes more than 2^62 elements (zero dims counted as 1): no tensor "
+                "has that shape")
+    return None
