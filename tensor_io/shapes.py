@@ -13,9 +13,10 @@ import math
 from typing import Any, Optional
 
 MAX_RANK = 8
-MAX_EXTENT = 1 << 62
-"""The most elements a shape may describe, its zero dims counted as 1: beyond it neither
-torch nor numpy can make the tensor, not even an empty one (``[2^63, 0]``, ``[2^40, 2^40, 0]``)."""
+MAX_EXTENT = 1 << 48
+"""The most elements a shape may describe, its zero dims counted as 1 (256 TiB of bytes,
+more than any host holds). Far beyond it torch and numpy cannot make the tensor, not even
+an empty one: ``[2^63, 0]``, ``[2^40, 2^40, 0]``, and for numpy anything past 2^63 bytes."""
 
 
 def shape_problem(shape: Any) -> Optional[str]:
@@ -24,6 +25,6 @@ def shape_problem(shape: Any) -> Optional[str]:
     if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
         return f"shape must be a list of at most {MAX_RANK} non-negative ints, got {shape!r:.200}"
     if math.prod(max(d, 1) for d in shape) > MAX_EXTENT:
-        return (f"shape {shape} describes more than 2^62 elements (zero dims counted as 1): no tensor "
-                "has that shape")
+        return (f"shape {shape} describes more than 2^48 elements (zero dims counted as 1): no tensor "
+                "of this project has that shape")
     return None

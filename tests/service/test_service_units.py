@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import struct
 import subprocess
 import sys
 import time
@@ -129,6 +131,15 @@ def test_gate_files_load_in_any_float_dtype_the_safetensors_package_writes(tmp_p
     (tmp_path / "bad.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{not json}      ")
     with pytest.raises(ValueError, match="bad.safetensors: not a safetensors file"):
         load_gate_params(str(tmp_path / "bad.safetensors"), GEOMETRY)
+
+
+def test_a_gate_file_with_a_shape_no_tensor_can_have_is_a_value_error(tmp_path):
+    """Files go through the one shape check too (`tensor_io.shapes`): [2^63, 0] holds no
+    bytes but no tensor can have it; a ValueError naming the file, never torch's TypeError."""
+    text = json.dumps({"layers.0.A_log": {"dtype": "F32", "shape": [1 << 63, 0], "data_offsets": [0, 0]}}).encode()
+    (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", len(text)) + text)
+    with pytest.raises(ValueError, match=r"huge.safetensors: not a safetensors file: .*more than 2\^48 elements"):
+        load_gate_params(str(tmp_path / "huge.safetensors"), GEOMETRY)
 
 
 # -- batcher -------------------------------------------------------------------------------
