@@ -82,11 +82,13 @@ def test_export_is_a_standard_safetensors_file(client, gen, server):
 
 def test_info_fields(client):
     info = client.info()
+    self_test = info.pop("self_test")
     assert info == {
         "num_layers": LAYERS, "num_slots": SLOTS, "num_heads": HV, "head_k_dim": K, "head_v_dim": V,
         "state_dtype": "float32", "device": "cpu", "backend": "torch",
         "free_slots": info["free_slots"], "used_slots": SLOTS - info["free_slots"], "gate_layers": [],
     }
+    assert self_test["status"] == "passed" and self_test["failures"] == [] and self_test["toolchain"]["backend"] == "torch"
 
 
 def test_metrics_move(client, server, gen):
