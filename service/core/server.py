@@ -485,7 +485,7 @@ class ServerCore:
             )
             o, _ = kernels.run_problem(problem, self.backend)
             finals = pool_layer.index_select(0, indices) if wants_final else None
-            refused = transaction.settle(o, finals)  # diverged requests rolled back (an asynchronous failure shows here)
+            refused = transaction.settle(o, finals)  # diverged requests rolled back (an async failure shows here)
             o_host = o.cpu() if to_host else None  # (or here)
             finals_host = finals.cpu() if to_host and finals is not None else None
             if device.type == "cuda" and not to_host:

@@ -122,8 +122,6 @@ def _put_json(shape: list[int]) -> bytes:
     return json.dumps({"state": {"dtype": "float32", "shape": shape, "data": ""}}).encode()
 
 
-Case = Callable[[WholePool, str, list[int]], Any]
-
 CASES: dict[str, Callable[[str, str, list[int]], tuple[str, str, dict[str, str], bytes]]] = {
     "prefill-json": lambda slot, region, shape: ("POST", "/prefill", {"content-type": JSON}, _json_prefill(shape)),
     "prefill-safetensors": lambda slot, region, shape: ("POST", "/prefill", {"content-type": ST}, _st_prefill(shape)),

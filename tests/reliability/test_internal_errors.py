@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import httpx
 import pytest

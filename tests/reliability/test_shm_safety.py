@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 import torch
-from reliability_helpers import GEOMETRY_ARGS, H, HV, K, ROOT, V, WholePool, assert_problem, make_sequence, start_server
+from reliability_helpers import GEOMETRY_ARGS, HV, K, ROOT, V, WholePool, assert_problem, make_sequence, start_server
 
 MAX_REGIONS = 6
 MAX_MB = 16
