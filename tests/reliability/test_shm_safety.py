@@ -276,7 +276,10 @@ def test_gpu_copies_of_a_truncated_object_never_fault() -> None:
         done = subprocess.run([sys.executable, "-c", _DIRECT_GPU, *(o.name for o in objects)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
-        assert done.stdout.split() == ["read:400", "write:ok", "read:ok", "write:ok"], done.stdout
+        first, *rest = done.stdout.split()
+        # the first region was truncated before it was ever pinned: the driver refuses to pin
+        # pages past the end (then the copy reads through the file: a 400) or pins what is left
+        assert first in ("read:400", "read:ok") and rest == ["write:ok", "read:ok", "write:ok"], done.stdout
     finally:
         for o in objects:
             o.close()
