@@ -3,7 +3,7 @@
 Before the kernels run, `LaunchTransaction` copies the pool rows the launch will write (one
 [HV, V, K] row per sequence, on the pool's device: 2 MiB at HV = 32, K = V = 128, fp32).
 After they ran it finds the sequences whose final state or output holds a non-finite value
-(`diverged`: two reductions and one synchronization for the whole launch). The rows of a
+(`diverged`: two sums and one synchronization for the whole launch). The rows of a
 request with such a sequence are written back (`roll_back`), so that request changes
 nothing and is refused with `UpdateDiverged` (422) while the other requests of the launch
 stand; when the launch itself fails, every row is written back (`abort`), and only when
@@ -99,8 +99,10 @@ class LaunchTransaction:
         asynchronous failure surfaces here); only when something is not finite, a second
         pass finds which sequences."""
         rows = self._layer.index_select(0, self._indices) if finals is None else finals
-        ends = torch.stack([torch.stack(torch.aminmax(x)).float() for x in (o, rows)]).tolist()
-        if all(math.isfinite(e) for pair in ends for e in pair):
+        # a sum in float32 is NaN or Inf when any term is (one read of each tensor at memory
+        # speed); a sum of finite terms that overflows only sends us to the exact pass below
+        sums = torch.stack([o.sum(dtype=torch.float32), rows.sum(dtype=torch.float32)]).tolist()
+        if all(math.isfinite(total) for total in sums):
             return []
         n = len(self._bounds) - 1
         bad_rows = ~_finite_rows(rows.reshape(n, -1))

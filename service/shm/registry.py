@@ -29,6 +29,7 @@ system regions (``--max-shm-regions``, ``--max-shm-mb``).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -218,12 +219,15 @@ class SystemRegion(_Region):
         the file instead."""
         with self._pin_lock:
             if self._host is None:
+                if os.fstat(self._file()).st_size < self.offset + self.byte_size:
+                    return None  # pages past the object's end: not pinned now, asked again at the next use
                 self._host = torch.frombuffer(self._map, dtype=torch.uint8)
                 with torch.cuda.device(device):
                     code = torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), self._host.numel(),
                                                                 _CUDA_HOST_REGISTER_PORTABLE)
                 self._pinned = _cuda_success(code)
                 if not self._pinned:
+                    _clear_cuda_error()
                     log.warning("shared memory region %r could not be page-locked (%s): its copies to and from "
                                 "the GPU go through host memory", self.name, code)
             return self._host if self._pinned else None
@@ -322,6 +326,23 @@ def _copy_streams(*devices: torch.device) -> Iterator[list[torch.cuda.Stream]]:
 
 Region = Union[SystemRegion, CudaRegion]
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a refused cudaHostRegister: left set, the
+    next kernel launch check in torch (which reads cudaGetLastError) would raise it.
+    torch.cuda.cudart() binds no cudaGetLastError, so it is called in the libcudart this
+    process loaded (found in /proc/self/maps); where none is found, nothing is done."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        return
+    for path in sorted(paths):
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError):
+            continue
 
 
 def _cuda_success(code: object) -> bool:

@@ -193,8 +193,10 @@ def test_cuda_shared_memory_in_and_out(grpc_client, gen):
         o.set_shared_memory("grpc_cuda_out", sizes["v"])
         state.set_shared_memory("grpc_cuda_out", STATE_BYTES, offset=sizes["v"])
         grpc_client.infer("kda", shm_inputs(gc, tensors, "grpc_cuda_in", where), outputs=[o, state])
-        got_o = cudashm.get_contents_as_numpy(out_handle, np.float32, [9, HV, V])
-        got_state = cudashm.get_contents_as_numpy(out_handle, np.float32, [HV, V, K], offset=sizes["v"])
+        # get_contents_as_numpy reads from the region's start (it takes no offset): read it all, then slice
+        flat = cudashm.get_contents_as_numpy(out_handle, np.float32, [(sizes["v"] + STATE_BYTES) // 4])
+        got_o = flat[:sizes["v"] // 4].reshape(9, HV, V)
+        got_state = flat[sizes["v"] // 4:].reshape(HV, V, K)
         expected = grpc_infer(grpc_client, tensors)
         assert torch.equal(from_numpy(got_o), result_tensor(expected, "o"))
         assert torch.equal(from_numpy(got_state), result_tensor(expected, "final_state"))

@@ -164,7 +164,7 @@ _DIRECT = textwrap.dedent("""
 def test_reads_of_a_truncated_object_raise_in_the_process(obj: ShmObject) -> None:
     """Past the bounds checks (a truncation racing the copy): each read raises a 400 error
     and a write extends the object, in a child process that must not die of SIGBUS."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     done = subprocess.run([sys.executable, "-c", _DIRECT, obj.name], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
@@ -272,7 +272,7 @@ def test_gpu_copies_of_a_truncated_object_never_fault() -> None:
     the file: a 400), a pinned one is read by DMA only; writes from the device never fault."""
     objects = [ShmObject(1 << 20), ShmObject(1 << 20)]
     try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         done = subprocess.run([sys.executable, "-c", _DIRECT_GPU, *(o.name for o in objects)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
