@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels.problem import packed_problem  # noqa: E402
+from kernels.guards import gather_rows  # noqa: E402
 from service.core.transaction import LaunchTransaction  # noqa: E402
 
 K = V = 128
@@ -89,12 +90,29 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def profile_guarded(c: dict, backend: str, requests: list) -> None:
+    """Each kernel's device time (and count) in 10 transactional launches, as the server
+    runs them: the events of `gpu_ms` include the host's launch gaps, these do not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = c["pool"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            txn = LaunchTransaction(layer, c["idx"], requests)
+            o = launch(c, backend)
+            txn.settle(o, layer.index_select(0, c["idx"]))
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--case", default="8x4096", help="NxT: N sequences of T tokens")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each kernel's device time in 10 transactional launches (torch.profiler)")
     args = parser.parse_args()
     device = torch.device(args.device)
     n_seq, length = (int(x) for x in args.case.split("x"))
@@ -109,7 +127,7 @@ def main() -> None:
     kernel, copies, checks, plain, guarded = [], [], [], [], []
     for _ in range(args.reps):
         kernel.append(gpu_ms(lambda: launch(c, backend), device))
-        copies.append(gpu_ms(lambda: layer.index_select(0, c["idx"]), device))
+        copies.append(gpu_ms(lambda: gather_rows(layer, c["idx"]), device))
         txn = LaunchTransaction(layer, c["idx"], requests)
         checks.append(gpu_ms(lambda: txn.diverged(o), device))  # with its one host read
         sync(device)
@@ -126,6 +144,8 @@ def main() -> None:
         guarded.append(time.perf_counter() - start)
         assert not refused, refused
 
+    if args.profile and device.type == "cuda":
+        profile_guarded(c, backend, requests)
     med = statistics.median
     k_ms, c_ms, x_ms = med(kernel), med(copies), med(checks)
     p_ms, g_ms = med(plain) * 1e3, med(guarded) * 1e3

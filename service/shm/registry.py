@@ -214,13 +214,16 @@ class SystemRegion(_Region):
 
     def _pinned_view(self, device: torch.device) -> Optional[torch.Tensor]:
         """The whole mapping as a uint8 host tensor, page-locked with CUDA the first time
-        (portable: for every device); None when pinning was refused (a memlock limit, a
-        truncated object): the CPU never touches an unpinned mapping, copies go through
-        the file instead."""
+        (portable: for every device); None when pinning was refused (a memlock limit) or
+        the object no longer holds the region (checked here, at every use: a mapping pinned
+        before a truncation is dropped): the CPU never touches an unpinned mapping, copies
+        go through the file instead. A truncation between this check and the DMA reads or
+        writes the pages pinned before it (stale bytes, no fault)."""
         with self._pin_lock:
+            if os.fstat(self._file()).st_size < self.offset + self.byte_size:
+                self._unpin()  # truncated: pages past the end are gone from the mapping, and pages
+                return None  # written through the file from now on are not the pinned ones
             if self._host is None:
-                if os.fstat(self._file()).st_size < self.offset + self.byte_size:
-                    return None  # pages past the object's end: not pinned now, asked again at the next use
                 self._host = torch.frombuffer(self._map, dtype=torch.uint8)
                 with torch.cuda.device(device):
                     code = torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), self._host.numel(),
@@ -235,13 +238,18 @@ class SystemRegion(_Region):
     def status(self) -> dict[str, Union[str, int]]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
+    def _unpin(self) -> None:
+        """Drop the page-locked view (unregistered with CUDA); the next use pins afresh."""
+        if self._host is not None:
+            if self._pinned:
+                torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+                self._pinned = False
+            self._host = None  # its export of the mapping ends here, so the mapping can close
+
     def close(self) -> None:
         try:
-            if self._host is not None:
-                if self._pinned:
-                    torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
-                    self._pinned = False
-                self._host = None  # its export of the mapping ends here, so the mapping can close
+            with self._pin_lock:
+                self._unpin()
             self._map.close()
         finally:
             fd, self._fd = self._fd, -1
