@@ -7,15 +7,12 @@
 - `output`: per-chunk outputs from the states and the intra-chunk matrices;
 - `recurrent`: single-token sequences (decode), in place on the pool;
 - `config`: fixed launch configurations by shape;
-- `inputs`: what the stages' host launchers share (`StageInputs`, `StateTargets`);
-- `guards`: no KDA math: a row copy and a non-finite flag, at memory speed, for the
-  transaction that guards an in-place launch (`kernels.guards`).
+- `inputs`: what the stages' host launchers share (`StageInputs`, `StateTargets`).
 
 Each stage's host launcher (`launch_intra`, `launch_wy`, ...) sits beside its kernel;
 `kernels.triton_backend.run_triton` chains them.
 """
 from .config import LaunchConfig, select_config
-from .guards import flag_nonfinite_kernel, gather_rows_kernel
 from .intra import chunk_intra_kernel
 from .output import chunk_output_kernel
 from .recurrent import recurrent_step_kernel
@@ -30,6 +27,4 @@ __all__ = [
     "chunk_state_kernel",
     "chunk_output_kernel",
     "recurrent_step_kernel",
-    "gather_rows_kernel",
-    "flag_nonfinite_kernel",
 ]

@@ -3,7 +3,7 @@
 Before the kernels run, `LaunchTransaction` copies the pool rows the launch will write (one
 [HV, V, K] row per sequence, on the pool's device: 2 MiB at HV = 32, K = V = 128, fp32).
 After they ran it finds the sequences whose final state or output holds a non-finite value
-(`diverged`: one scan and one synchronization for the whole launch). The rows of a
+(`diverged`: two sums and one synchronization for the whole launch). The rows of a
 request with such a sequence are written back (`roll_back`), so that request changes
 nothing and is refused with `UpdateDiverged` (422) while the other requests of the launch
 stand; when the launch itself fails, every row is written back (`abort`), and only when
@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
-
-from kernels.guards import any_nonfinite, gather_rows
 
 from ..errors import ServiceError
 
@@ -75,7 +74,7 @@ class LaunchTransaction:
         self._indices = indices
         self._requests = requests
         self._bounds = [0, *itertools.accumulate(n for lengths, _ in requests for n in lengths)]
-        self._saved = gather_rows(layer, indices)  # [N, HV, V, K]: a copy, on the device
+        self._saved = layer.index_select(0, indices)  # [N, HV, V, K]: a copy, on the device
 
     def settle(self, o: torch.Tensor, finals: Optional[torch.Tensor] = None) -> dict[int, UpdateDiverged]:
         """After the kernels wrote o [T, HV, V] and the rows (``finals``, when the caller
@@ -99,8 +98,11 @@ class LaunchTransaction:
         over o and the rows and one synchronization for the whole launch (a kernel's
         asynchronous failure surfaces here); only when something is not finite, a second
         pass finds which sequences."""
-        rows = gather_rows(self._layer, self._indices) if finals is None else finals
-        if not any_nonfinite(o, rows).item():
+        rows = self._layer.index_select(0, self._indices) if finals is None else finals
+        # a sum in float32 is NaN or Inf when any term is (one read of each tensor at memory
+        # speed); a sum of finite terms that overflows only sends us to the exact pass below
+        sums = torch.stack([o.sum(dtype=torch.float32), rows.sum(dtype=torch.float32)]).tolist()
+        if all(math.isfinite(total) for total in sums):
             return []
         n = len(self._bounds) - 1
         bad_rows = ~_finite_rows(rows.reshape(n, -1))

@@ -67,6 +67,21 @@ def test_a_clean_launch_keeps_every_update(device: str, gen: torch.Generator) ->
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_finite_values_whose_sum_overflows_keep_their_update(device: str, gen: torch.Generator) -> None:
+    """The quick check sums o and the rows in float32: finite values near float32's largest
+    sum to Inf, and only the exact pass may decide; it finds every value finite."""
+    layer = _layer(device, gen)
+    indices = torch.tensor([1, 4], device=device)
+    txn = LaunchTransaction(layer, indices, [([3], ["a"]), ([2], [None])])
+    layer[indices] = 3e38  # finite, but their sum is not
+    updated = layer.clone()
+    o = torch.full((5, HV, V), 3e38, device=device)
+    assert not torch.isfinite(o.sum(dtype=torch.float32))
+    assert txn.settle(o) == {}
+    assert torch.equal(layer, updated)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_abort_restores_every_row_and_flags_nothing(device: str, gen: torch.Generator) -> None:
     layer = _layer(device, gen)
     before = layer.clone()
