@@ -50,6 +50,10 @@ class PrefillProblem:
     checkpoint_tokens: packed token positions (host ints), each a chunk end of its sequence
     (``bounds[n] + 64 j``, j >= 1, or ``bounds[n + 1]``), distinct; checkpoint_states:
     [C, ..] in the pool's layout and dtype, receives the state after each (None: none).
+    nonfinite: [N + 1] int32 on the device, zeros (None: not checked): the backend sets [n]
+    to 1 when sequence n's final state or its tokens of o (as stored, in their dtypes) hold
+    a NaN or Inf; a backend may set [N] instead of [n] for o (which sequence is then found
+    by a pass over o). From the same launch: no second read of o or of the states.
     """
 
     q: torch.Tensor
@@ -72,6 +76,7 @@ class PrefillProblem:
     output_intermediate_states: bool
     checkpoint_tokens: tuple[int, ...] = ()
     checkpoint_states: Optional[torch.Tensor] = None
+    nonfinite: Optional[torch.Tensor] = None
 
     @property
     def lengths(self) -> list[int]:
@@ -105,6 +110,7 @@ def packed_problem(
     output_intermediate_states: bool = False,
     checkpoint_tokens: tuple[int, ...] = (),
     checkpoint_states: Optional[torch.Tensor] = None,
+    nonfinite: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
     """The problem of packed inputs its caller has checked against the contract above
     (shapes as `PrefillProblem` gives them, all on one device; nothing is checked here).
@@ -112,7 +118,8 @@ def packed_problem(
     ``bounds``: the host offsets [0, ..., T] of the N sequences (``cu_seqlens``, int64 on
     the inputs' device, is made from them when not given); ``indices``: [N] int64 pool rows
     on that device; ``scale`` None means K ** -0.5; dt_bias [HV, K] or [HV * K];
-    checkpoints as `PrefillProblem` holds them (`kernels.checkpoints` checks them).
+    checkpoints as `PrefillProblem` holds them (`kernels.checkpoints` checks them);
+    ``nonfinite``: the [N + 1] int32 zeros that receive the non-finite flags, or None.
     """
     HV, K = v.shape[1], q.shape[2]
     bounds = tuple(bounds)
@@ -125,12 +132,12 @@ def packed_problem(
         lower_bound=None if lower_bound is None else float(lower_bound),
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
         allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
-        checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states,
+        checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states, nonfinite=nonfinite,
     )
 
 
 # A backend runs a problem: returns o [T, HV, V] in v's dtype and, when
 # output_intermediate_states, h [NT, HV, V, K] (or [NT, HV, K, V]) in fp32: the state
 # before each chunk; final states are written into pool rows in place, and the state after
-# each checkpoint position into its checkpoint_states row.
+# each checkpoint position into its checkpoint_states row; the flags into nonfinite.
 Backend = Callable[[PrefillProblem], tuple[torch.Tensor, Optional[torch.Tensor]]]

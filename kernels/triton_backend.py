@@ -78,14 +78,15 @@ def _state_strides(p: PrefillProblem, x: torch.Tensor) -> tuple[int, int, int, i
 
 
 def state_targets(p: PrefillProblem, plan: LaunchPlan, h: Optional[torch.Tensor]) -> StateTargets:
-    """The pool, h (or None) and checkpoints of ``p`` as the state stages address them."""
+    """The pool, h (or None), checkpoints and non-finite flags of ``p`` as the state stages
+    address them."""
     K, V = p.q.shape[2], p.v.shape[2]
     ckpt = p.checkpoint_states
     return StateTargets(
         pool=p.pool, indices=p.indices, pool_strides=_state_strides(p, p.pool),
         h=h, h_strides=(1, K) if p.state_v_first else (V, 1),
         ckpt_rows=None if ckpt is None else checkpoint_rows(p.bounds, p.checkpoint_tokens, p.q.device),
-        ckpt=ckpt, ckpt_strides=(0, 0, 0, 0) if ckpt is None else _state_strides(p, ckpt),
+        ckpt=ckpt, ckpt_strides=(0, 0, 0, 0) if ckpt is None else _state_strides(p, ckpt), flags=p.nonfinite,
     )
 
 
@@ -163,7 +164,7 @@ def run_triton(
     def sequential(c0: int, c1: int, s0: int, s1: int) -> None:
         launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch)
         if v_new is not None:
-            launch_output(x, plan.chunks[c0:c1], wy.qg, st.h, st.h_strides, v_new, intra.aqk, o, cfg)
+            launch_output(x, plan.chunks[c0:c1], wy.qg, st, v_new, intra.aqk, o, cfg)
 
     _run_pieces(plan, x.device, parallel, sequential)
     return o, h

@@ -86,7 +86,8 @@ class StateTargets:
     ``h_strides`` (key, value) inside one state. ckpt_rows: [NT] int64, for each chunk (h
     index) the row of ``ckpt`` that receives the state after it, -1 for none (None: no
     checkpoints); ckpt: [C, HV, ., .] in the pool's dtype, ``ckpt_strides`` (row, head,
-    key, value).
+    key, value). flags: [N + 1] int32, the launch's non-finite flags
+    (`kernels.problem.PrefillProblem.nonfinite`; None: not checked).
     """
 
     pool: torch.Tensor
@@ -97,11 +98,12 @@ class StateTargets:
     ckpt_rows: Optional[torch.Tensor]
     ckpt: Optional[torch.Tensor]
     ckpt_strides: tuple[int, int, int, int]
+    flags: Optional[torch.Tensor] = None
 
     def with_h(self, h: torch.Tensor, h_strides: tuple[int, int]) -> "StateTargets":
         """The same targets with per-chunk states going to ``h`` (scratch of the split output path)."""
         return StateTargets(self.pool, self.indices, self.pool_strides, h, h_strides, self.ckpt_rows, self.ckpt,
-                            self.ckpt_strides)
+                            self.ckpt_strides, self.flags)
 
     def pointers(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(h, ckpt_rows, ckpt) for a kernel's arguments, ``placeholder`` where absent (the
@@ -109,3 +111,7 @@ class StateTargets:
         return (placeholder if self.h is None else self.h,
                 self.indices if self.ckpt_rows is None else self.ckpt_rows,
                 placeholder if self.ckpt is None else self.ckpt)
+
+    def flag_pointer(self, placeholder: torch.Tensor) -> torch.Tensor:
+        """The flags for a kernel's arguments, ``placeholder`` where absent (FLAG keeps it unread)."""
+        return placeholder if self.flags is None else self.flags

@@ -4,7 +4,8 @@
 
 One program per (sequence, value head, V block); the [K, BV] state slice is read from
 ``pool[indices[seq]]`` and written back to the same row (index -1: zeros, no write); with
-CHECKPOINT, also to the checkpoint row its chunk names (`state.store_checkpoint`).
+CHECKPOINT, also to the checkpoint row its chunk names (`state.store_checkpoint`); with
+FLAG, a NaN or Inf in its o or its new state (as stored) sets ``flags[sequence]``.
 """
 from __future__ import annotations
 
@@ -15,25 +16,25 @@ import triton.language as tl
 from .config import LaunchConfig
 from .gate import activate_beta, gate_params, log_decay
 from .inputs import StageInputs, StateTargets
-from .state import store_checkpoint
+from .state import count_nonfinite, store_checkpoint
 
 
 @triton.jit
 def recurrent_step_kernel(
-    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs, ckpt_rows, ckpt,
+    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs, ckpt_rows, ckpt, flags,
     scale, lower_bound,
     s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_row, c_head, c_k, c_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr,
+    STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
 ):
     """Grid (N1 * cdiv(V, BV), HV). decs: [N1, 3] int64 (sequence id, token, h index).
 
     q, k: [T, H, K]; v, o: [T, HV, V]; g: [T, HV, K]; beta: [T, HV]; pool strides as in
     the state pass; h (when STORE_H): [NT, HV, .., ..] fp32, receives the initial state;
-    ckpt_rows, ckpt (CHECKPOINT) as in `StateTargets`.
+    ckpt_rows, ckpt (CHECKPOINT) and flags [N + 1] int32 (FLAG) as in `StateTargets`.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -72,21 +73,28 @@ def recurrent_step_kernel(
     b_s = b_s * tl.where(m_k, tl.exp(b_g), 0.0)[:, None]
     b_d = b_b * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
     b_s = b_s + b_k[:, None] * b_d[None, :]
-    b_o = tl.sum(b_s * b_q[:, None], axis=0)
-    tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    tl.store(p_pool, b_s.to(pool.dtype.element_ty), mask=m_live)
+    b_o = tl.sum(b_s * b_q[:, None], axis=0).to(o.dtype.element_ty)
+    tl.store(o + (t * HV + i_hv) * V + o_v, b_o, mask=m_v)
+    b_final = b_s.to(pool.dtype.element_ty)
+    tl.store(p_pool, b_final, mask=m_live)
+    if FLAG:
+        n_bad = count_nonfinite(b_o, m_v) + count_nonfinite(b_final, m_kv)
+        tl.atomic_max(flags + seq, 1, mask=n_bad > 0)
     if CHECKPOINT:
         store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_s, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv, c_row, c_head)
 
 
 def launch_decode(x: StageInputs, decs: torch.Tensor, o: torch.Tensor, st: StateTargets, cfg: LaunchConfig) -> None:
     """One recurrent step for each single-token sequence of ``decs`` ([N1, 3],
-    `kernels.triton_plan`): o [T, HV, V] at its token, its pool row (and h, checkpoints)."""
+    `kernels.triton_plan`): o [T, HV, V] at its token, its pool row (and h, checkpoints,
+    non-finite flags)."""
     h, ckpt_rows, ckpt = st.pointers(o)
     grid = (decs.shape[0] * triton.cdiv(x.V, cfg.rec_bv), x.HV)
     recurrent_step_kernel[grid](
         x.q, x.k, x.v, x.g, x.beta, x.a_log, x.dt_bias, o, st.pool, st.indices, h, decs, ckpt_rows, ckpt,
+        st.flag_pointer(st.indices),
         x.scale, x.lower_bound, *st.pool_strides, *st.h_strides, *st.ckpt_strides,
         H=x.H, HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=cfg.rec_bv, **x.flags,
-        STORE_H=st.h is not None, CHECKPOINT=st.ckpt is not None, num_warps=cfg.rec_warps,
+        STORE_H=st.h is not None, CHECKPOINT=st.ckpt is not None, FLAG=st.flags is not None,
+        num_warps=cfg.rec_warps,
     )

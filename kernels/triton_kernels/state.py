@@ -17,6 +17,11 @@ run would advance live states.
 
 Checkpoints (CHECKPOINT): after each chunk, when ``ckpt_rows[chunk]`` names a row, the
 state after that chunk goes to that row of ``ckpt`` as well (`store_checkpoint`).
+
+Non-finite flags (FLAG): the program counts the NaN and Inf values of the o tiles it
+stores (FUSE_OUT) and of the state it writes at the segment's end, as stored, and sets
+``flags[sequence]`` when there are any (`count_nonfinite`): a guard for the caller that
+costs no second read.
 """
 from __future__ import annotations
 
@@ -41,12 +46,20 @@ def store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, offsets, mask, c_row, c_he
 
 
 @triton.jit
+def count_nonfinite(x, mask):
+    """The number of NaN and +-Inf values of the tile ``x`` (any float dtype) where ``mask``."""
+    xf = x.to(tl.float32)
+    return tl.sum((((xf != xf) | (tl.abs(xf) > 3.4028234663852886e38)) & mask).to(tl.int32))
+
+
+@triton.jit
 def chunk_state_kernel(
-    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry, ckpt_rows, ckpt,
+    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry, ckpt_rows, ckpt, flags,
     s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_row, c_head, c_k, c_v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, DOT_PREC: tl.constexpr,
+    FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Grid (Ns * HV * cdiv(V, BV),). segs: [Ns, 6] int64 (sequence id, first token, end
     token, h index of its first chunk, carry row to load or -1, carry row to store or -1);
@@ -56,7 +69,8 @@ def chunk_state_kernel(
     products cast S and v_new to it); u, v_new: [T, HV, V] and gexp: [NT, HV, K] fp32; o: [T, HV, V] in v's dtype (FUSE_OUT) ; v_new written unless FUSE_OUT;
     h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state (STORE_H);
     pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64;
-    ckpt_rows [NT] int64 and ckpt (row, head, key, value strides c_*) as in `StateTargets`.
+    ckpt_rows [NT] int64 and ckpt (row, head, key, value strides c_*) and flags [N + 1]
+    int32 (FLAG) as in `StateTargets`.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -84,6 +98,7 @@ def chunk_state_kernel(
     o_t = tl.arange(0, 64)
     m_k = o_k < K
     m_v = o_v < V
+    n_bad = 0
     for i_t in range(tl.cdiv(eos - bos, 64)):
         t0 = bos + i_t * 64
         m_t = o_t < eos - t0
@@ -105,8 +120,10 @@ def chunk_state_kernel(
             p_ta = (t0 * HV + i_hv) * 64 + (o_t[:, None] * (HV * 64) + o_t[None, :])
             b_a = tl.load(aqk + p_ta, mask=m_t[:, None], other=0.0)
             b_o = tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PREC)
-            b_o = tl.dot(b_a, b_v.to(b_a.dtype), b_o, input_precision=DOT_PREC)
-            tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+            b_o = tl.dot(b_a, b_v.to(b_a.dtype), b_o, input_precision=DOT_PREC).to(o.dtype.element_ty)
+            tl.store(o + p_tv, b_o, mask=m_tv)
+            if FLAG:
+                n_bad += count_nonfinite(b_o, m_tv)
         else:
             tl.store(v_new + p_tv, b_v, mask=m_tv)
 
@@ -119,9 +136,16 @@ def chunk_state_kernel(
 
     if store_carry >= 0:
         tl.store(carry + (store_carry * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :]), b_h, mask=m_kv)
+        if FLAG:
+            n_bad += count_nonfinite(b_h, m_kv)
     else:  # slot -1: no write
         p_pool = pool + slot * s_slot + i_hv * s_head + (o_k[:, None] * s_pk + o_v[None, :] * s_pv)
-        tl.store(p_pool, b_h.to(pool.dtype.element_ty), mask=m_kv & (slot + o_k * 0 >= 0)[:, None])
+        b_final = b_h.to(pool.dtype.element_ty)
+        tl.store(p_pool, b_final, mask=m_kv & (slot + o_k * 0 >= 0)[:, None])
+        if FLAG:
+            n_bad += count_nonfinite(b_final, m_kv)
+    if FLAG:
+        tl.atomic_max(flags + seq, 1, mask=n_bad > 0)
 
 
 def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.Tensor, o: torch.Tensor,
@@ -130,15 +154,15 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
     """The state pass over the segment rows ``segs`` ([Ns, 6], `kernels.triton_plan`), from
     the WY factors ``wy`` and A_qk ``aqk`` [T, HV, 64]: o [T, HV, V] when ``v_new`` is None
     (fused output), else v_new [T, HV, V] fp32 and the per-chunk states ``st.h`` for the
-    output stage; final states to the pool, checkpoints to ``st.ckpt``. ``launch``: (BV,
-    warps, stages) from `config.state_launch`."""
+    output stage; final states to the pool, checkpoints to ``st.ckpt``, non-finite flags to
+    ``st.flags``. ``launch``: (BV, warps, stages) from `config.state_launch`."""
     bv, warps, stages = launch
     h, ckpt_rows, ckpt = st.pointers(o)
     fused = v_new is None
     chunk_state_kernel[(segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)](
         wy.w, wy.u, wy.kg, wy.gexp, wy.qg, aqk, o, o if fused else v_new, h, st.pool, st.indices, segs, carry,
-        ckpt_rows, ckpt, *st.pool_strides, *st.h_strides, *st.ckpt_strides,
+        ckpt_rows, ckpt, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides,
         HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
-        STORE_H=st.h is not None, CHECKPOINT=st.ckpt is not None, DOT_PREC=x.dot_prec,
+        STORE_H=st.h is not None, CHECKPOINT=st.ckpt is not None, FLAG=st.flags is not None, DOT_PREC=x.dot_prec,
         num_warps=warps, num_stages=stages,
     )

@@ -481,11 +481,11 @@ class ServerCore:
                 scale=x.scale, A_log=None if gate.A_log is None else gate.A_log.to(device),
                 dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device), lower_bound=gate.lower_bound,
                 use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
-                allow_neg_eigval=x.allow_neg_eigval,
+                allow_neg_eigval=x.allow_neg_eigval, nonfinite=transaction.flags,
             )
             o, _ = kernels.run_problem(problem, self.backend)
+            refused = transaction.settle(o)  # diverged requests rolled back (an async failure shows here)
             finals = pool_layer.index_select(0, indices) if wants_final else None
-            refused = transaction.settle(o, finals)  # diverged requests rolled back (an async failure shows here)
             o_host = o.cpu() if to_host else None  # (or here)
             finals_host = finals.cpu() if to_host and finals is not None else None
             if device.type == "cuda" and not to_host:

@@ -2,8 +2,9 @@
 
 Before the kernels run, `LaunchTransaction` copies the pool rows the launch will write (one
 [HV, V, K] row per sequence, on the pool's device: 2 MiB at HV = 32, K = V = 128, fp32).
-After they ran it finds the sequences whose final state or output holds a non-finite value
-(`diverged`: two sums and one synchronization for the whole launch). The rows of a
+The kernels flag the sequences whose final state or output holds a non-finite value as
+they store them (`flags`, passed as the problem's ``nonfinite``: no second read of o or
+of the states); `diverged` reads the flags, the launch's one synchronization. The rows of a
 request with such a sequence are written back (`roll_back`), so that request changes
 nothing and is refused with `UpdateDiverged` (422) while the other requests of the launch
 stand; when the launch itself fails, every row is written back (`abort`), and only when
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -75,12 +75,13 @@ class LaunchTransaction:
         self._requests = requests
         self._bounds = [0, *itertools.accumulate(n for lengths, _ in requests for n in lengths)]
         self._saved = layer.index_select(0, indices)  # [N, HV, V, K]: a copy, on the device
+        n = len(self._bounds) - 1
+        self.flags = torch.zeros(n + 1, dtype=torch.int32, device=layer.device)  # the launch's `nonfinite`
 
-    def settle(self, o: torch.Tensor, finals: Optional[torch.Tensor] = None) -> dict[int, UpdateDiverged]:
-        """After the kernels wrote o [T, HV, V] and the rows (``finals``, when the caller
-        gathered them already: the rows [N, HV, V, K] now): each request with a diverged
-        sequence (`diverged`) rolled back, and its error, by request index."""
-        bad = set(self.diverged(o, finals))
+    def settle(self, o: torch.Tensor) -> dict[int, UpdateDiverged]:
+        """After the kernels wrote o [T, HV, V], the rows and `flags`: each request with a
+        diverged sequence (`diverged`) rolled back, and its error, by request index."""
+        bad = set(self.diverged(o))
         refused: dict[int, UpdateDiverged] = {}
         n0 = 0
         for j, (lengths, slots) in enumerate(self._requests):
@@ -92,25 +93,23 @@ class LaunchTransaction:
             n0 = n1
         return refused
 
-    def diverged(self, o: torch.Tensor, finals: Optional[torch.Tensor] = None) -> list[int]:
-        """Positions (0..N-1) of the sequences whose final state (the rows now; ``finals``
-        when given) or whose tokens of ``o`` [T, HV, V] hold a non-finite value. One pass
-        over o and the rows and one synchronization for the whole launch (a kernel's
-        asynchronous failure surfaces here); only when something is not finite, a second
-        pass finds which sequences."""
-        rows = self._layer.index_select(0, self._indices) if finals is None else finals
-        # a sum in float32 is NaN or Inf when any term is (one read of each tensor at memory
-        # speed); a sum of finite terms that overflows only sends us to the exact pass below
-        sums = torch.stack([o.sum(dtype=torch.float32), rows.sum(dtype=torch.float32)]).tolist()
-        if all(math.isfinite(total) for total in sums):
-            return []
-        n = len(self._bounds) - 1
-        bad_rows = ~_finite_rows(rows.reshape(n, -1))
+    def diverged(self, o: torch.Tensor) -> list[int]:
+        """Positions (0..N-1) of the sequences the kernels flagged: a final state or tokens
+        of ``o`` [T, HV, V] holding a non-finite value. Reading the flags is the launch's one
+        synchronization (a kernel's asynchronous failure surfaces here); only when a stage
+        flagged o without knowing whose (flags[N]), a pass over o finds which sequences."""
+        *per_sequence, unattributed = self.flags.tolist()
+        bad = {n for n, flag in enumerate(per_sequence) if flag}
+        if unattributed:
+            bad |= set(self._sequences_with_nonfinite_o(o))
+        return sorted(bad)
+
+    def _sequences_with_nonfinite_o(self, o: torch.Tensor) -> list[int]:
+        """Positions of the sequences whose tokens of ``o`` [T, HV, V] hold a NaN or Inf."""
         bad_tokens = (~_finite_rows(o.reshape(o.shape[0], -1))).to(torch.int64)
         counts = torch.cat([bad_tokens.new_zeros(1), torch.cumsum(bad_tokens, 0)])  # [T + 1]
         bounds = torch.tensor(self._bounds, dtype=torch.int64, device=o.device)
-        bad_seqs = (counts[bounds[1:]] - counts[bounds[:-1]]) > 0
-        flags = (bad_rows | bad_seqs.to(bad_rows.device)).tolist()
+        flags = ((counts[bounds[1:]] - counts[bounds[:-1]]) > 0).tolist()
         return [i for i, bad in enumerate(flags) if bad]
 
     def roll_back(self, positions: Optional[Iterable[int]] = None) -> None:

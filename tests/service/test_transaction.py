@@ -33,18 +33,21 @@ def _layer(device: str, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_diverged_sequence_rolls_back_its_whole_request_only(device: str, gen: torch.Generator) -> None:
     """Requests of 2, 1 and 2 sequences on rows [5, 1 | 6 | 0, 3]: the kernel's writes kept
-    for the requests whose sequences are finite, every row of the request with a NaN state
-    (or a NaN in its tokens of o) written back as it was."""
+    for the requests whose sequences are finite, every row of the request with a flagged
+    sequence (its own flag, or the unattributed one and a NaN in its tokens of o) written
+    back as it was."""
     layer = _layer(device, gen)
     before = layer.clone()
     indices = torch.tensor([5, 1, 6, 0, 3], device=device)
     requests = [([3, 2], ["a", None]), ([4], ["c"]), ([1, 2], ["d", "e"])]
     txn = LaunchTransaction(layer, indices, requests)
+    assert txn.flags.tolist() == [0] * 6 and txn.flags.device == layer.device
     layer[indices] += 1.0  # the kernel's update
     updated = layer.clone()
-    layer[0, 2, 3, 4] = float("nan")  # sequence 3 (request 2's first) diverged in its state
+    txn.flags[3] = 1  # sequence 3 (request 2's first) diverged, as the state pass flags it
     o = torch.randn(12, HV, V, device=device)
-    o[3, 1, 0] = float("inf")  # token 3: sequence 1 (request 0's second) diverged in o
+    o[3, 1, 0] = float("inf")  # token 3: sequence 1 (request 0's second) diverged in o ...
+    txn.flags[5] = 1  # ... flagged by a stage that does not know whose
     refused = txn.settle(o)
     assert sorted(refused) == [0, 2]
     assert isinstance(refused[0], UpdateDiverged) and refused[0].sequences == [1]
@@ -57,28 +60,46 @@ def test_a_diverged_sequence_rolls_back_its_whole_request_only(device: str, gen:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_clean_launch_keeps_every_update(device: str, gen: torch.Generator) -> None:
+    """No flag set: every update stands, even with a NaN in o (the kernels' flags decide,
+    o is not read again)."""
     layer = _layer(device, gen)
     indices = torch.tensor([2, 7], device=device)
     txn = LaunchTransaction(layer, indices, [([1], [None]), ([64], ["x"])])
     layer[indices] *= 0.5
     updated = layer.clone()
-    assert txn.settle(torch.randn(65, HV, V, device=device)) == {}
+    o = torch.randn(65, HV, V, device=device)
+    o[0, 0, 0] = float("nan")
+    assert txn.settle(o) == {}
     assert torch.equal(layer, updated)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_finite_values_whose_sum_overflows_keep_their_update(device: str, gen: torch.Generator) -> None:
-    """The quick check sums o and the rows in float32: finite values near float32's largest
-    sum to Inf, and only the exact pass may decide; it finds every value finite."""
-    layer = _layer(device, gen)
-    indices = torch.tensor([1, 4], device=device)
-    txn = LaunchTransaction(layer, indices, [([3], ["a"]), ([2], [None])])
-    layer[indices] = 3e38  # finite, but their sum is not
+def test_the_real_kernels_flag_what_the_transaction_rolls_back(device: str, gen: torch.Generator) -> None:
+    """`kernels.run_problem` with the transaction's flags: a sequence with one NaN in its v
+    (as an overflow inside the kernel leaves) is flagged and rolled back; its neighbour
+    keeps its update."""
+    from kernels import run_problem
+    from kernels.problem import packed_problem
+
+    T, H = 80, HV
+    layer = _layer(device, gen) * 0.1
+    before = layer.clone()
+    indices = torch.tensor([3, 6], device=device)
+    txn = LaunchTransaction(layer, indices, [([16], ["a"]), ([64], ["b"])])
+    q, k = (torch.randn(T, H, K, generator=gen).to(device) for _ in range(2))
+    v = torch.randn(T, HV, V, generator=gen).to(device)
+    v[7, 1, 2] = float("nan")  # sequence 0
+    g = -torch.rand(T, HV, K, generator=gen).to(device)
+    beta = torch.rand(T, HV, generator=gen).to(device)
+    problem = packed_problem(q, k, v, g, beta, bounds=[0, 16, 80], pool=layer, indices=indices, scale=None,
+                             A_log=None, dt_bias=None, lower_bound=None, use_qk_l2norm=True,
+                             use_beta_sigmoid=False, allow_neg_eigval=False, nonfinite=txn.flags)
+    o, _ = run_problem(problem)
     updated = layer.clone()
-    o = torch.full((5, HV, V), 3e38, device=device)
-    assert not torch.isfinite(o.sum(dtype=torch.float32))
-    assert txn.settle(o) == {}
-    assert torch.equal(layer, updated)
+    refused = txn.settle(o)
+    assert list(refused) == [0] and refused[0].sequences == [0]
+    assert torch.equal(layer[3], before[3]) and torch.equal(layer[6], updated[6])
+    assert not torch.equal(layer[6], before[6]) and torch.isfinite(layer[6]).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
