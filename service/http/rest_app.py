@@ -1,7 +1,8 @@
 """`create_rest_app`: a FastAPI app serving the REST API over a core, with the middleware
 and error handling every deployment wears: problem+json for every error (a 500 for what
 escapes a route, with ``Connection: close``), the body limit and timeout, the API key when
-one is set, and per-route metrics in ``core.metrics``.
+one is set, per-route metrics in ``core.metrics``, and request ids and trace context
+(`service.http.request_id`: ``X-Request-ID``, ``traceparent``, OpenTelemetry spans).
 The single-process app (`service.http.app`) and the Ray Serve ingress
 (`service.ray_serve.ingress`) are this app plus their own routes."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..shm.registry import ShmRegistry
 from .middleware import AuthMiddleware, BodyLimitMiddleware, InternalErrors, MetricsMiddleware
 from .openapi import install_openapi
 from .problem_details import install_problem_handlers
+from .request_id import RequestIdMiddleware
 from .routes import rest_router
 
 VERSION = "0.1.0"
@@ -42,6 +44,7 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
     app.add_middleware(InternalErrors)  # a 500 problem with Connection: close for what escapes a route
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response gets X-Request-ID and traceparent
     app.include_router(rest_router(core, regions, server_cancels))
     install_openapi(app)
     return app

@@ -301,6 +301,21 @@ def test_ingress_app_keeps_the_api_key_and_body_limit() -> None:
         assert {"/slots/{slot_id}/move", "/shards", "/shards/{name}/drain", "/prefill"} <= set(paths)
 
 
+def test_the_ingress_gives_request_ids_and_trace_context() -> None:
+    """The ingress wears the single server's request id middleware (create_rest_app)."""
+    from fastapi.testclient import TestClient
+
+    from service.ray_serve.ingress import create_ingress_app
+
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with TestClient(create_ingress_app(_placeholder_core(), SETTINGS)) as http:
+        r = http.post("/prefill", content=b"{}", headers={"content-type": "application/vnd.kda.shm+json",
+                                                          "x-request-id": "ray-1", "traceparent": parent})
+        assert r.status_code == 415 and r.headers["x-request-id"] == "ray-1" and r.json()["request_id"] == "ray-1"
+        assert r.headers["traceparent"].startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-")
+        assert r.headers["traceparent"] != parent
+
+
 # -- the ingress's REST routes are the single server's -------------------------------------
 
 def _placeholder_core(settings: Settings = SETTINGS) -> ShardedCore:
