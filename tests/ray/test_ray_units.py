@@ -164,7 +164,7 @@ def test_flags_and_environment() -> None:
     assert settings.num_slots == 8 and scale_out.shards == 3 and scale_out.gpus_per_shard == 0.5
     assert scale_out.shard_names == ["shard-0", "shard-1", "shard-2"]
     assert scale_out.directory_path == "/d/kda-serve.directory.json"
-    for argv in (["--shards", "0"], ["--snapshot-path", "/x"], ["--shard-prefix", "a.b"]):
+    for argv in (["--shards", "0"], ["--snapshot-path", "/x"], ["--shard-prefix", "a.b"], ["--metrics-port", "8002"]):
         with pytest.raises(SystemExit):
             parse_scale_out(argv, {})
     from ray.serve import Application
