@@ -11,6 +11,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Callable, Optional
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from ..config import Settings
 from ..core.api import CoreAPI
@@ -22,6 +23,7 @@ from .request_id import RequestIdMiddleware
 from .routes import rest_router
 
 VERSION = "0.1.0"
+DOCS_ASSETS = "/docs/assets"
 
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -34,8 +36,11 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
     ``settings`` give the API key, body limit, body timeout and deadline; ``regions``: the shared
     memory registry /prefill reads (None: refused); ``server_cancels``: the server cancels
     the request of a client that left (`rest_router`); ``lifespan``: FastAPI's."""
-    app = FastAPI(title=title, version=VERSION, summary=summary, lifespan=lifespan,
-                  redirect_slashes=False)  # "/slots/" is a 404, not a redirect outside the documented statuses
+    # /docs and /redoc from the Swagger UI and ReDoc files fastapi-offline packages (served under DOCS_ASSETS), no
+    # CDN: the docs work on an offline cluster. No online validator badge either.
+    app = FastAPIOffline(title=title, version=VERSION, summary=summary, lifespan=lifespan, static_url=DOCS_ASSETS,
+                         swagger_ui_parameters={"validatorUrl": None},
+                         redirect_slashes=False)  # "/slots/" is a 404, not a redirect outside the documented statuses
     app.state.core = core
     install_problem_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
