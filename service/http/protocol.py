@@ -85,8 +85,8 @@ def raw_problem(status: int, slug: str, detail: str, title: Optional[str] = None
     """A whole HTTP/1.1 problem+json response with ``Connection: close``, as bytes, under a
     new request id (the request never reached the app that gives one)."""
     request_id = new_request_id()
-    response = problem(status, slug, detail, title=title, headers={"Connection": "close", REQUEST_ID_HEADER: request_id},
-                       request_id=request_id)
+    response = problem(status, slug, detail, title=title, request_id=request_id,
+                       headers={"Connection": "close", REQUEST_ID_HEADER: request_id})
     head = [STATUS_LINE[status]] + [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
     return b"".join(head) + b"\r\n" + response.body
 

@@ -57,20 +57,13 @@ class TraceParent:
 
 @dataclass(frozen=True)
 class RequestContext:
-    """What the server knows of the request it is answering: its id and its trace context
-    (``traceparent``: this server's span; ``tracestate``: as the client sent it)."""
+    """The request being answered: its id and this server's span of its trace."""
 
     request_id: str
     traceparent: TraceParent
-    tracestate: Optional[str] = None
 
 
 _current: ContextVar[Optional[RequestContext]] = ContextVar("kda_serve_request", default=None)
-
-
-def current_request() -> Optional[RequestContext]:
-    """The request being answered in this context (None outside a request)."""
-    return _current.get()
 
 
 def current_request_id() -> Optional[str]:
@@ -148,7 +141,7 @@ class RequestIdMiddleware:
                 traceparent = TraceParent(*own)
             else:
                 traceparent = parent.child() if parent is not None else new_trace()
-            token = _current.set(RequestContext(request_id, traceparent, state))
+            token = _current.set(RequestContext(request_id, traceparent))
             status = 500
 
             async def tagged(message: Message) -> None:

@@ -34,11 +34,6 @@ _tracer: Any = trace.get_tracer("kda_serve") if trace is not None else None  # f
 _propagator: Any = TraceContextTextMapPropagator() if trace is not None else None
 
 
-def enabled() -> bool:
-    """Whether the OpenTelemetry API is importable (spans then go to its tracer provider)."""
-    return _tracer is not None
-
-
 @dataclass(frozen=True)
 class Phase:
     """One phase of a request: ``name``, ``start_ns`` (``time.time_ns()``) and its length."""

@@ -107,8 +107,10 @@ def test_the_metrics_port_serves_the_page_without_the_key(tmp_path: Path) -> Non
         assert "kda_build_info{" in keyed
     finally:
         assert server.stop() == 0, server.log_text()
-    with socket.socket() as s:  # the port is released at shutdown
+    with socket.socket() as s:  # nothing listens there after shutdown (connections may linger in TIME_WAIT)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
+        s.listen()
 
 
 def test_a_busy_metrics_port_is_one_line_and_exit_2() -> None:
