@@ -3,6 +3,10 @@
 
 `chunk_kda` and `kda_prefill` validate their arguments into a `PrefillProblem`
 (`build_problem`) and hand it to one backend through `run_problem`.
+
+All three are forward only and run under `torch.no_grad`: inputs that require grad are
+accepted on every backend (the Triton kernels read raw pointers, the torch backend writes
+with ``out=``), and no output requires grad.
 """
 from __future__ import annotations
 
@@ -167,6 +171,7 @@ def build_problem(
     )
 
 
+@torch.no_grad()
 def run_problem(
     problem: PrefillProblem, backend: Optional[str] = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -180,6 +185,7 @@ def run_problem(
     return resolve_backend(backend, problem.q.device)(problem)
 
 
+@torch.no_grad()
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -242,6 +248,7 @@ def chunk_kda(
     return o
 
 
+@torch.no_grad()
 def kda_prefill(
     q: torch.Tensor,
     k: torch.Tensor,

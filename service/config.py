@@ -38,6 +38,8 @@ class Settings:
     port: int = _opt(8000, "TCP port to listen on")
     grpc_port: int = _opt(0, "TCP port of the KServe v2 gRPC endpoint on --host (0: off; conventionally 8001); "
                              "needs the grpc extra")
+    metrics_port: int = _opt(0, "TCP port on --host serving the Prometheus page without the API key (0: off; "
+                                "conventionally 8002)")
     device: str = _opt("auto", "auto | cpu | cuda | cuda:N (auto: the GPU when present)")
     backend: str = _opt("auto", "kernel backend: auto | torch | triton (auto: triton on CUDA)")
     num_layers: int = _opt(2, "KDA layers held per slot")
@@ -86,8 +88,9 @@ class Settings:
             problems.append(why)  # the kernels' limit: checked here, not at every launch
         if not 0 <= self.port <= 65535:
             problems.append(f"port must be in 0..65535, got {self.port}")
-        if not 0 <= self.grpc_port <= 65535:
-            problems.append(f"grpc_port must be in 0..65535, got {self.grpc_port}")
+        for name in ("grpc_port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                problems.append(f"{name} must be in 0..65535, got {getattr(self, name)}")
         if not _DEVICE_RE.match(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.backend not in BACKEND_CHOICES:

@@ -287,6 +287,7 @@ class StatePool:
             frees=self._frees,
             expiries=self._expiries,
             bytes_per_slot=self._geometry.bytes_per_slot,
+            state_lost=sum(slot.state_lost for slot in self._slots.values()),
         )
 
     def _layer_index(self, layer: int) -> int:

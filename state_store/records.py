@@ -23,7 +23,8 @@ class SlotInfo:
 class PoolStats:
     """Capacity figures. ``allocations`` counts slots created (alloc, fork, import into a
     new slot); ``frees`` explicit frees; ``expiries`` slots freed for idling past the ttl.
-    The three counters are process totals: `StatePool.restore` leaves them alone."""
+    The three counters are process totals: `StatePool.restore` leaves them alone.
+    ``state_lost``: live slots flagged state_lost (their state was not recovered)."""
 
     capacity: int
     free: int
@@ -32,3 +33,4 @@ class PoolStats:
     frees: int
     expiries: int
     bytes_per_slot: int
+    state_lost: int

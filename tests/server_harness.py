@@ -61,9 +61,12 @@ class Server:
 
 
 def start_server(args: Sequence[str], log: Path, env: Optional[dict[str, str]] = None,
-                 timeout: float = 90.0, grpc: bool = False) -> Server:
+                 timeout: float = 90.0, grpc: bool = False,
+                 entry: Sequence[str] = ("-m", "service.cli")) -> Server:
     """Start kda-serve on a free loopback port (and, with ``grpc``, its gRPC endpoint on
-    another: ``--grpc-port``) and wait until /health/ready says 200 (gRPC listens by then)."""
+    another: ``--grpc-port``) and wait until /health/ready says 200 (gRPC listens by then).
+    ``entry``: what the interpreter runs (a script that sets up the process, then calls
+    `service.cli.main`)."""
     port = free_port()
     grpc_args = ["--grpc-port", str(free_port())] if grpc else []
     # The repository first, then whatever the caller's path holds (e.g. carried wheels).
@@ -71,7 +74,7 @@ def start_server(args: Sequence[str], log: Path, env: Optional[dict[str, str]] =
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     out = open(log, "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+        [sys.executable, *entry, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
          *grpc_args, *args],
         cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
     )

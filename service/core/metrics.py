@@ -1,10 +1,20 @@
 """Prometheus metrics of one server, on its own registry (no global state: several apps,
-e.g. in tests, never share or clash)."""
+e.g. in tests, never share or clash), with the process's own figures (CPU, memory, open
+files, garbage collection, Python version) in the same registry."""
 from __future__ import annotations
 
-from typing import Callable
+from importlib import metadata
+from typing import Callable, Iterator, Mapping
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import torch
+from prometheus_client import (
+    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, GCCollector, Histogram, Info,
+    PlatformCollector, ProcessCollector, generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from state_store import PoolStats
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -13,10 +23,41 @@ _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def build_info(backend: str, device: torch.device) -> dict[str, str]:
+    """The labels of ``kda_build_info``: the kda-serve and triton versions installed
+    ("unknown" / "none" when not), the kernel backend and the serving device."""
+    return {"version": _version("kda-serve", "unknown"), "backend": backend, "device": str(device),
+            "triton": _version("triton", "none")}
+
+
+def _version(distribution: str, missing: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return missing
+
+
+class _PoolGauges(Collector):
+    """The pool's capacity, used and state_lost slots, read through one ``stats()`` call
+    per scrape."""
+
+    def __init__(self, stats: Callable[[], PoolStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self.stats()
+        yield GaugeMetricFamily("kda_pool_slots", "Slots in the pool (its capacity)", value=stats.capacity)
+        yield GaugeMetricFamily("kda_used_slots", "Live slots", value=stats.used)
+        yield GaugeMetricFamily("kda_state_lost_slots", "Live slots flagged state_lost (their state was not "
+                                "recovered after a crash)", value=stats.state_lost)
+
+
 class Metrics:
-    """The server's metrics: HTTP requests and errors by route and status, gRPC requests
-    by method and status, prefill tokens, launch sizes, time queued before a launch and
-    time in the kernel, free slots, expired slots, abandoned responses and snapshots."""
+    """The server's metrics: HTTP requests and errors by route and status, requests in
+    flight, gRPC requests by method and status, prefill tokens, launch sizes, time queued
+    before a launch and time in the kernel, free slots, expired slots, abandoned responses
+    and snapshots, and the process's collectors. A core with a pool adds its gauges and
+    build information (`add_pool`)."""
 
     def __init__(self, free_slots: Callable[[], float]) -> None:
         self.registry = r = CollectorRegistry()
@@ -52,6 +93,18 @@ class Metrics:
                                          "or restored (0: none)", registry=r)
         self.free_slots = Gauge("kda_free_slots", "Free slots in the pool", registry=r)
         self.free_slots.set_function(free_slots)
+        self.in_flight = Gauge("kda_http_requests_in_flight", "HTTP requests received and not yet answered in full",
+                               registry=r)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+
+    def add_pool(self, stats: Callable[[], PoolStats], build: Mapping[str, str]) -> None:
+        """Serve the gauges of the pool whose `PoolStats` ``stats`` reads (``kda_pool_slots``,
+        ``kda_used_slots``, ``kda_state_lost_slots``) and ``kda_build_info{build}`` (1)."""
+        self.registry.register(_PoolGauges(stats))
+        Info("kda_build", "kda-serve version, kernel backend, device and triton version", registry=self.registry
+             ).info(dict(build))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -48,7 +48,7 @@ from ..config import Settings
 from ..errors import InvalidRequest, NotReady, StateLost
 from .gate_params import Gate, load_gate_params
 from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
-from .metrics import Metrics
+from .metrics import Metrics, build_info
 from .self_test import SelfTestReport, run_self_test
 from .staging import PinnedStaging
 from .transaction import LaunchTransaction
@@ -94,6 +94,7 @@ class ServerCore:
         self.snapshot_interval_s = settings.snapshot_interval_s
         self.persistence = Persistence(self.pool, settings.snapshot_path) if settings.snapshot_path else None
         self.metrics = Metrics(free_slots=lambda: self.pool.stats().free)
+        self.metrics.add_pool(self.stats, build_info(self.backend, self.geometry.device))
         self._snapshot_task: Optional[asyncio.Task[None]] = None
         self._checkpoint_hooks: list[Callable[[], None]] = []
         self._not_ready: Optional[str] = "warming the kernels"  # why `check_ready` refuses; None once ready

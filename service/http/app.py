@@ -4,7 +4,8 @@ and the Open Inference Protocol (KServe v2, ``/v2/...``) over one `ServerCore`.
 Routes (all but /health/* need the API key when one is set):
 POST /slots, GET/DELETE /slots/{id}, POST /slots/{id}/fork, GET/PUT /slots/{id}/state,
 POST /prefill, GET /info, GET /metrics, GET /health/live, GET /health/ready,
-POST/GET /shm/regions, GET/DELETE /shm/regions/{name}, and KServe v2 under /v2.
+POST/GET /shm/regions, GET/DELETE /shm/regions/{name}, and KServe v2 under /v2; with
+--metrics-port, the Prometheus page on that port without the key.
 /prefill and the state routes read the raw body themselves (JSON or safetensors, chosen
 by Content-Type; the response by Accept), so their OpenAPI bodies are declared by hand.
 /prefill also takes tensors by reference to registered shared memory
@@ -31,6 +32,7 @@ from ..core.server import ServerCore
 from ..kserve import ProtocolErrors, kserve_router
 from ..shm.registry import ShmRegistry
 from .limits import LIMITS_STATE_KEY, ConnectionLimits
+from .metrics_port import MetricsServer
 from .rest_app import Lifespan, create_rest_app
 
 log = logging.getLogger("kda_serve.app")
@@ -75,7 +77,7 @@ def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Li
                               first_request_timeout_s=settings.first_request_timeout_s)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         await core.start()
         tasks = [asyncio.create_task(_warm(core), name="kda-warmup"),
                  asyncio.create_task(_expire_regions(registry), name="kda-shm-leases")]
@@ -90,6 +92,8 @@ def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Li
                 with suppress(asyncio.CancelledError):
                     await task
             registry.close()
+            if app.state.metrics_server is not None:
+                app.state.metrics_server.close()
             await core.close()
 
     return lifespan
@@ -99,7 +103,9 @@ def create_app(settings: Settings) -> FastAPI:
     """The app serving a new `ServerCore` (``app.state.core``; the pool is allocated and
     gate parameters loaded here, so bad settings fail before serving). Its lifespan starts
     the core, warms the kernels in the background (/health/ready answers 200 after), sweeps
-    idle slots when a ttl is set, and closes the core (snapshot) at shutdown."""
+    idle slots when a ttl is set, and closes the core (snapshot) at shutdown. With
+    ``--metrics-port`` the Prometheus page is also served there, without the API key
+    (`service.http.metrics_port`; a busy port raises OSError here)."""
     core = ServerCore(settings)
     registry = ShmRegistry(max_regions=settings.max_shm_regions, max_bytes=settings.max_shm_bytes)
     app = create_rest_app(core, settings, title="kda-serve",
@@ -108,4 +114,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(ProtocolErrors)  # outermost: {"error": ...} bodies under /v2, from every layer
     # Open Inference Protocol (KServe v2): /v2/... over HTTP, and gRPC on --grpc-port when set
     app.include_router(kserve_router(core, core.is_ready, registry, settings))
+    # bound last, so nothing after it can fail and leave the port held; closed by the lifespan
+    app.state.metrics_server = (MetricsServer(settings.host, settings.metrics_port, core.metrics.registry)
+                                if settings.metrics_port else None)
     return app

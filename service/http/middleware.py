@@ -13,6 +13,7 @@ from typing import Callable
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..core.metrics import Metrics
@@ -60,9 +61,21 @@ class InternalErrors:
             await response(scope, receive, send)
 
 
+def route_label(scope: Scope) -> str:
+    """The route template a request matched (``/slots/{slot_id}``), ``unmatched`` when none
+    did. FastAPI's API routes name themselves in the scope; the app's other routes (the
+    docs, ``/openapi.json``) are found by matching the request against the app's routes."""
+    route = scope.get("route")
+    if route is None:
+        app = scope.get("app")
+        route = next((r for r in getattr(app, "routes", ()) if r.matches(scope)[0] == Match.FULL), None)
+    return getattr(route, "path", "unmatched")
+
+
 class MetricsMiddleware:
     """Counts requests and errors by route template (e.g. ``/slots/{slot_id}``), method
-    and status, and times them. Unmatched paths share the route label ``unmatched``."""
+    and status, times them, and counts those in flight. Unmatched paths share the route
+    label ``unmatched``."""
 
     def __init__(self, app: ASGIApp, metrics: Callable[[], Metrics]) -> None:
         self.app = app
@@ -73,6 +86,8 @@ class MetricsMiddleware:
             return await self.app(scope, receive, send)
         start = time.monotonic()
         status = 500  # if the app raises before responding
+        m = self.metrics()
+        m.in_flight.inc()
 
         async def send_status(message: Message) -> None:
             nonlocal status
@@ -83,9 +98,8 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            route = scope.get("route")
-            labels = (getattr(route, "path", "unmatched"), scope["method"])
-            m = self.metrics()
+            m.in_flight.dec()
+            labels = (route_label(scope), scope["method"])
             m.requests.labels(*labels, str(status)).inc()
             if status >= 400:
                 m.errors.labels(*labels, str(status)).inc()

@@ -16,6 +16,7 @@ from state_store import GeometryMismatch, PoolFull, SnapshotError, UnknownSlot
 
 from ..errors import PERSISTENCE_UNAVAILABLE, ServiceError
 from ..wire.media import PROBLEM
+from .request_id import current_request_id
 
 TYPE_PREFIX = "urn:kda-serve:problem:"
 RETRY_AFTER_S = 1
@@ -25,7 +26,9 @@ log = logging.getLogger("kda_serve.http")
 def problem(status: int, slug: str, detail: str, *, title: Optional[str] = None,
             headers: Optional[dict[str, str]] = None, **extra: Any) -> JSONResponse:
     """A problem+json response; ``extra`` members (``field``, ``errors``, ...) are added
-    when not None."""
+    when not None. ``request_id``: the current request's (`service.http.request_id`)
+    unless given."""
+    extra.setdefault("request_id", current_request_id())
     body = {
         "type": TYPE_PREFIX + slug,
         "title": title or HTTPStatus(status).phrase,

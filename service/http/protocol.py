@@ -61,6 +61,7 @@ from uvicorn.server import ServerState
 
 from .limits import LIMITS_STATE_KEY, ConnectionLimits
 from .problem_details import PAYLOAD_TOO_LARGE, problem
+from .request_id import REQUEST_ID_HEADER, new_request_id
 from ..wire.buffers import WarmBuffers
 
 PROGRESS_S = 0.1
@@ -81,8 +82,11 @@ class _Refusal(Exception):
 
 
 def raw_problem(status: int, slug: str, detail: str, title: Optional[str] = None) -> bytes:
-    """A whole HTTP/1.1 problem+json response with ``Connection: close``, as bytes."""
-    response = problem(status, slug, detail, title=title, headers={"Connection": "close"})
+    """A whole HTTP/1.1 problem+json response with ``Connection: close``, as bytes, under a
+    new request id (the request never reached the app that gives one)."""
+    request_id = new_request_id()
+    response = problem(status, slug, detail, title=title, request_id=request_id,
+                       headers={"Connection": "close", REQUEST_ID_HEADER: request_id})
     head = [STATUS_LINE[status]] + [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
     return b"".join(head) + b"\r\n" + response.body
 

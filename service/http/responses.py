@@ -9,10 +9,14 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from .tracing import Phase, record_phases
 
-def server_timing(**phases_s: float) -> dict[str, str]:
-    """A ``Server-Timing`` header (W3C) of the phases, given in seconds, in milliseconds."""
-    return {"server-timing": ", ".join(f"{name};dur={s * 1000:.3f}" for name, s in phases_s.items())}
+
+def server_timing(phases: Sequence[Phase]) -> dict[str, str]:
+    """A ``Server-Timing`` header (W3C) of the phases, in milliseconds; each phase is also
+    recorded as a span of the request when tracing is on (`service.http.tracing`)."""
+    record_phases(phases)
+    return {"server-timing": ", ".join(f"{p.name};dur={p.seconds * 1000:.3f}" for p in phases)}
 
 
 async def _client_gone(receive: Receive) -> bool:

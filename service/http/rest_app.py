@@ -1,7 +1,8 @@
 """`create_rest_app`: a FastAPI app serving the REST API over a core, with the middleware
 and error handling every deployment wears: problem+json for every error (a 500 for what
 escapes a route, with ``Connection: close``), the body limit and timeout, the API key when
-one is set, and per-route metrics in ``core.metrics``.
+one is set, per-route metrics in ``core.metrics``, and request ids and trace context
+(`service.http.request_id`: ``X-Request-ID``, ``traceparent``, OpenTelemetry spans).
 The single-process app (`service.http.app`) and the Ray Serve ingress
 (`service.ray_serve.ingress`) are this app plus their own routes."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Callable, Optional
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from ..config import Settings
 from ..core.api import CoreAPI
@@ -17,9 +19,11 @@ from ..shm.registry import ShmRegistry
 from .middleware import AuthMiddleware, BodyLimitMiddleware, InternalErrors, MetricsMiddleware
 from .openapi import install_openapi
 from .problem_details import install_problem_handlers
+from .request_id import RequestIdMiddleware
 from .routes import rest_router
 
 VERSION = "0.1.0"
+DOCS_ASSETS = "/docs/assets"
 
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -32,8 +36,11 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
     ``settings`` give the API key, body limit, body timeout and deadline; ``regions``: the shared
     memory registry /prefill reads (None: refused); ``server_cancels``: the server cancels
     the request of a client that left (`rest_router`); ``lifespan``: FastAPI's."""
-    app = FastAPI(title=title, version=VERSION, summary=summary, lifespan=lifespan,
-                  redirect_slashes=False)  # "/slots/" is a 404, not a redirect outside the documented statuses
+    # /docs and /redoc from the Swagger UI and ReDoc files fastapi-offline packages (served under DOCS_ASSETS), no
+    # CDN: the docs work on an offline cluster. No online validator badge either.
+    app = FastAPIOffline(title=title, version=VERSION, summary=summary, lifespan=lifespan, static_url=DOCS_ASSETS,
+                         swagger_ui_parameters={"validatorUrl": None},
+                         redirect_slashes=False)  # "/slots/" is a 404, not a redirect outside the documented statuses
     app.state.core = core
     install_problem_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
@@ -42,6 +49,7 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
     app.add_middleware(InternalErrors)  # a 500 problem with Connection: close for what escapes a route
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response gets X-Request-ID and traceparent
     app.include_router(rest_router(core, regions, server_cancels))
     install_openapi(app)
     return app

@@ -94,4 +94,7 @@ def parse_scale_out(argv: Optional[Sequence[str]] = None,
     if settings.snapshot_path is not None:
         parser.error("--snapshot-path is per process; with Ray each shard keeps <state-dir>/<shard>.snapshot "
                      "(use --state-dir)")
+    if settings.metrics_port:
+        parser.error("--metrics-port is the single server's; with Ray scrape the ingress's /metrics (every shard's "
+                     "figures, labelled by shard) with the API key")
     return settings, scale_out

@@ -167,3 +167,4 @@ class Problem(BaseModel):
     detail: str
     field: Optional[str] = Field(None, description="the request field at fault")
     errors: Optional[list[dict]] = Field(None, description="schema errors (422)")
+    request_id: Optional[str] = Field(None, description="the request's id, as in its X-Request-ID response header")

@@ -164,7 +164,7 @@ def test_flags_and_environment() -> None:
     assert settings.num_slots == 8 and scale_out.shards == 3 and scale_out.gpus_per_shard == 0.5
     assert scale_out.shard_names == ["shard-0", "shard-1", "shard-2"]
     assert scale_out.directory_path == "/d/kda-serve.directory.json"
-    for argv in (["--shards", "0"], ["--snapshot-path", "/x"], ["--shard-prefix", "a.b"]):
+    for argv in (["--shards", "0"], ["--snapshot-path", "/x"], ["--shard-prefix", "a.b"], ["--metrics-port", "8002"]):
         with pytest.raises(SystemExit):
             parse_scale_out(argv, {})
     from ray.serve import Application
@@ -299,6 +299,21 @@ def test_ingress_app_keeps_the_api_key_and_body_limit() -> None:
         assert r.status_code == 413
         paths = http.get("/openapi.json", headers={"authorization": "Bearer sesame"}).json()["paths"]
         assert {"/slots/{slot_id}/move", "/shards", "/shards/{name}/drain", "/prefill"} <= set(paths)
+
+
+def test_the_ingress_gives_request_ids_and_trace_context() -> None:
+    """The ingress wears the single server's request id middleware (create_rest_app)."""
+    from fastapi.testclient import TestClient
+
+    from service.ray_serve.ingress import create_ingress_app
+
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with TestClient(create_ingress_app(_placeholder_core(), SETTINGS)) as http:
+        r = http.post("/prefill", content=b"{}", headers={"content-type": "application/vnd.kda.shm+json",
+                                                          "x-request-id": "ray-1", "traceparent": parent})
+        assert r.status_code == 415 and r.headers["x-request-id"] == "ray-1" and r.json()["request_id"] == "ray-1"
+        assert r.headers["traceparent"].startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-")
+        assert r.headers["traceparent"] != parent
 
 
 # -- the ingress's REST routes are the single server's -------------------------------------

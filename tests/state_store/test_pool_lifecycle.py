@@ -273,7 +273,7 @@ def test_mark_lost_flags_until_the_state_is_replaced():
 def test_stats_figures_move():
     pool = make_pool()
     bytes_per_slot = 3 * 2 * 4 * 8 * 4
-    assert pool.stats() == PoolStats(6, 6, 0, 0, 0, 0, bytes_per_slot)
+    assert pool.stats() == PoolStats(6, 6, 0, 0, 0, 0, bytes_per_slot, 0)
     a, b, c = pool.alloc(3)
     pool.free(b)
     pool.fork(a)
@@ -281,4 +281,10 @@ def test_stats_figures_move():
     stats = pool.stats()
     assert (stats.capacity, stats.free, stats.used) == (6, 2, 4)
     assert (stats.allocations, stats.frees, stats.expiries) == (5, 1, 0)
+    assert stats.state_lost == 0
+    pool.mark_lost([a, c])
+    assert pool.stats().state_lost == 2
+    pool.write_state(a, pool.read_state(a))  # a state written in full is current again
+    pool.free(c)
+    assert pool.stats().state_lost == 0
     assert make_pool(dtype=torch.bfloat16).stats().bytes_per_slot == bytes_per_slot // 2

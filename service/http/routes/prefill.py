@@ -30,6 +30,7 @@ from ..abandon import Abandonment
 from ..body import read_body
 from ..openapi import PREFILL_BINARY, both_encodings, error_responses, ref
 from ..responses import DeliveryGuard, PiecesResponse, server_timing
+from ..tracing import Phase, Stopwatch
 
 _RESPONSES = {
     200: {"description": "outputs o [T, HV, V] and final states [N, HV, V, K]; encoding by Accept (default: the "
@@ -65,20 +66,21 @@ def add_prefill_route(router: APIRouter, core: CoreAPI, left: Abandonment, regio
         reply = negotiate(request.headers.get("accept"), ENCODINGS, default=encoding)
         body = await read_body(request)
         decode = decode_prefill_json if encoding == JSON else decode_prefill_safetensors
-        start = time.perf_counter()
+        clock = Stopwatch()
         inputs = await off_loop(decode, body, nbytes=len(body))
-        decode_s = time.perf_counter() - start
+        decoded = clock.phase("decode")
+        core_start = time.time_ns()
         result = await left.made(core.prefill(inputs), _allocated)
+        core_end = time.time_ns()
         if result.allocated and (gone := await left.check(request, result.allocated)):
             return gone
         size = result.o.numel() * result.o.element_size()
-        start = time.perf_counter()
+        clock.restart()
         if reply == JSON:
             pieces = [memoryview(await off_loop(encode_prefill_json, result, nbytes=size))]
         else:
             pieces = prefill_safetensors_pieces(result)
-        timing = server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
-                               encode=time.perf_counter() - start)
+        timing = server_timing([decoded, *_core_phases(result, core_start, core_end), clock.phase("encode")])
         if result.allocated:
             return DeliveryGuard(pieces, reply, lambda: left.release(result.allocated), timing)
         return PiecesResponse(pieces, reply, timing)
@@ -89,14 +91,16 @@ def add_prefill_route(router: APIRouter, core: CoreAPI, left: Abandonment, regio
         negotiate(request.headers.get("accept"), (JSON,), default=JSON)
         parsed = parse_shm_request(await read_body(request))
         with registry.lease(region_names(parsed)) as leased:
-            start = time.perf_counter()
+            clock = Stopwatch()
             plan = await off_loop(read_request, parsed, leased, core, shm_inputs,
                                   nbytes=host_bytes(input_refs(parsed), leased))
-            decode_s = time.perf_counter() - start
+            decoded = clock.phase("decode")
+            core_start = time.time_ns()
             result = await left.made(core.prefill(plan.inputs), _allocated)
+            core_end = time.time_ns()
             if result.allocated and (gone := await left.check(request, result.allocated)):
                 return gone
-            start = time.perf_counter()
+            clock.restart()
             try:
                 doc = await off_loop(write_result, plan, result, leased,
                                      nbytes=host_bytes((plan.o, plan.final_state), leased))
@@ -104,10 +108,16 @@ def add_prefill_route(router: APIRouter, core: CoreAPI, left: Abandonment, regio
                 for slot_id in result.allocated:
                     await core.free(slot_id)
                 raise
-        timing = server_timing(decode=decode_s, validate=result.validate_s, kernel=result.kernel_s,
-                               encode=time.perf_counter() - start)
+        timing = server_timing([decoded, *_core_phases(result, core_start, core_end), clock.phase("encode")])
         return JSONResponse(doc, headers=timing)
 
 
 def _allocated(result: PrefillResult) -> list[str]:
     return result.allocated
+
+
+def _core_phases(result: PrefillResult, start_ns: int, end_ns: int) -> tuple[Phase, Phase]:
+    """The core's phases of a prefill it ran from ``start_ns`` to ``end_ns``: validation
+    first (it starts with the call), the launch last (it ends with the call); the batcher's
+    wait lies between."""
+    return Phase("validate", start_ns, result.validate_s), Phase.ending("kernel", end_ns, result.kernel_s)

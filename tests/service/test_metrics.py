@@ -1,0 +1,146 @@
+"""The Prometheus page of a real server: build information, the pool's gauges (read through
+the core), requests in flight, the process's collectors, route labels of the docs routes,
+and ``--metrics-port`` (the page without the API key, as Triton's 8002)."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import httpx
+import torch
+from server_harness import GEOMETRY_ARGS, ROOT, SLOTS, Server, free_port, kill_9, make_sequence, metric, start_server
+
+from kda_client.client import KDAClient
+
+
+def _page(url: str, **headers: str) -> str:
+    response = httpx.get(f"{url}/metrics", headers=headers)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+def _version(distribution: str, missing: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return missing
+
+
+def test_build_info_names_version_backend_device_and_triton(server: Server) -> None:
+    labels = {"version": _version("kda-serve", "unknown"), "backend": "torch", "device": "cpu",
+              "triton": _version("triton", "none")}
+    assert metric(_page(server.url), "kda_build_info", **labels) == 1.0, _page(server.url)
+
+
+def test_pool_gauges_follow_the_slots(server: Server) -> None:
+    before = _page(server.url)
+    assert metric(before, "kda_pool_slots") == SLOTS
+    used, free = metric(before, "kda_used_slots"), metric(before, "kda_free_slots")
+    assert used + free == SLOTS and metric(before, "kda_state_lost_slots") == 0
+    with KDAClient(server.url) as client:
+        slots = client.alloc(3)
+        during = _page(server.url)
+        for slot in slots:
+            client.free(slot)
+    assert (metric(during, "kda_used_slots"), metric(during, "kda_free_slots")) == (used + 3, free - 3)
+    after = _page(server.url)
+    assert (metric(after, "kda_used_slots"), metric(after, "kda_free_slots")) == (used, free)
+
+
+def test_requests_in_flight_count_a_request_still_arriving(server: Server) -> None:
+    """A request whose body is still on its way is in flight; once it ends it is not. (The
+    scrape itself is in flight while the page is made.)"""
+    idle = metric(_page(server.url), "kda_http_requests_in_flight")
+    assert idle >= 1
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /prefill HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{")
+        busy = metric(_page(server.url), "kda_http_requests_in_flight")
+        for _ in range(100):  # the server reads the first byte before it is counted for sure
+            if busy == idle + 1:
+                break
+            busy = metric(_page(server.url), "kda_http_requests_in_flight")
+        assert busy == idle + 1
+    for _ in range(100):
+        if metric(_page(server.url), "kda_http_requests_in_flight") == idle:
+            break
+    assert metric(_page(server.url), "kda_http_requests_in_flight") == idle
+
+
+def test_process_metrics_are_on_the_page(server: Server) -> None:
+    page = _page(server.url)
+    assert metric(page, "process_resident_memory_bytes") > 0
+    assert metric(page, "process_cpu_seconds_total") > 0
+    assert metric(page, "process_open_fds") > 0
+    assert "python_info{" in page and "python_gc_collections_total{" in page
+
+
+def test_docs_routes_have_their_own_route_labels(server: Server) -> None:
+    paths = ["/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"]
+    before = _page(server.url)
+    for path in [*paths, "/nowhere"]:
+        httpx.get(server.url + path)
+    after = _page(server.url)
+    for path in paths:
+        labels = {"route": path, "method": "GET", "status": "200"}
+        assert metric(after, "kda_http_requests_total", **labels) == \
+            metric(before, "kda_http_requests_total", **labels) + 1, path
+    lost = {"route": "unmatched", "method": "GET", "status": "404"}
+    assert metric(after, "kda_http_requests_total", **lost) == metric(before, "kda_http_requests_total", **lost) + 1
+
+
+def test_the_metrics_port_serves_the_page_without_the_key(tmp_path: Path) -> None:
+    port = free_port()
+    server = start_server([*GEOMETRY_ARGS, "--api-key", "sesame", "--metrics-port", str(port)],
+                          tmp_path / "kda-serve.log")
+    try:
+        assert httpx.get(f"{server.url}/metrics").status_code == 401  # the API port keeps the key
+        keyed = _page(server.url, authorization="Bearer sesame")
+        open_page = _page(f"http://127.0.0.1:{port}")
+        assert metric(open_page, "kda_pool_slots") == SLOTS and "kda_build_info{" in open_page
+        # one registry: the keyed scrape is counted on the open page
+        assert metric(open_page, "kda_http_requests_total", route="/metrics", method="GET", status="200") >= 1
+        assert "kda_build_info{" in keyed
+    finally:
+        assert server.stop() == 0, server.log_text()
+    with socket.socket() as s:  # nothing listens there after shutdown (connections may linger in TIME_WAIT)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+
+
+def test_a_busy_metrics_port_is_one_line_and_exit_2() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "service.cli", *GEOMETRY_ARGS, "--port", str(free_port()),
+                               "--metrics-port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and "in use" in done.stderr, done.stderr
+
+
+def test_state_lost_slots_after_a_crash(tmp_path: Path) -> None:
+    """A slot that advanced after the last snapshot comes back from a kill -9 flagged
+    state_lost, and the gauge counts it."""
+    args = [*GEOMETRY_ARGS, "--snapshot-path", str(tmp_path / "pool.snapshot"), "--snapshot-interval-s", "0"]
+    server = start_server(args, tmp_path / "first.log")
+    with KDAClient(server.url) as client:
+        kept, advanced = client.alloc(2)
+    assert server.stop() == 0  # the snapshot at shutdown holds both
+    server = start_server(args, tmp_path / "second.log")
+    with KDAClient(server.url) as client:
+        client.prefill(0, [(advanced, *make_sequence(4, torch.Generator().manual_seed(3)))])  # journalled
+    kill_9(server)
+    server = start_server(args, tmp_path / "third.log")
+    try:
+        page = _page(server.url)
+        assert (metric(page, "kda_used_slots"), metric(page, "kda_state_lost_slots")) == (2, 1)
+        with KDAClient(server.url) as client:
+            assert client.slot_info(advanced)["state_lost"] and not client.slot_info(kept)["state_lost"]
+    finally:
+        assert server.stop() == 0, server.log_text()
