@@ -2,7 +2,9 @@
 e.g. in tests, never share or clash)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
+
+from state_store import TierStats
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -16,7 +18,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     """The server's metrics: HTTP requests and errors by route and status, gRPC requests
     by method and status, prefill tokens, launch sizes, time queued before a launch and
-    time in the kernel, free slots, expired slots, abandoned responses and snapshots."""
+    time in the kernel, free slots, expired slots, abandoned responses, snapshots, and the prefix
+    cache's hits, misses, hit tokens, evictions, entries and bytes per tier."""
 
     def __init__(self, free_slots: Callable[[], float]) -> None:
         self.registry = r = CollectorRegistry()
@@ -52,6 +55,23 @@ class Metrics:
                                          "or restored (0: none)", registry=r)
         self.free_slots = Gauge("kda_free_slots", "Free slots in the pool", registry=r)
         self.free_slots.set_function(free_slots)
+        self.prefix_hits = Counter("kda_prefix_hits", "Slot allocations with a prefix that matched an entry", registry=r)
+        self.prefix_misses = Counter("kda_prefix_misses", "Slot allocations with a prefix that matched none",
+                                     registry=r)
+        self.prefix_hit_tokens = Counter("kda_prefix_hit_tokens", "Tokens per layer restored from prefix entries, "
+                                         "summed over the slots restored", registry=r)
+        self.prefix_evictions = Counter("kda_prefix_evictions", "Prefix entries that left a tier for lack of room "
+                                        "(device: moved to the host tier or dropped; host: dropped)", ["tier"],
+                                        registry=r)
+        self.prefix_entries = Gauge("kda_prefix_entries", "Prefix cache entries held, by tier", ["tier"], registry=r)
+        self.prefix_bytes = Gauge("kda_prefix_bytes", "Bytes of prefix cache entries, by tier", ["tier"], registry=r)
+
+    def watch_prefix_cache(self, stats: Callable[[], Mapping[str, TierStats]]) -> None:
+        """Read the prefix cache's entries and bytes per tier from ``stats`` at each scrape."""
+        for tier in ("device", "host"):
+            self.prefix_entries.labels(tier).set_function(lambda tier=tier: stats()[tier].entries)
+            self.prefix_bytes.labels(tier).set_function(lambda tier=tier: stats()[tier].bytes)
+            self.prefix_evictions.labels(tier)  # present at 0 before the first eviction
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
