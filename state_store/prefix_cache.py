@@ -256,19 +256,29 @@ class PrefixCache:
 
     # -- reading -----------------------------------------------------------------------
 
+    def _best(self, keys: Sequence[str]) -> Optional[tuple[int, Entry]]:
+        for key in keys:
+            _check_key(key)
+        best: Optional[tuple[int, Entry]] = None
+        for position, key in enumerate(keys, start=1):
+            entry = self._entries.get(key)
+            if entry is not None and entry.complete and (best is None or entry.tokens >= best[1].tokens):
+                best = (position, entry)
+        return best
+
+    def peek(self, keys: Sequence[str]) -> PrefixMatch:
+        """What `restoring` would match among ``keys`` now (not a use, nothing pinned)."""
+        with self._lock:
+            best = self._best(keys)
+            return PrefixMatch() if best is None else PrefixMatch(best[0], best[1].key, best[1].tokens)
+
     @contextmanager
     def restoring(self, keys: Sequence[str]) -> Iterator[Restore]:
         """The longest complete entry among ``keys`` (the caller's keys in prompt order;
         the most tokens wins, the later key on a tie), pinned and made the most recent for
         the duration: copy ``Restore.state`` into a slot inside the ``with``."""
-        for key in keys:
-            _check_key(key)
         with self._lock:
-            best: Optional[tuple[int, Entry]] = None
-            for position, key in enumerate(keys, start=1):
-                entry = self._entries.get(key)
-                if entry is not None and entry.complete and (best is None or entry.tokens >= best[1].tokens):
-                    best = (position, entry)
+            best = self._best(keys)
             if best is None:
                 held = Restore(PrefixMatch(), None)
             else:

@@ -589,6 +589,23 @@ class ServerCore:
                     raise
             return slots, held.match
 
+    def prefix_peek(self, prefix: Sequence[str]) -> PrefixMatch:
+        """What `alloc_prefix` would match among ``prefix`` now (read inline; not a use)."""
+        return self.prefix_cache.peek(prefix)
+
+    async def prefix_state(self, key: str) -> tuple[torch.Tensor, int]:
+        """The complete entry ``key``'s state [L, HV, V, K] (a host copy) and tokens, for a
+        restore elsewhere (another shard); a use. UnknownPrefix (404) when there is none."""
+        def read() -> Optional[tuple[torch.Tensor, int]]:
+            with self.prefix_cache.restoring([key]) as held:
+                return None if held.state is None else (held.state.cpu().clone(), held.match.tokens)
+        found = await self.worker.run(read) if key_problem(key) is None else None
+        if found is None:
+            raise UnknownPrefix(key)
+        self.metrics.prefix_hits.inc()
+        self.metrics.prefix_hit_tokens.inc(found[1])
+        return found
+
     async def publish(self, slot_id: str, key: str) -> PrefixInfo:
         """The slot's state (every layer, equal token counts) as the complete prefix cache
         entry ``key``, replacing any entry of that key, once the work queued on the slot
