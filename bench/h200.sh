@@ -45,6 +45,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     transport) run_step "$name" "$limit" python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3 ;;
     # the transactional launch's row copies and finite check against the kernel, 8x4096 H32 (goal < 3%)
     transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-variants, cuda-ipc, transport, transaction)"; exit 2 ;;
+    # prefix cache: checkpoints every 1024 tokens at 8x4096 H32 (goal <= 5%), 48-layer restores (docs/PREFIX_CACHE.md)
+    prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-variants, cuda-ipc, transport, transaction, prefix-cache)"; exit 2 ;;
     esac
 done

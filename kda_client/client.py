@@ -55,7 +55,7 @@ from service.wire.state import decode_state_json, decode_state_safetensors, enco
 from service.wire.tensors import tensor_to_json
 
 __all__ = [
-    "KDAClient", "AsyncKDAClient", "PrefillOutput", "SequenceInput",
+    "KDAClient", "AsyncKDAClient", "PrefillOutput", "PrefixAlloc", "SequenceInput",
     "KDAError", "BadRequest", "Unauthorized", "SlotNotFound", "ServiceUnavailable", "PoolFullError", "ServerError",
 ]
 
@@ -93,7 +93,8 @@ class Unauthorized(KDAError):
 
 
 class SlotNotFound(KDAError):
-    """404: the slot id was never issued, was freed, or expired."""
+    """404: the slot id was never issued, was freed, or expired (or, for the prefix
+    routes, the prefix cache holds no entry of that key)."""
 
 
 class ServiceUnavailable(KDAError):
@@ -149,6 +150,18 @@ class PrefillOutput:
     @property
     def o(self) -> list[torch.Tensor]:
         return list(self.o_packed.split(self.lengths))
+
+
+@dataclass
+class PrefixAlloc:
+    """What `alloc` with a prefix gives: the new ``slots`` and the entry they start from:
+    ``matched`` (1-based position among the keys sent, 0 for none), its ``key`` (None) and
+    its ``tokens`` per layer (0)."""
+
+    slots: list[str]
+    matched: int
+    key: Optional[str]
+    tokens: int
 
 
 # -- calls: what to send and how to read the answer, shared by both clients --------------
@@ -213,14 +226,22 @@ def _read_state(headers: httpx.Headers, body: bytearray) -> torch.Tensor:
 def _prefill_options(
     layer: int, sequences: Sequence[SequenceInput], *, lower_bound: Optional[float], use_qk_l2norm: bool,
     use_beta_sigmoid: bool, allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
+    checkpoints: Optional[Sequence[Sequence[tuple[int, str]]]] = None,
 ) -> tuple[list[Optional[str]], dict[str, list[torch.Tensor]], list[int], dict[str, Any]]:
     """(slots, each tensor's per-sequence parts, lengths, the request options) of a prefill."""
     if not sequences:
         raise ValueError("prefill needs at least one sequence")
     slots, parts = split_sequences(sequences, REQUIRED_TENSORS)
     lengths = [int(q.shape[0]) for q in parts["q"]]
+    specs: list[dict[str, Any]] = [{"slot": s, "length": n} for s, n in zip(slots, lengths)]
+    if checkpoints is not None:
+        if len(checkpoints) != len(specs):
+            raise ValueError(f"checkpoints needs one list per sequence ({len(specs)}), got {len(checkpoints)}")
+        for spec, marks in zip(specs, checkpoints):
+            if marks:
+                spec["checkpoints"] = [{"offset": int(offset), "key": key} for offset, key in marks]
     options: dict[str, Any] = {
-        "layer": layer, "sequences": [{"slot": s, "length": n} for s, n in zip(slots, lengths)],
+        "layer": layer, "sequences": specs,
         "use_qk_l2norm": use_qk_l2norm, "use_beta_sigmoid": use_beta_sigmoid,
         "allow_neg_eigval": allow_neg_eigval, "return_final_state": return_final_state,
     }
@@ -259,10 +280,12 @@ def _shm_prefill(
     arena: Arena, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor],
     dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
     allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
+    checkpoints: Optional[Sequence[Sequence[tuple[int, str]]]] = None,
 ) -> _ShmPrefill:
     _, parts, lengths, options = _prefill_options(
         layer, sequences, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
-        allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state)
+        allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state,
+        checkpoints=checkpoints)
     tensors = {**parts, **{name: [t] for name, t in (("A_log", A_log), ("dt_bias", dt_bias)) if t is not None}}
     places, need = arena.layout(tensors, lengths, return_final_state)
     return _ShmPrefill(tensors, places, need, options, lengths)
@@ -272,10 +295,12 @@ def _prefill_call(
     media: str, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor],
     dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
     allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
+    checkpoints: Optional[Sequence[Sequence[tuple[int, str]]]] = None,
 ) -> _Call[PrefillOutput]:
     slots, parts, lengths, options = _prefill_options(
         layer, sequences, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
-        allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state)
+        allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state,
+        checkpoints=checkpoints)
     extra = {name: t for name, t in (("A_log", A_log), ("dt_bias", dt_bias)) if t is not None}
     if media == SAFETENSORS:  # sent as the header and views of the tensors' own bytes: no copy, no join
         body: Body = safetensors_pieces({**parts, **extra}, {"request": json.dumps(options)})
@@ -299,6 +324,21 @@ class _Calls:
 
     def alloc(self, count: int) -> _Call[list[str]]:
         return _Call("POST", "/slots", lambda h, b: _json(h, b)["slots"], json.dumps({"count": count}).encode())
+
+    def alloc_prefix(self, count: int, prefix: Sequence[str]) -> _Call[PrefixAlloc]:
+        def parse(h: httpx.Headers, b: bytearray) -> PrefixAlloc:
+            doc = _json(h, b)
+            return PrefixAlloc(doc["slots"], **doc["prefix"])
+        return _Call("POST", "/slots", parse, json.dumps({"count": count, "prefix": list(prefix)}).encode())
+
+    def publish(self, slot: str, key: str) -> _Call[dict[str, Any]]:
+        return _Call("POST", f"/slots/{_q(slot)}/publish", _json, json.dumps({"key": key}).encode())
+
+    def prefix_info(self, key: str) -> _Call[dict[str, Any]]:
+        return _Call("GET", f"/prefix/{_q(key)}", _json)
+
+    def drop_prefix(self, key: str) -> _Call[None]:
+        return _Call("DELETE", f"/prefix/{_q(key)}", _nothing)
 
     def free(self, slot: str) -> _Call[None]:
         return _Call("DELETE", f"/slots/{_q(slot)}", _nothing)
@@ -391,9 +431,26 @@ class KDAClient:
         _raise_for(r.status_code, r.headers, body)
         return call.parse(r.headers, body)
 
-    def alloc(self, count: int = 1) -> list[str]:
-        """``count`` new slots with zero state, all or none (PoolFullError when short)."""
+    def alloc(self, count: int = 1, prefix: Optional[Sequence[str]] = None) -> Union[list[str], PrefixAlloc]:
+        """``count`` new slots with zero state, all or none (PoolFullError when short). With
+        ``prefix`` (prefix cache keys in prompt order) they start from the longest complete
+        entry among them, and a `PrefixAlloc` says which."""
+        if prefix is not None:
+            return self._run(self._calls.alloc_prefix(count, prefix))
         return self._run(self._calls.alloc(count))
+
+    def publish(self, slot: str, key: str) -> dict[str, Any]:
+        """Store ``slot``'s state (every layer, equal token counts) as the prefix cache entry
+        ``key``; returns the entry (key, tokens, layers, complete, bytes, tier, last_used)."""
+        return self._run(self._calls.publish(slot, key))
+
+    def prefix_info(self, key: str) -> dict[str, Any]:
+        """The prefix cache entry ``key`` (SlotNotFound, 404, when there is none)."""
+        return self._run(self._calls.prefix_info(key))
+
+    def drop_prefix(self, key: str) -> None:
+        """Remove the prefix cache entry ``key`` (SlotNotFound, 404, when there is none)."""
+        self._run(self._calls.drop_prefix(key))
 
     def free(self, slot: str) -> None:
         self._run(self._calls.free(slot))
@@ -429,14 +486,17 @@ class KDAClient:
         self, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor] = None,
         dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None, use_qk_l2norm: bool = False,
         use_beta_sigmoid: bool = False, allow_neg_eigval: bool = False, scale: Optional[float] = None,
-        return_final_state: bool = True,
+        return_final_state: bool = True, checkpoints: Optional[Sequence[Sequence[tuple[int, str]]]] = None,
     ) -> PrefillOutput:
         """Prefill ``sequences`` on ``layer``, each ``(slot or None, q, k, v, g, beta)``; see
         the module docstring. g is the log decay unless a gate applies (A_log or
-        lower_bound here, or the server's gate parameters for the layer)."""
+        lower_bound here, or the server's gate parameters for the layer).
+        ``checkpoints``: per sequence, ``(offset, key)`` pairs: store the slot's state at
+        ``offset`` tokens of this layer (its tokens before plus a multiple of 64 into the
+        sequence, or the sequence's end) in the prefix cache under ``key``."""
         options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
-                       return_final_state=return_final_state)
+                       return_final_state=return_final_state, checkpoints=checkpoints)
         arena = self._arena
         if arena is None:
             return self._run(self._calls.prefill(layer, sequences, **options))
@@ -505,8 +565,19 @@ class AsyncKDAClient:
         _raise_for(r.status_code, r.headers, body)
         return call.parse(r.headers, body)
 
-    async def alloc(self, count: int = 1) -> list[str]:
+    async def alloc(self, count: int = 1, prefix: Optional[Sequence[str]] = None) -> Union[list[str], PrefixAlloc]:
+        if prefix is not None:
+            return await self._run(self._calls.alloc_prefix(count, prefix))
         return await self._run(self._calls.alloc(count))
+
+    async def publish(self, slot: str, key: str) -> dict[str, Any]:
+        return await self._run(self._calls.publish(slot, key))
+
+    async def prefix_info(self, key: str) -> dict[str, Any]:
+        return await self._run(self._calls.prefix_info(key))
+
+    async def drop_prefix(self, key: str) -> None:
+        await self._run(self._calls.drop_prefix(key))
 
     async def free(self, slot: str) -> None:
         await self._run(self._calls.free(slot))
@@ -536,11 +607,11 @@ class AsyncKDAClient:
         self, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor] = None,
         dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None, use_qk_l2norm: bool = False,
         use_beta_sigmoid: bool = False, allow_neg_eigval: bool = False, scale: Optional[float] = None,
-        return_final_state: bool = True,
+        return_final_state: bool = True, checkpoints: Optional[Sequence[Sequence[tuple[int, str]]]] = None,
     ) -> PrefillOutput:
         options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
-                       return_final_state=return_final_state)
+                       return_final_state=return_final_state, checkpoints=checkpoints)
         arena = self._arena
         if arena is None:
             return await self._run(self._calls.prefill(layer, sequences, **options))

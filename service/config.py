@@ -76,6 +76,11 @@ class Settings:
     max_shm_mb: float = _opt(32768.0, "most bytes of system shared memory regions mapped at a time, in MiB")
     self_test_fault: Optional[str] = _opt(None, "testing only: corrupt o of the self-test path of this name, "
                                                 "to prove a mismatch keeps the server unready")
+    # -- prefix cache (docs/PREFIX_CACHE.md) ------------------------------------------
+    prefix_cache_mb: float = _opt(1024.0, "device memory for prefix cache entries, in MiB, allocated as entries "
+                                          "arrive (0: the cache is off)")
+    prefix_cache_host_mb: float = _opt(0.0, "pinned host memory that device entries are moved to instead of "
+                                            "dropped, in MiB (0: none)")
 
     def __post_init__(self) -> None:
         problems = []
@@ -108,6 +113,9 @@ class Settings:
         for name in ("body_deadline_s", "header_timeout_s", "max_header_kb", "first_request_timeout_s", "max_shm_mb"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("prefix_cache_mb", "prefix_cache_host_mb"):
+            if not getattr(self, name) >= 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_shm_regions < 0:
             problems.append(f"max_shm_regions must be >= 0, got {self.max_shm_regions}")
         if self.slot_ttl_s is not None and not self.slot_ttl_s > 0:
@@ -133,6 +141,14 @@ class Settings:
     @property
     def max_shm_bytes(self) -> int:
         return int(self.max_shm_mb * (1 << 20))
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return int(self.prefix_cache_mb * (1 << 20))
+
+    @property
+    def prefix_cache_host_bytes(self) -> int:
+        return int(self.prefix_cache_host_mb * (1 << 20))
 
     @property
     def torch_state_dtype(self) -> torch.dtype:

@@ -110,3 +110,38 @@ class SharedMemoryUnavailable(ServiceError):
     status = 404
     slug = "shared-memory-unavailable"
     title = "No shared memory on this deployment"
+
+
+class UnknownPrefix(ServiceError):
+    """No prefix cache entry has this key (never stored, dropped, or evicted)."""
+
+    status = 404
+    slug = "unknown-prefix"
+    title = "Unknown prefix key"
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no prefix cache entry {key!r} (never stored, deleted, or evicted)", field="key")
+
+
+class PrefixCacheOff(ServiceError):
+    """The server keeps no prefix cache (``--prefix-cache-mb 0``), so nothing can be stored."""
+
+    status = 409
+    slug = "prefix-cache-off"
+    title = "Prefix cache off"
+
+
+class PrefixConflict(ServiceError):
+    """A slot cannot be published as it is: its layers hold different token counts."""
+
+    status = 409
+    slug = "prefix-conflict"
+    title = "Slot cannot be published"
+
+
+class PrefixTooLarge(ServiceError):
+    """An entry fits in neither tier's budget, or every entry in the way is being restored."""
+
+    status = 507
+    slug = "prefix-cache-full"
+    title = "Prefix cache has no room"

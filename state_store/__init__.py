@@ -3,12 +3,15 @@ slot ids, with fork, export/import, snapshot/restore and idle expiry. Knows noth
 
 `StatePool` owns the tensor [L, S, HV, V, K]; `SlotOrdering` orders asyncio work per
 (slot, layer); `Persistence` adds periodic snapshots and a journal of the slots changed
-since the latest one, for restarts after a crash. Every error is a `PoolError`.
+since the latest one, for restarts after a crash; `PrefixCache` keeps slot states under
+callers' keys (device and pinned host tiers, LRU within byte budgets) to start new slots
+from. Every error is a `PoolError`.
 """
 from .errors import GeometryMismatch, PoolError, PoolFull, SnapshotError, UnknownSlot
 from .geometry import PoolGeometry
 from .ordering import SlotOrdering
 from .persistence import Persistence, RestoreReport
+from .prefix_cache import PrefixCache, PrefixInfo, PrefixMatch, TierStats, key_problem
 from .pool import StatePool
 from .records import PoolStats, SlotInfo
 
@@ -20,6 +23,11 @@ __all__ = [
     "SlotOrdering",
     "Persistence",
     "RestoreReport",
+    "PrefixCache",
+    "PrefixInfo",
+    "PrefixMatch",
+    "TierStats",
+    "key_problem",
     "PoolError",
     "PoolFull",
     "UnknownSlot",

@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
-from .errors import SnapshotError
+from . import prefix_snapshot
+from .errors import GeometryMismatch, SnapshotError
 from .pool import StatePool
+from .prefix_cache import PrefixCache
 from .snapshot import PathLike, Stamp, fsync_directory
 
 JOURNAL_SUFFIX = ".journal"
@@ -74,7 +76,9 @@ class RestoreReport:
     snapshot that advanced after it, now flagged ``state_lost``; ``gone``: slots that
     advanced after the snapshot but are not in it (created later), now unknown;
     ``refreed``: slots freed after the snapshot, freed again; ``journal_intact``: False when
-    the journal could not be trusted and every restored slot was flagged lost."""
+    the journal could not be trusted and every restored slot was flagged lost;
+    ``prefix_entries``: prefix cache entries restored; ``prefix_problem``: why the prefix
+    cache file could not be used (the cache then starts empty), or None."""
 
     stamp: Optional[Stamp]
     restored: int
@@ -82,6 +86,8 @@ class RestoreReport:
     gone: list[str]
     refreed: list[str]
     journal_intact: bool
+    prefix_entries: int = 0
+    prefix_problem: Optional[str] = None
 
     def describe(self) -> str:
         """One log line."""
@@ -100,6 +106,10 @@ class RestoreReport:
             parts.append(f"{len(self.gone)} slot(s) created after the snapshot are lost (now unknown): {self.gone}")
         if self.refreed:
             parts.append(f"{len(self.refreed)} slot(s) freed after the snapshot were freed again")
+        if self.prefix_entries:
+            parts.append(f"{self.prefix_entries} prefix cache entr(y/ies) restored")
+        if self.prefix_problem:
+            parts.append(f"the prefix cache starts empty: {self.prefix_problem}")
         return "; ".join(parts)
 
 
@@ -148,10 +158,15 @@ class Persistence:
     the next generation. Every method holds the pool's lock; call them from the thread that
     changes the pool (the service's device thread), so an announcement and its change are
     never separated by a snapshot.
+
+    With a ``prefix_cache``, every snapshot also writes its entries to ``path + ".prefix"``
+    (`state_store.prefix_snapshot`) and `restore` loads them; a prefix file that cannot be
+    used leaves the cache empty (entries are a cache: the slots do not depend on them).
     """
 
-    def __init__(self, pool: StatePool, path: PathLike) -> None:
+    def __init__(self, pool: StatePool, path: PathLike, prefix_cache: Optional[PrefixCache] = None) -> None:
         self._pool = pool
+        self._prefix_cache = prefix_cache
         self._path = os.fspath(path)
         self._journal_path = self._path + JOURNAL_SUFFIX
         self._fd: Optional[int] = None
@@ -190,10 +205,27 @@ class Persistence:
             self._generation = 0 if stamp is None else stamp.generation
             journal = read_journal(self._journal_path)
             report = self._apply(stamp, journal)
+            report = self._restore_prefix_cache(report)
             self._open_journal()
             if not journal.empty:
                 self.snapshot()
             return report
+
+    @property
+    def prefix_path(self) -> str:
+        """Where the prefix cache's entries are saved beside the snapshot."""
+        return self._path + prefix_snapshot.SUFFIX
+
+    def _restore_prefix_cache(self, report: RestoreReport) -> RestoreReport:
+        cache = self._prefix_cache
+        if cache is None or not os.path.exists(self.prefix_path):
+            return report
+        try:
+            loaded = prefix_snapshot.read(self.prefix_path, self._pool.geometry)
+        except (SnapshotError, GeometryMismatch) as exc:
+            return replace(report, prefix_problem=str(exc))
+        cache.replace_all(loaded)
+        return replace(report, prefix_entries=len(cache.keys()))
 
     def _apply(self, stamp: Optional[Stamp], journal: JournalContents) -> RestoreReport:
         live = set(self._pool.slot_ids())
@@ -229,6 +261,8 @@ class Persistence:
         with self._pool.lock:
             generation = self._generation + 1
             self._pool.snapshot(self._path, generation)
+            if self._prefix_cache is not None:
+                prefix_snapshot.write(self.prefix_path, self._prefix_cache)
             self._generation = generation
             self._advanced.clear()
             self._changed = False

@@ -11,11 +11,11 @@ sharded core `service.ray_serve.errors`); the problem+json handlers render each 
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
-from state_store import PoolGeometry, SlotInfo
+from state_store import PoolGeometry, PrefixInfo, PrefixMatch, SlotInfo
 
 from .inputs import PrefillInputs, PrefillResult
 from .metrics import Metrics
@@ -60,6 +60,23 @@ class CoreAPI(Protocol):
 
     async def put_state(self, slot_id: str, state: torch.Tensor) -> None:
         """Replace the slot's state with ``state`` [L, HV, V, K] (pool dtype, finite)."""
+        ...
+
+    async def alloc_prefix(self, prefix: Sequence[str], count: int = 1) -> tuple[list[str], PrefixMatch]:
+        """``count`` new slots holding the longest complete prefix cache entry among the keys
+        ``prefix`` (zero state when none matches), and the match."""
+        ...
+
+    async def publish(self, slot_id: str, key: str) -> PrefixInfo:
+        """The slot's state (all layers, equal token counts) as the complete entry ``key``."""
+        ...
+
+    async def prefix_info(self, key: str) -> PrefixInfo:
+        """The prefix cache entry ``key`` (UnknownPrefix when there is none)."""
+        ...
+
+    async def drop_prefix(self, key: str) -> None:
+        """Remove the prefix cache entry ``key`` (UnknownPrefix when there is none)."""
         ...
 
     async def prefill(self, inputs: PrefillInputs) -> PrefillResult:

@@ -42,6 +42,15 @@ class PrefillParams:
 PARAM_NAMES = tuple(f.name for f in dataclasses.fields(PrefillParams))
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """Store the state of a sequence's slot at ``offset`` (its tokens in the request's layer:
+    those before the request plus those into the sequence) in the prefix cache under ``key``."""
+
+    offset: int
+    key: str
+
+
 @dataclass
 class PrefillInputs:
     """One prefill request: a batch of sequences on one layer, tensors packed along tokens
@@ -54,7 +63,8 @@ class PrefillInputs:
     shared memory). A_log: [HV]; dt_bias: [HV, K] or [HV * K] (on the host).
     ``slots[n]`` is sequence n's slot id, or None to allocate a new slot for it.
     ``device_outputs``: o and final_state stay on the pool's device (results written into
-    shared memory from there) instead of coming to the host.
+    shared memory from there) instead of coming to the host. ``checkpoints[n]``: sequence
+    n's `Checkpoint`s (empty lists, or an empty list for none at all).
     Nothing here is checked yet: see `service.core.validation`. Build one with `of`.
     """
 
@@ -69,15 +79,23 @@ class PrefillInputs:
     A_log: Optional[torch.Tensor] = None
     dt_bias: Optional[torch.Tensor] = None
     device_outputs: bool = False
+    checkpoints: list[list[Checkpoint]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, params: PrefillParams, slots: Sequence[Optional[str]], lengths: Sequence[int],
-           tensors: Mapping[str, torch.Tensor], device_outputs: bool = False) -> "PrefillInputs":
+           tensors: Mapping[str, torch.Tensor], device_outputs: bool = False,
+           checkpoints: Optional[Sequence[Sequence[Checkpoint]]] = None) -> "PrefillInputs":
         """The prefill of ``tensors`` by name: every one of `REQUIRED_TENSORS`, and those of
-        `OPTIONAL_TENSORS` the request gives (a missing one is None)."""
+        `OPTIONAL_TENSORS` the request gives (a missing one is None); ``checkpoints`` per
+        sequence, or None for none."""
         return cls(params=params, slots=list(slots), lengths=list(lengths),
                    **{name: tensors[name] for name in REQUIRED_TENSORS},
-                   **{name: tensors.get(name) for name in OPTIONAL_TENSORS}, device_outputs=device_outputs)
+                   **{name: tensors.get(name) for name in OPTIONAL_TENSORS}, device_outputs=device_outputs,
+                   checkpoints=[list(c) for c in checkpoints] if checkpoints else [])
+
+    def checkpoint_list(self) -> list[list[Checkpoint]]:
+        """``checkpoints`` with one (possibly empty) list per sequence."""
+        return self.checkpoints if self.checkpoints else [[] for _ in self.lengths]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors given, by name, in `TENSORS` order (absent optional ones left out)."""

@@ -14,7 +14,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from state_store import PoolStats
+from state_store import PoolStats, TierStats
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -55,9 +55,10 @@ class _PoolGauges(Collector):
 class Metrics:
     """The server's metrics: HTTP requests and errors by route and status, requests in
     flight, gRPC requests by method and status, prefill tokens, launch sizes, time queued
-    before a launch and time in the kernel, free slots, expired slots, abandoned responses
-    and snapshots, and the process's collectors. A core with a pool adds its gauges and
-    build information (`add_pool`)."""
+    before a launch and time in the kernel, free slots, expired slots, abandoned responses,
+    snapshots, the prefix cache's hits, misses, hit tokens, evictions, entries and bytes per
+    tier, and the process's collectors. A core with a pool adds its gauges and build
+    information (`add_pool`)."""
 
     def __init__(self, free_slots: Callable[[], float]) -> None:
         self.registry = r = CollectorRegistry()
@@ -95,6 +96,16 @@ class Metrics:
         self.free_slots.set_function(free_slots)
         self.in_flight = Gauge("kda_http_requests_in_flight", "HTTP requests received and not yet answered in full",
                                registry=r)
+        self.prefix_hits = Counter("kda_prefix_hits", "Slot allocations with a prefix that matched an entry", registry=r)
+        self.prefix_misses = Counter("kda_prefix_misses", "Slot allocations with a prefix that matched none",
+                                     registry=r)
+        self.prefix_hit_tokens = Counter("kda_prefix_hit_tokens", "Tokens per layer restored from prefix entries, "
+                                         "summed over the slots restored", registry=r)
+        self.prefix_evictions = Counter("kda_prefix_evictions", "Prefix entries that left a tier for lack of room "
+                                        "(device: moved to the host tier or dropped; host: dropped)", ["tier"],
+                                        registry=r)
+        self.prefix_entries = Gauge("kda_prefix_entries", "Prefix cache entries held, by tier", ["tier"], registry=r)
+        self.prefix_bytes = Gauge("kda_prefix_bytes", "Bytes of prefix cache entries, by tier", ["tier"], registry=r)
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -105,6 +116,13 @@ class Metrics:
         self.registry.register(_PoolGauges(stats))
         Info("kda_build", "kda-serve version, kernel backend, device and triton version", registry=self.registry
              ).info(dict(build))
+
+    def watch_prefix_cache(self, stats: Callable[[], Mapping[str, TierStats]]) -> None:
+        """Read the prefix cache's entries and bytes per tier from ``stats`` at each scrape."""
+        for tier in ("device", "host"):
+            self.prefix_entries.labels(tier).set_function(lambda tier=tier: stats()[tier].entries)
+            self.prefix_bytes.labels(tier).set_function(lambda tier=tier: stats()[tier].bytes)
+            self.prefix_evictions.labels(tier)  # present at 0 before the first eviction
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

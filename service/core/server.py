@@ -35,17 +35,21 @@ import logging
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 import kernels
 from kernels.problem import packed_problem
-from state_store import Persistence, PoolStats, SlotInfo, SlotOrdering, SnapshotError, StatePool, UnknownSlot
+from state_store import (
+    Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, SlotInfo, SlotOrdering, SnapshotError, StatePool,
+    UnknownSlot, key_problem,
+)
 
 from .batcher import Batcher
 from ..config import Settings
-from ..errors import InvalidRequest, NotReady, StateLost
+from ..errors import InvalidRequest, NotReady, PrefixCacheOff, PrefixConflict, PrefixTooLarge, StateLost, UnknownPrefix
+from .checkpoints import Planned, check_checkpoint_keys, plan_checkpoints
 from .gate_params import Gate, load_gate_params
 from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics, build_info
@@ -61,11 +65,13 @@ _WARMUP_LENGTHS = (1, 67)  # the one-token (recurrent) path and two chunks of th
 
 @dataclass
 class _Job:
-    """One validated prefill in the batcher: its slots (all ids now) and those it created."""
+    """One validated prefill in the batcher: its slots (all ids now), those it created, and
+    its checkpoints (positions in its own packed tokens)."""
 
     valid: ValidPrefill
     slots: list[str]
     allocated: list[str]
+    checkpoints: list[Planned]
 
 
 class ServerCore:
@@ -92,9 +98,13 @@ class ServerCore:
         self._self_test_fault = settings.self_test_fault
         self.snapshot_path = settings.snapshot_path
         self.snapshot_interval_s = settings.snapshot_interval_s
-        self.persistence = Persistence(self.pool, settings.snapshot_path) if settings.snapshot_path else None
         self.metrics = Metrics(free_slots=lambda: self.pool.stats().free)
         self.metrics.add_pool(self.stats, build_info(self.backend, self.geometry.device))
+        self.prefix_cache = PrefixCache(self.geometry, settings.prefix_cache_bytes, settings.prefix_cache_host_bytes,
+                                        on_evict=lambda tier: self.metrics.prefix_evictions.labels(tier).inc())
+        self.metrics.watch_prefix_cache(self.prefix_cache.stats)
+        self.persistence = (Persistence(self.pool, settings.snapshot_path, prefix_cache=self.prefix_cache)
+                            if settings.snapshot_path else None)
         self._snapshot_task: Optional[asyncio.Task[None]] = None
         self._checkpoint_hooks: list[Callable[[], None]] = []
         self._not_ready: Optional[str] = "warming the kernels"  # why `check_ready` refuses; None once ready
@@ -379,6 +389,7 @@ class ServerCore:
         start = time.perf_counter()
         valid = await off_loop(validate_prefill, inputs, self.geometry, self.gates, nbytes=size)
         validate_s = time.perf_counter() - start
+        check_checkpoint_keys(inputs, self.prefix_cache.enabled)
         named = [slot_id for slot_id in inputs.slots if slot_id is not None]
         for slot_id in named:
             if not self.pool.contains(slot_id):
@@ -386,18 +397,27 @@ class ServerCore:
         for slot_id in named:
             if self.pool.slot_info(slot_id).state_lost:
                 raise StateLost(slot_id)
+        if inputs.checkpoints:  # refused before anything is allocated; checked again once the slots are held
+            plan_checkpoints(inputs, self._tokens_before(inputs.slots, inputs.params.layer))
         count = inputs.slots.count(None)
         created = await self.worker.run(self._alloc, count) if count else []
         try:
             fresh = iter(created)
             slots = [s if s is not None else next(fresh) for s in inputs.slots]
             async with self.ordering.hold([(s, inputs.params.layer) for s in slots]):
-                result = await self.batcher.submit(valid.batch_key, valid.tokens, _Job(valid, slots, created))
+                planned = (plan_checkpoints(inputs, self._tokens_before(slots, inputs.params.layer))
+                           if inputs.checkpoints else [])
+                job = _Job(valid, slots, created, planned)
+                result = await self.batcher.submit(valid.batch_key, valid.tokens, job)
                 return dataclasses.replace(result, validate_s=validate_s)
         except BaseException:
             if created:
                 await self.worker.run(self._free_all, created)
             raise
+
+    def _tokens_before(self, slots: Sequence[Optional[str]], layer: int) -> list[int]:
+        """Each slot's tokens on ``layer`` (0 for a slot still to be allocated)."""
+        return [0 if s is None else self.pool.slot_info(s).tokens_per_layer[layer] for s in slots]
 
     def _free_all(self, slot_ids: Sequence[str]) -> None:
         for slot_id in slot_ids:
@@ -475,14 +495,20 @@ class ServerCore:
         staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in REQUIRED_TENSORS])
         transaction = LaunchTransaction(  # the rows as they are, to restore
             pool_layer, indices, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs])
+        positions, starts = [], list(itertools.accumulate((job.valid.tokens for job in jobs[:-1]), initial=0))
+        for job, start_t in zip(jobs, starts):
+            positions.extend(start_t + pos for pos, _, _ in job.checkpoints)
         try:
+            marks = (torch.empty((len(positions), *pool_layer.shape[1:]), dtype=pool_layer.dtype, device=device)
+                     if positions else None)  # written by the launch itself (kernels.checkpoints)
             q, k, v, g, beta = staged or [packed(name) for name in REQUIRED_TENSORS]
             problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
                 q, k, v, g, beta, bounds=[0, *itertools.accumulate(lengths)], pool=pool_layer, indices=indices,
                 scale=x.scale, A_log=None if gate.A_log is None else gate.A_log.to(device),
                 dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device), lower_bound=gate.lower_bound,
                 use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
-                allow_neg_eigval=x.allow_neg_eigval, nonfinite=transaction.flags,
+                allow_neg_eigval=x.allow_neg_eigval, checkpoint_tokens=tuple(positions), checkpoint_states=marks,
+                nonfinite=transaction.flags,
             )
             o, _ = kernels.run_problem(problem, self.backend)
             refused = transaction.settle(o)  # diverged requests rolled back (an async failure shows here)
@@ -493,6 +519,8 @@ class ServerCore:
                 torch.cuda.current_stream(device).synchronize()  # or here; results complete before any response
         except Exception as e:
             raise transaction.abort(e, lambda: self.pool.mark_lost(slots)) from e
+        if marks is not None:
+            self._store_checkpoints(jobs, refused, layer, marks)
         kernel_s = time.perf_counter() - start
         self.metrics.batch_sequences.observe(len(lengths))
         self.metrics.batch_tokens.observe(sum(lengths))
@@ -515,3 +543,114 @@ class ServerCore:
                                              kernel_s))
             t0, n0 = t1, n1
         return results
+
+    def _store_checkpoints(self, jobs: list[_Job], refused: Mapping[int, Exception], layer: int, marks: torch.Tensor) -> None:
+        """The launch's checkpoint states ``marks`` [C, HV, V, K] into the prefix cache, as
+        layer ``layer`` of their entries, but those of jobs rolled back (``refused``)."""
+        row = 0
+        for j, job in enumerate(jobs):
+            for _, key, offset in job.checkpoints:
+                if j not in refused:
+                    self.prefix_cache.store_layer(key, offset, layer, marks[row])
+                row += 1
+        if self.persistence is not None:
+            self.persistence.note_change()
+
+    # -- prefix cache ------------------------------------------------------------------
+
+    async def alloc_prefix(self, prefix: Sequence[str], count: int = 1) -> tuple[list[str], PrefixMatch]:
+        """``count`` new slots holding the longest complete prefix cache entry among the keys
+        ``prefix`` (in prompt order) in every layer, counting its tokens per layer; zero
+        state when none matches. All or none (PoolFull when short). Returns the slots and
+        the match."""
+        if not 1 <= count <= self.geometry.num_slots:
+            raise InvalidRequest(f"count must be in 1..{self.geometry.num_slots} (the pool's slots), got {count}",
+                                 field="count")
+        for i, key in enumerate(prefix):
+            if (why := key_problem(key)) is not None:
+                raise InvalidRequest(why, field=f"prefix[{i}]")
+        slots, match = await self.worker.run(self._alloc_prefix, list(prefix), count)
+        if match.matched:
+            self.metrics.prefix_hits.inc()
+            self.metrics.prefix_hit_tokens.inc(match.tokens * count)
+        else:
+            self.metrics.prefix_misses.inc()
+        return slots, match
+
+    def _alloc_prefix(self, prefix: list[str], count: int) -> tuple[list[str], PrefixMatch]:
+        with self.prefix_cache.restoring(prefix) as held:
+            slots = self._alloc(count)
+            if held.state is not None:
+                try:
+                    for slot_id in slots:
+                        self.pool.write_state(slot_id, held.state)
+                        for layer in range(self.geometry.num_layers):
+                            self.pool.record_tokens(slot_id, layer, held.match.tokens)
+                except BaseException:
+                    self._free_all(slots)
+                    raise
+            return slots, held.match
+
+    def prefix_peek(self, prefix: Sequence[str]) -> PrefixMatch:
+        """What `alloc_prefix` would match among ``prefix`` now (read inline; not a use)."""
+        return self.prefix_cache.peek(prefix)
+
+    async def prefix_state(self, key: str) -> tuple[torch.Tensor, int]:
+        """The complete entry ``key``'s state [L, HV, V, K] (a host copy) and tokens, for a
+        restore elsewhere (another shard); a use. UnknownPrefix (404) when there is none."""
+        def read() -> Optional[tuple[torch.Tensor, int]]:
+            with self.prefix_cache.restoring([key]) as held:
+                return None if held.state is None else (held.state.cpu().clone(), held.match.tokens)
+        found = await self.worker.run(read) if key_problem(key) is None else None
+        if found is None:
+            raise UnknownPrefix(key)
+        self.metrics.prefix_hits.inc()
+        self.metrics.prefix_hit_tokens.inc(found[1])
+        return found
+
+    async def publish(self, slot_id: str, key: str) -> PrefixInfo:
+        """The slot's state (every layer, equal token counts) as the complete prefix cache
+        entry ``key``, replacing any entry of that key, once the work queued on the slot
+        before this call is done. PrefixCacheOff (409) without a cache, PrefixConflict (409)
+        for unequal counts, StateLost (409), PrefixTooLarge (507) when it finds no room."""
+        if (why := key_problem(key)) is not None:
+            raise InvalidRequest(why, field="key")
+        if not self.prefix_cache.enabled:
+            raise PrefixCacheOff("this server keeps no prefix cache (--prefix-cache-mb 0)", field="key")
+        async with self.ordering.hold(self._all_layers(slot_id)):
+            return await self.worker.run(self._publish, slot_id, key)
+
+    def _publish(self, slot_id: str, key: str) -> PrefixInfo:
+        info = self.pool.slot_info(slot_id)
+        if info.state_lost:
+            raise StateLost(slot_id)
+        counts = set(info.tokens_per_layer)
+        if len(counts) != 1:
+            raise PrefixConflict(f"slot {slot_id!r} holds unequal token counts per layer {info.tokens_per_layer}; "
+                                 "an entry holds one offset in every layer", field="slot")
+        (row,) = self.pool.rows([slot_id])
+        published = self.prefix_cache.publish(key, counts.pop(), self.pool.tensor[:, row])
+        if published is None:
+            raise PrefixTooLarge(f"an entry of {self.prefix_cache.entry_bytes} bytes finds no room in the prefix "
+                                 f"cache's budgets (or every entry in the way is being restored)", field="key")
+        if self.persistence is not None:
+            self.persistence.note_change()
+        return published
+
+    async def prefix_info(self, key: str) -> PrefixInfo:
+        """The entry ``key`` (UnknownPrefix, 404, when there is none); not a use."""
+        info = self.prefix_cache.info(key) if key_problem(key) is None else None
+        if info is None:
+            raise UnknownPrefix(key)
+        return info
+
+    async def drop_prefix(self, key: str) -> None:
+        """Remove the entry ``key`` (UnknownPrefix, 404, when there is none)."""
+        if key_problem(key) is not None or not await self.worker.run(self._drop_prefix, key):
+            raise UnknownPrefix(key)
+
+    def _drop_prefix(self, key: str) -> bool:
+        dropped = self.prefix_cache.drop(key)
+        if dropped and self.persistence is not None:
+            self.persistence.note_change()
+        return dropped

@@ -240,7 +240,8 @@ def prefill_inputs(request: ParsedRequest, tensors: Mapping[str, torch.Tensor], 
     shared memory on a GPU server)."""
     q = tensors["q"]
     params = dataclasses.replace(request.options.prefill, return_final_state=request.wants_final_state)
-    return PrefillInputs.of(params, [slot], [q.shape[0] if q.dim() else 0], tensors, device_outputs)
+    checkpoints = [list(request.options.checkpoints)] if request.options.checkpoints else None
+    return PrefillInputs.of(params, [slot], [q.shape[0] if q.dim() else 0], tensors, device_outputs, checkpoints)
 
 
 def plan_outputs(request: ParsedRequest, o_dtype: torch.dtype, o_nbytes: int, state_dtype: torch.dtype,

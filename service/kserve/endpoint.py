@@ -89,7 +89,12 @@ class KServeEndpoint:
             if result.final_state is not None:
                 produced["final_state"] = result.final_state[0]
             outputs = {spec.name: produced[spec.name] for spec in request.outputs}
-            reply = Reply(outputs, {} if outcome.slot is None else {"slot": outcome.slot})
+            parameters: dict[str, Union[str, int]] = {} if outcome.slot is None else {"slot": outcome.slot}
+            if outcome.match is not None:
+                parameters.update(prefix_matched=outcome.match.matched, prefix_tokens=outcome.match.tokens)
+                if outcome.match.key is not None:
+                    parameters["prefix_key"] = outcome.match.key
+            reply = Reply(outputs, parameters)
             await off_loop(write_shm_outputs, request, outputs, regions, nbytes=reply.nbytes)
         return reply
 

@@ -3,7 +3,8 @@
 same validation, ordering and batching as ``/prefill``), and the slot's fate afterwards.
 
 - ``sequence_id`` with ``sequence_start``: a new slot, bound to the id once the prefill
-  succeeded. A START for a live id runs on a new slot too; the old one is freed after that
+  succeeded; with ``prefix``, the slot starts from the longest complete prefix cache entry
+  among its keys (`ServerCore.alloc_prefix`) and is freed again if the prefill fails. A START for a live id runs on a new slot too; the old one is freed after that
   succeeded, and the log says so (a warning).
 - ``sequence_id`` alone: the bound slot; an id that is unknown, ended, or whose slot
   expired or was freed is refused (400) with Triton's "must specify the START flag".
@@ -20,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from state_store import UnknownSlot
+from state_store import PrefixMatch, UnknownSlot
 
 from ..core.server import ServerCore
 from ..errors import InvalidRequest
@@ -33,11 +34,13 @@ log = logging.getLogger("kda_serve.kserve")
 
 @dataclass(frozen=True)
 class Outcome:
-    """The prefill's result, and the slot that holds the sequence's state afterwards (None
-    when it was freed: an ended sequence or a request outside any sequence)."""
+    """The prefill's result, the slot that holds the sequence's state afterwards (None
+    when it was freed: an ended sequence or a request outside any sequence), and what a
+    ``prefix`` matched (None without one)."""
 
     result: PrefillResult
     slot: Optional[str]
+    match: Optional[PrefixMatch] = None
 
 
 def must_start(sequence: SequenceId, model: str, why: str = "") -> InvalidRequest:
@@ -70,7 +73,20 @@ async def run(core: ServerCore, table: SequenceTable, model: str, options: Infer
             table.unbind(sequence)
             log.info("sequence %r: its slot %s expired or was freed; forgotten", sequence, bound)
             bound = None
-        if options.start:
+        match = None
+        if options.start and options.prefix is not None:
+            (slot,), match = await core.alloc_prefix(options.prefix)
+            try:
+                result = await core.prefill(inputs(slot))
+            except BaseException:
+                await _free(core, slot)
+                raise
+            if bound is not None:
+                log.warning("sequence %r: sequence_start for a live sequence; its slot %s is replaced by %s "
+                            "(the old state is dropped)", sequence, bound, slot)
+                await _free(core, bound)
+            table.bind(sequence, slot)
+        elif options.start:
             result = await core.prefill(inputs(None))
             slot = result.slots[0]
             if bound is not None:
@@ -88,7 +104,7 @@ async def run(core: ServerCore, table: SequenceTable, model: str, options: Infer
                 raise must_start(sequence, model, " (its slot expired or was freed)") from None
             slot = bound
         if not options.end:
-            return Outcome(result, slot)
+            return Outcome(result, slot, match)
         table.unbind(sequence)
         await _free(core, slot)
-        return Outcome(result, None)
+        return Outcome(result, None, match)

@@ -6,16 +6,20 @@ instead: ``slot``. Prefill options as on ``/prefill``: each field of
 `service.core.inputs.PrefillParams` (``layer``, default 0, ``lower_bound``, ``scale``,
 ``use_qk_l2norm``, ``use_beta_sigmoid``, ``allow_neg_eigval``) but ``return_final_state``,
 which the outputs requested decide. Binary tensor data: ``binary_data_output`` (over gRPC
-outputs are always raw bytes, so only true is taken there). Any other name is refused, so a
-typo never runs with a default.
+outputs are always raw bytes, so only true is taken there). The prefix cache
+(docs/PREFIX_CACHE.md): ``checkpoints``, a JSON string ``[{"offset": n, "key": "..."}, ...]``
+for the request's sequence, as on ``/prefill``; ``prefix``, a JSON string of keys in prompt
+order, with ``sequence_start`` only: the new slot starts from the longest complete entry
+among them. Any other name is refused, so a typo never runs with a default.
 """
 from __future__ import annotations
 
+import json
 import typing
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from ..core.inputs import PARAM_NAMES, PrefillParams
+from ..core.inputs import PARAM_NAMES, Checkpoint, PrefillParams
 from ..errors import InvalidRequest
 from .protocol import Parameters, ParameterValue
 
@@ -25,7 +29,8 @@ SequenceId = Union[int, str]
 UINT64_MAX = (1 << 64) - 1
 SEQUENCE_ID_MAX_CHARS = 256
 PREFILL_PARAMETERS = tuple(name for name in PARAM_NAMES if name != "return_final_state")  # outputs decide it
-KNOWN = ("sequence_id", "sequence_start", "sequence_end", "slot", *PREFILL_PARAMETERS, "binary_data_output")
+KNOWN = ("sequence_id", "sequence_start", "sequence_end", "slot", *PREFILL_PARAMETERS, "binary_data_output",
+         "checkpoints", "prefix")
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class InferOptions:
     slot: Optional[str] = None
     prefill: PrefillParams = field(default_factory=PrefillParams)
     binary_data_output: bool = False
+    checkpoints: tuple[Checkpoint, ...] = ()
+    prefix: Optional[tuple[str, ...]] = None
 
 
 def _fail(name: str, detail: str) -> InvalidRequest:
@@ -100,6 +107,41 @@ def _slot(params: Parameters) -> Optional[str]:
     return value
 
 
+def _json_param(params: Parameters, name: str) -> object:
+    value = params[name]
+    if type(value) is not str:
+        raise _fail(name, f"{name} must be a JSON string, got a {_type_name(value)}")
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise _fail(name, f"{name} is not valid JSON: {e}") from None
+
+
+def _checkpoints(params: Parameters) -> tuple[Checkpoint, ...]:
+    if "checkpoints" not in params:
+        return ()
+    doc = _json_param(params, "checkpoints")
+    shape = 'checkpoints must be a JSON list of {"offset": integer, "key": string}'
+    if not isinstance(doc, list):
+        raise _fail("checkpoints", shape)
+    marks = []
+    for item in doc:
+        if (not isinstance(item, dict) or set(item) != {"offset", "key"} or type(item["offset"]) is not int
+                or type(item["key"]) is not str):
+            raise _fail("checkpoints", f"{shape}, got {json.dumps(item)[:200]}")
+        marks.append(Checkpoint(item["offset"], item["key"]))
+    return tuple(marks)
+
+
+def _prefix(params: Parameters) -> Optional[tuple[str, ...]]:
+    if "prefix" not in params:
+        return None
+    doc = _json_param(params, "prefix")
+    if not isinstance(doc, list) or not all(type(k) is str for k in doc):
+        raise _fail("prefix", "prefix must be a JSON list of key strings")
+    return tuple(doc)
+
+
 def parse_options(params: Parameters) -> InferOptions:
     """`InferOptions` from a request's ``parameters``; InvalidRequest (400) naming the
     parameter for an unknown name, a wrong type, START/END without a sequence id, or both
@@ -114,7 +156,11 @@ def parse_options(params: Parameters) -> InferOptions:
         slot=_slot(params),
         prefill=_prefill(params),
         binary_data_output=_bool(params, "binary_data_output"),
+        checkpoints=_checkpoints(params),
+        prefix=_prefix(params),
     )
+    if options.prefix is not None and not options.start:
+        raise _fail("prefix", "prefix needs sequence_start: only a new sequence's slot starts from a cached prefix")
     if options.sequence is None and (options.start or options.end):
         flag = "sequence_start" if options.start else "sequence_end"
         raise _fail(flag, f"{flag} needs a non-zero (or non-empty) sequence_id")

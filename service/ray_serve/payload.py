@@ -9,13 +9,13 @@ hence the byte view. Everything else in these records is small metadata.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 
-from service.core.inputs import PrefillInputs, PrefillParams
+from service.core.inputs import Checkpoint, PrefillInputs, PrefillParams
 from service.wire.tensors import JSON_DTYPES, JSON_NAMES
 from tensor_io.views import tensor_bytes
 
@@ -54,10 +54,12 @@ class ShardPrefill:
     lengths: list[int]
     params: PrefillParams
     tensors: dict[str, Array]
+    checkpoints: list[list[Checkpoint]] = field(default_factory=list)
 
     def inputs(self, slots: list[Optional[str]]) -> PrefillInputs:
         """The prefill on the shard's own slot tokens ``slots``, over the received bytes."""
-        return PrefillInputs.of(self.params, slots, self.lengths, {n: a.tensor() for n, a in self.tensors.items()})
+        return PrefillInputs.of(self.params, slots, self.lengths, {n: a.tensor() for n, a in self.tensors.items()},
+                                checkpoints=self.checkpoints or None)
 
 
 @dataclass(frozen=True)

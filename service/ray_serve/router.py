@@ -33,19 +33,21 @@ import numpy as np
 import torch
 
 from service.config import Settings
-from service.errors import InvalidRequest, NotReady
+from service.errors import InvalidRequest, NotReady, ServiceError, UnknownPrefix
 from service.core.gate_params import Gate, load_gate_params
 from service.core.inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from service.core.metrics import Metrics
 from service.core.validation import validate_prefill
 from service.core.worker import off_loop
-from state_store import GeometryMismatch, PoolFull, PoolGeometry, SlotInfo, UnknownSlot
+from state_store import (
+    GeometryMismatch, PoolError, PoolFull, PoolGeometry, PrefixInfo, PrefixMatch, SlotInfo, UnknownSlot, key_problem,
+)
 
 from .errors import SlotGone, SlotMoving, UnknownShard
 from .ids import parse_slot_id
 from .links import DirectoryLink, ShardLink, ShardUnavailable
 from .metrics import merge_metrics
-from .payload import Array, ShardPrefill, ShardResult, ShardStatus, TakeFailed
+from .payload import Array, ShardPrefill, ShardResult, ShardStatus, SlotCargo, TakeFailed
 
 log = logging.getLogger("kda_serve.ray.router")
 STATUS_TIMEOUT_S = 5.0
@@ -312,6 +314,71 @@ class ShardedCore:
 
     # -- prefill -----------------------------------------------------------------------
 
+    # -- prefix cache --------------------------------------------------------------------
+
+    async def _each_shard(self, method: str, *args: Any) -> dict[str, Any]:
+        """``method(*args)`` on every shard: its value or the exception, by shard."""
+        names = list(self.shards)
+        replies = await asyncio.gather(*(self.shards[n].call(method, *args) for n in names), return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException) and not isinstance(reply, (ServiceError, PoolError)):
+                raise reply
+        return dict(zip(names, replies))
+
+    async def alloc_prefix(self, prefix: Sequence[str], count: int = 1) -> tuple[list[str], PrefixMatch]:
+        """``count`` new slots from the longest complete entry among ``prefix`` on any shard:
+        on the entry's shard when it has room for them all, else its bytes are read from
+        there (`ShardServer.prefix_state`) and restored into slots placed as `alloc` places
+        them. Zero state when nothing matches (a shard that does not answer has no match)."""
+        for i, key in enumerate(prefix):
+            if (why := key_problem(key)) is not None:
+                raise InvalidRequest(why, field=f"prefix[{i}]")
+        peeks = {shard: m for shard, m in (await self._each_shard("prefix_peek", list(prefix))).items()
+                 if isinstance(m, PrefixMatch) and m.matched}
+        if not peeks:
+            slots = await self.alloc(count)
+            self.metrics.prefix_misses.inc()
+            return slots, PrefixMatch()
+        shard, match = max(peeks.items(), key=lambda item: (item[1].tokens, item[1].matched))
+        if (await self._free_slots()).get(shard, 0) >= count:
+            slots, got = await self.shards[shard].call("alloc_prefix", list(prefix), count)
+            self._placed(shard, count)
+            return slots, got
+        assert match.key is not None
+        state, tokens = await self.shards[shard].call("prefix_state", match.key)
+        cargo = SlotCargo(state, [tokens] * self.geometry.num_layers, False)
+        plan = await self._plan(count)
+        replies = await asyncio.gather(*(self.shards[s].call("put", cargo) for s, n in plan.items() for _ in range(n)),
+                                       return_exceptions=True)
+        ids = [r for r in replies if isinstance(r, str)]
+        failures = [r for r in replies if isinstance(r, BaseException) or isinstance(r, TakeFailed)]
+        if failures:
+            await self._free_quietly(ids)
+            raise failures[0] if isinstance(failures[0], BaseException) else failures[0].fault.error()
+        return ids, PrefixMatch(match.matched, match.key, tokens)
+
+    async def publish(self, slot_id: str, key: str) -> PrefixInfo:
+        """The slot's state as the entry ``key`` on the slot's shard; an entry of that key on
+        any other shard is dropped, so a key lives on one shard."""
+        info: PrefixInfo = await self._on_slot(slot_id, "publish", key)
+        home = self._shard_of(self._current(slot_id))
+        others = [n for n in self.shards if n != home]
+        await asyncio.gather(*(self.shards[n].call("drop_prefix", key) for n in others), return_exceptions=True)
+        return info
+
+    async def prefix_info(self, key: str) -> PrefixInfo:
+        """The entry ``key`` from the shard that holds it (UnknownPrefix when none does)."""
+        found = [r for r in (await self._each_shard("prefix_info", key)).values() if isinstance(r, PrefixInfo)]
+        if not found:
+            raise UnknownPrefix(key)
+        return max(found, key=lambda info: info.last_used)
+
+    async def drop_prefix(self, key: str) -> None:
+        """Remove the entry ``key`` wherever it lives (UnknownPrefix when nowhere)."""
+        replies = await self._each_shard("drop_prefix", key)
+        if all(isinstance(r, BaseException) for r in replies.values()):
+            raise UnknownPrefix(key)
+
     async def prefill(self, inputs: PrefillInputs) -> PrefillResult:
         """Validate whole, then run on the shards holding the slots (see the module docstring).
         The result's kernel_s is the longest launch among the shards that ran it."""
@@ -388,8 +455,9 @@ class ShardedCore:
         def pick(name: str, t: torch.Tensor) -> Array:  # the part's tokens of a packed tensor; gate tensors whole
             return Array.of(t if whole or name not in REQUIRED_TENSORS else _rows(t, bounds))
 
+        marks = [list(x.checkpoint_list()[i]) for i in part.indices] if x.checkpoints else []
         return ShardPrefill(part.slots, [x.lengths[i] for i in part.indices], x.params,
-                            {name: pick(name, t) for name, t in x.tensors().items()})
+                            {name: pick(name, t) for name, t in x.tensors().items()}, marks)
 
     @staticmethod
     def _nbytes(x: PrefillInputs) -> int:

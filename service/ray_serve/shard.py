@@ -30,7 +30,7 @@ import numpy as np
 from service.config import Settings
 from service.core.server import ServerCore
 from service.errors import ServiceError
-from state_store import PoolError, SlotInfo, UnknownSlot
+from state_store import PoolError, PrefixInfo, PrefixMatch, SlotInfo, UnknownSlot
 
 from .errors import ShardFault, SlotGone, SlotMoving
 from .ids import SlotName, check_shard_name, parse_slot_id
@@ -237,6 +237,37 @@ class ShardServer:
             o=Array.of(result.o), final_state=None if result.final_state is None else Array.of(result.final_state),
             allocated=[issued[token] for token in result.allocated], kernel_s=result.kernel_s,
         )
+
+    # -- prefix cache: entries live on the shard whose prefill or publish stored them ---
+
+    @_faults
+    async def prefix_peek(self, prefix: list[str]) -> PrefixMatch:
+        return self.core.prefix_peek(prefix)
+
+    @_faults
+    async def alloc_prefix(self, prefix: list[str], count: int) -> tuple[list[str], PrefixMatch]:
+        tokens, match = await self.core.alloc_prefix(prefix, count)
+        return [self._issue(token) for token in tokens], match
+
+    @_faults
+    async def prefix_state(self, key: str) -> tuple[Array, int]:
+        """An entry's bytes, for a restore on another shard."""
+        state, tokens = await self.core.prefix_state(key)
+        return Array.of(state), tokens
+
+    @_faults
+    async def publish(self, slot_id: str, key: str) -> PrefixInfo:
+        token, ids = self._one(slot_id)
+        async with self._using(ids):
+            return await self.core.publish(token, key)
+
+    @_faults
+    async def prefix_info(self, key: str) -> PrefixInfo:
+        return await self.core.prefix_info(key)
+
+    @_faults
+    async def drop_prefix(self, key: str) -> None:
+        await self.core.drop_prefix(key)
 
     # -- moves -------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ import torch
 
 from ..errors import MalformedBody, SchemaError
 from ..core.inputs import (
-    OPTIONAL_TENSORS, PARAM_NAMES, REQUIRED_TENSORS, TENSORS, PrefillInputs, PrefillParams, PrefillResult,
+    OPTIONAL_TENSORS, PARAM_NAMES, REQUIRED_TENSORS, TENSORS, Checkpoint, PrefillInputs, PrefillParams,
+    PrefillResult,
 )
 from .media import JSON
 from .safetensors_codec import parse_safetensors, safetensors_pieces
@@ -30,8 +31,9 @@ def prefill_inputs_of(options: PrefillOptions, tensors: Mapping[str, torch.Tenso
     """The prefill a request document (JSON, safetensors metadata, shared memory) asks for,
     over ``tensors`` by name (`PrefillInputs.of`)."""
     params = PrefillParams(**{name: getattr(options, name) for name in PARAM_NAMES})
+    checkpoints = [[Checkpoint(c.offset, c.key) for c in s.checkpoints] for s in options.sequences]
     return PrefillInputs.of(params, [s.slot for s in options.sequences], [s.length for s in options.sequences],
-                            tensors, device_outputs)
+                            tensors, device_outputs, checkpoints if any(checkpoints) else None)
 
 
 def decode_prefill_json(body: bytes | bytearray) -> PrefillInputs:

@@ -60,12 +60,21 @@ class JSONTensor(BaseModel):
         return tensor_from_json(self.dtype, self.shape, self.data, field=field)
 
 
+class CheckpointSpec(BaseModel):
+    model_config = _STRICT
+    offset: int = Field(description="the slot's tokens in this layer at the checkpoint: its tokens before the "
+                                    "request plus a multiple of 64 into the sequence, or the sequence's end")
+    key: str = Field(description="the prefix cache key to store the state under (1..128 characters)")
+
+
 class SequenceSpec(BaseModel):
     model_config = _STRICT
     slot: Optional[Annotated[str, Field(min_length=1, max_length=SLOT_ID_MAX)]] = Field(
         description="the sequence's slot id, or null to allocate a new slot for it"
     )
     length: int = Field(description="tokens of this sequence in the packed tensors (>= 1)")
+    checkpoints: list[CheckpointSpec] = Field(default_factory=list, description="states of this sequence to "
+                                              "store in the prefix cache (docs/PREFIX_CACHE.md)")
 
 
 class PrefillOptions(BaseModel):
@@ -109,10 +118,34 @@ class StateJSON(BaseModel):
 class AllocRequest(BaseModel):
     model_config = _STRICT
     count: int = Field(1, ge=1, description="slots to allocate, all or none")
+    prefix: Optional[list[str]] = Field(None, description="prefix cache keys in prompt order: the new slots start "
+                                        "from the longest complete entry among them")
+
+
+class PrefixMatchJSON(BaseModel):
+    matched: int = Field(description="1-based position of the matched key among those given (0: none)")
+    key: Optional[str]
+    tokens: int = Field(description="tokens per layer the new slots hold")
 
 
 class SlotsCreated(BaseModel):
     slots: list[str]
+    prefix: Optional[PrefixMatchJSON] = Field(None, description="with a prefix in the request: what it matched")
+
+
+class PublishRequest(BaseModel):
+    model_config = _STRICT
+    key: str = Field(description="the prefix cache key (1..128 characters)")
+
+
+class PrefixEntryJSON(BaseModel):
+    key: str
+    tokens: int = Field(description="tokens per layer of the stored states")
+    layers: int = Field(description="layers stored (complete: all of num_layers)")
+    complete: bool
+    bytes: int
+    tier: Literal["device", "host"]
+    last_used: float = Field(description="unix seconds")
 
 
 class Forked(BaseModel):

@@ -208,6 +208,45 @@ def test_metrics_label_each_shard(cluster: Cluster) -> None:
     assert "kda_http_requests_total" in text
 
 
+def test_prefix_entries_live_on_one_shard_and_restore_anywhere(cluster: Cluster, client: KDAClient,
+                                                               gen: torch.Generator) -> None:
+    """Checkpoints through a split prefill land on the slots' shards; a restore on the
+    entry's shard runs there, one that does not fit there moves the entry's bytes; publish,
+    info and delete reach the shard that holds the key."""
+    a, b = on_both(client, cluster)
+    seqs = [[make_sequence(64, gen) for _ in range(2)] for _ in range(LAYERS)]
+    for layer in range(LAYERS):
+        client.prefill(layer, [(a, *seqs[layer][0]), (b, *seqs[layer][1])],
+                       checkpoints=[[(64, "ray.a")], [(64, "ray.b")]])
+    states = {"ray.a": client.get_state(a), "ray.b": client.get_state(b)}
+    assert client.prefix_info("ray.a")["complete"] and client.prefix_info("ray.b")["complete"]
+
+    here = client.alloc(prefix=["ray.a"])
+    assert (here.matched, here.tokens, shard_of(here.slots[0])) == (1, 64, shard_of(a))
+    assert torch.equal(client.get_state(here.slots[0]), states["ray.a"])
+    client.free(here.slots[0])
+
+    free = {r["shard"]: r["free_slots"] for r in httpx.get(f"{cluster.url}/shards").json()["shards"]}
+    count = free[shard_of(a)] + 1  # more than the entry's shard holds: its bytes move
+    moved = client.alloc(count, prefix=["ray.a"])
+    assert moved.tokens == 64 and len(moved.slots) == count
+    assert any(shard_of(s) != shard_of(a) for s in moved.slots)
+    for s in moved.slots:
+        assert torch.equal(client.get_state(s), states["ray.a"])
+        assert client.slot_info(s)["tokens_per_layer"] == [64] * LAYERS
+        client.free(s)
+
+    client.publish(b, "ray.a")  # re-published from the other shard: one entry of the key remains
+    got = client.alloc(prefix=["ray.a"])
+    assert shard_of(got.slots[0]) != shard_of(a)  # b lives on the other shard (moved there: its id names its first)
+    assert torch.equal(client.get_state(got.slots[0]), states["ray.b"])
+    client.drop_prefix("ray.a")
+    with pytest.raises(SlotNotFound):
+        client.prefix_info("ray.a")
+    for s in (a, b, got.slots[0]):
+        client.free(s)
+
+
 def test_a_dead_shard_loses_only_its_slots(cluster: Cluster, client: KDAClient, gen: torch.Generator) -> None:
     a, b = on_both(client, cluster)
     x = make_sequence(8, gen)

@@ -18,7 +18,8 @@ REST = {
     ("GET", "/slots/{slot_id}/state"), ("PUT", "/slots/{slot_id}/state"), ("POST", "/prefill"),
     ("POST", "/shm/regions"), ("GET", "/shm/regions"), ("GET", "/shm/regions/{name}"),
     ("DELETE", "/shm/regions/{name}"), ("GET", "/info"), ("GET", "/metrics"), ("GET", "/health/live"),
-    ("GET", "/health/ready"),
+    ("GET", "/health/ready"), ("POST", "/slots/{slot_id}/publish"), ("GET", "/prefix/{key:path}"),
+    ("DELETE", "/prefix/{key:path}"),
 }
 
 
@@ -45,8 +46,9 @@ def test_the_single_app_serves_the_rest_routes_from_their_one_module() -> None:
 
 
 def test_server_core_implements_the_core_protocol() -> None:
-    assert core_api_methods() == ["alloc", "check_ready", "export_state", "fork", "free", "get_state", "info",
-                                  "prefill", "put_state", "render_metrics", "slot_info"]
+    assert core_api_methods() == ["alloc", "alloc_prefix", "check_ready", "drop_prefix", "export_state", "fork",
+                                  "free", "get_state", "info", "prefill", "prefix_info", "publish", "put_state",
+                                  "render_metrics", "slot_info"]
     assert_implements_core_api(ServerCore)
     core = ServerCore(SETTINGS)
     try:

@@ -7,6 +7,8 @@ once, in the module of its concern:
 - `state`: GET/PUT /slots/{id}/state;
 - `prefill`: POST /prefill (JSON, safetensors, shared memory by reference);
 - `regions`: POST/GET /shm/regions, GET/DELETE /shm/regions/{name};
+- `prefix`: POST /slots/{id}/publish, GET/DELETE /prefix/{key} (POST /slots with a prefix is
+  the slot route's);
 - `status`: GET /info, GET /metrics, GET /health/live, GET /health/ready.
 
 What a deployment cannot do is refused by the shared route itself, never by a second
@@ -24,6 +26,7 @@ from ...core.api import CoreAPI
 from ...shm.registry import ShmRegistry
 from ..abandon import Abandonment
 from .prefill import add_prefill_route
+from .prefix import add_prefix_routes
 from .regions import add_region_routes
 from .slots import add_slot_routes
 from .state import add_state_routes
@@ -39,6 +42,7 @@ def rest_router(core: CoreAPI, regions: Optional[ShmRegistry] = None, server_can
     left = Abandonment(core.free, core.metrics.abandoned, missing=core.slot_missing, shield=server_cancels)
     add_slot_routes(router, core, left)
     add_state_routes(router, core)
+    add_prefix_routes(router, core)
     add_prefill_route(router, core, left, regions)
     add_region_routes(router, regions)
     add_status_routes(router, core)

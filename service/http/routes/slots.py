@@ -1,4 +1,5 @@
-"""``POST /slots``, ``GET``/``DELETE /slots/{id}``, ``POST /slots/{id}/fork``.
+"""``POST /slots`` (with ``prefix``: restored from the prefix cache), ``GET``/``DELETE
+/slots/{id}``, ``POST /slots/{id}/fork``.
 
 The two routes that create slots hand their ids to the client only in the response: when
 the client has left by then, the slots are freed again (499), and a cancelled request
@@ -14,16 +15,22 @@ from ...core.api import CoreAPI
 from ...wire.schema import AllocRequest, Forked, SlotMetadata, SlotsCreated
 from ..abandon import Abandonment
 from ..openapi import error_responses
+from .prefix import match_json
 
 
 def add_slot_routes(router: APIRouter, core: CoreAPI, left: Abandonment) -> None:
     """The slot routes on ``core``; ``left`` frees what a departed client's request made."""
 
-    @router.post("/slots", status_code=201, response_model=SlotsCreated,
-                 responses=error_responses(400, 408, 413, 422, 503), summary="Allocate slots (zero state), all or none")
+    @router.post("/slots", status_code=201, response_model=SlotsCreated, response_model_exclude_unset=True,
+                 responses=error_responses(400, 408, 413, 422, 503),
+                 summary="Allocate slots, all or none: zero state, or the longest prefix cache entry of `prefix`")
     async def alloc(request: Request, body: Optional[AllocRequest] = None) -> Any:
-        slots = await left.made(core.alloc(body.count if body is not None else 1), list)
-        return await left.check(request, slots) or {"slots": slots}
+        count = body.count if body is not None else 1
+        if body is None or body.prefix is None:
+            slots = await left.made(core.alloc(count), list)
+            return await left.check(request, slots) or {"slots": slots}
+        slots, match = await left.made(core.alloc_prefix(body.prefix, count), lambda made: made[0])
+        return await left.check(request, slots) or {"slots": slots, "prefix": match_json(match)}
 
     @router.get("/slots/{slot_id}", response_model=SlotMetadata, responses=error_responses(404),
                 summary="Slot metadata")

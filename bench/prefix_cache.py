@@ -1,0 +1,162 @@
+"""What the prefix cache costs (docs/PREFIX_CACHE.md), in one run.
+
+1. Checkpoints: the server's launch (`packed_problem` + `kernels.run_problem`, serving config
+   as bench/transaction.py: bf16 inputs, H = HV = 32, K = V = 128, lower-bound gate, fused
+   l2norm and beta sigmoid, an fp32 pool) of 8 x 4096 tokens, plain against the same launch
+   writing a checkpoint every 1024 tokens of every sequence (32 states) into its buffer and
+   storing each into a `PrefixCache` entry, as `ServerCore._store_checkpoints` does. Goal:
+   at most 5% more (medians of CUDA-event times, interleaved).
+2. Restore: a 48-layer entry ([48, 32, 128, 128] fp32, 96 MiB) into a pool slot, as
+   `ServerCore._alloc_prefix` does (`StatePool.alloc` + `write_state` inside
+   `PrefixCache.restoring`), from the device tier (goal: <= 0.2 ms) and from the pinned host
+   tier (goal: <= the PCIe time of its bytes + 0.2 ms, the PCIe time measured as a plain
+   pinned-to-device copy of the same bytes). Wall time with a synchronization, medians.
+
+Usage (GPU machine): ``python bench/prefix_cache.py`` [--reps 30] [--layers 48]. On a CPU
+(``--device cpu --case 2x256 --heads 4 --layers 4``) it runs the torch backend, a smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels.problem import packed_problem  # noqa: E402
+from state_store import PrefixCache, StatePool  # noqa: E402
+
+K = V = 128
+LOWER_BOUND = -5.0
+EVERY = 1024
+
+
+def make_case(n_seq: int, length: int, heads: int, device: torch.device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    T = n_seq * length
+
+    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    return dict(
+        q=randn(T, heads, K), k=randn(T, heads, K), v=randn(T, heads, V), g=randn(T, heads, K),
+        beta=randn(T, heads), A_log=torch.rand(heads, generator=gen, device=device),
+        dt_bias=2.0 * randn(heads, K, dtype=torch.float32) - 3.0, bounds=list(range(0, T + 1, length)),
+        pool=0.1 * randn(n_seq, heads, V, K, dtype=torch.float32),
+        idx=torch.arange(n_seq, device=device),
+        positions=tuple(s * length + j for s in range(n_seq) for j in range(min(EVERY, length), length + 1,
+                                                                              min(EVERY, length))),
+    )
+
+
+def launch(c: dict, backend: str, marks: torch.Tensor | None) -> None:
+    problem = packed_problem(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], bounds=c["bounds"], pool=c["pool"], indices=c["idx"],
+        scale=None, A_log=c["A_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND, use_qk_l2norm=True,
+        use_beta_sigmoid=True, allow_neg_eigval=False,
+        checkpoint_tokens=c["positions"] if marks is not None else (), checkpoint_states=marks,
+    )
+    kernels.run_problem(problem, backend)
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end)
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def wall_ms(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: str) -> None:
+    n_seq, length = map(int, args.case.split("x"))
+    c = make_case(n_seq, length, args.heads, device)
+    C = len(c["positions"])
+    marks = torch.empty((C, args.heads, V, K), dtype=torch.float32, device=device)
+    geometry = StatePool(1, 1, args.heads, K, V, device=device).geometry
+    cache = PrefixCache(geometry, (C + 1) * geometry.bytes_per_slot)
+
+    def with_checkpoints() -> None:
+        launch(c, backend, marks)
+        for row in range(C):
+            cache.store_layer(f"ck.{row}", c["positions"][row], 0, marks[row])
+
+    for _ in range(3):
+        launch(c, backend, None)
+        with_checkpoints()
+    plain, marked = [], []
+    for _ in range(args.reps):
+        plain.append(timed_ms(lambda: launch(c, backend, None), device))
+        marked.append(timed_ms(with_checkpoints, device))
+    p, m = statistics.median(plain), statistics.median(marked)
+    print(f"checkpoints {args.case} H{args.heads}, one every {EVERY} tokens ({C} states): plain {p:.3f} ms, "
+          f"with checkpoints stored {m:.3f} ms: +{100 * (m / p - 1):.2f}% (goal <= 5%)")
+
+
+def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
+    pool = StatePool(args.layers, 4, args.heads, K, V, device=device)
+    g = pool.geometry
+    nbytes = g.bytes_per_slot
+    cache = PrefixCache(g, nbytes, nbytes)
+    state = torch.randn(g.slot_shape, device=device)
+    cache.publish("host", 1024, state)
+    cache.publish("device", 1024, state)  # "host" moves to the host tier
+
+    def restore(key: str) -> None:
+        with cache.restoring([key]) as held:
+            (slot,) = pool.alloc(1)
+            pool.write_state(slot, held.state)
+        pool.free(slot)
+
+    pinned = torch.empty(g.slot_shape, pin_memory=device.type == "cuda")
+    target = torch.empty(g.slot_shape, device=device)
+    results = {}
+    for name, fn in (("device", lambda: restore("device")), ("host", lambda: restore("host")),
+                     ("pcie", lambda: target.copy_(pinned, non_blocking=True))):
+        for _ in range(3):
+            fn()
+        results[name] = statistics.median(wall_ms(fn, device) for _ in range(args.reps))
+    assert cache.info("host").tier == "host" and cache.info("device").tier == "device"
+    print(f"restore of a {args.layers}-layer entry ({nbytes / 2**20:.0f} MiB): device tier "
+          f"{results['device']:.3f} ms (goal <= 0.2 ms); host tier {results['host']:.3f} ms against PCIe "
+          f"{results['pcie']:.3f} ms ({nbytes / results['pcie'] / 1e6:.1f} GB/s): "
+          f"+{results['host'] - results['pcie']:.3f} ms (goal <= 0.2 ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--case", default="8x4096", help="N x T: sequences x tokens each")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    backend = kernels.default_backend(device)
+    torch.manual_seed(0)
+    bench_checkpoints(args, device, backend)
+    bench_restore(args, device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""``POST /slots/{id}/publish``, ``GET``/``DELETE /prefix/{key}``: the prefix cache
+(docs/PREFIX_CACHE.md). ``POST /slots`` with ``prefix`` (a restore) is the slot route's;
+checkpoints ride on ``POST /prefill`` sequences."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from ...core.api import CoreAPI
+from ...wire.schema import PrefixEntryJSON, PublishRequest
+from ..openapi import error_responses
+
+
+def entry_json(info: Any) -> dict[str, Any]:
+    """A `state_store.PrefixInfo` as the API's document."""
+    return {"key": info.key, "tokens": info.tokens, "layers": info.layers, "complete": info.complete,
+            "bytes": info.bytes, "tier": info.tier, "last_used": info.last_used}
+
+
+def match_json(match: Any) -> dict[str, Any]:
+    """A `state_store.PrefixMatch` as the API's document."""
+    return {"matched": match.matched, "key": match.key, "tokens": match.tokens}
+
+
+def add_prefix_routes(router: APIRouter, core: CoreAPI) -> None:
+    """The prefix cache routes on ``core``."""
+
+    @router.post("/slots/{slot_id}/publish", status_code=201, response_model=PrefixEntryJSON,
+                 responses=error_responses(400, 404, 409, 503, 507),
+                 summary="Store a slot's state (every layer, equal token counts) as a prefix cache entry")
+    async def publish(slot_id: str, body: PublishRequest) -> dict[str, Any]:
+        return entry_json(await core.publish(slot_id, body.key))
+
+    @router.get("/prefix/{key:path}", response_model=PrefixEntryJSON, responses=error_responses(404),
+                summary="A prefix cache entry's metadata")
+    async def prefix_info(key: str) -> dict[str, Any]:
+        return entry_json(await core.prefix_info(key))
+
+    @router.delete("/prefix/{key:path}", status_code=204, responses=error_responses(404),
+                   summary="Remove a prefix cache entry")
+    async def drop_prefix(key: str) -> Response:
+        await core.drop_prefix(key)
+        return Response(status_code=204)

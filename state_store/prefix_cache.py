@@ -1,0 +1,371 @@
+"""`PrefixCache`: slot states stored under the caller's keys, to start new slots from.
+
+An entry is one state per layer, ``[L, HV, V, K]`` in the pool's dtype, all at one token
+``offset`` (how many tokens of each layer it holds). It is filled a layer at a time (a
+prefill's checkpoint on one layer) or whole (a slot published); it is *complete* when
+every layer is stored, and only complete entries match (`restoring`). An entry is a copy:
+nothing that happens to a slot later changes it.
+
+Two tiers, each with a byte budget: entries live on the pool's device; when the device
+tier is over budget its least recently used entries move to pinned host memory (the host
+tier, when it has a budget) or are dropped, and the host tier drops its least recently
+used entries when over its own budget. An entry's bytes are those of its whole ``[L, ...]``
+tensor, allocated when its first layer arrives. Use (a store into it, a match) makes an
+entry the most recent. An entry being restored is pinned: no eviction moves or drops it.
+
+Keys are the caller's strings of 1..`KEY_MAX` characters; the cache never sees tokens.
+Every method holds the cache's lock; copies into slots happen outside it, under a pin.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from .geometry import PoolGeometry
+
+KEY_MAX = 128
+DEVICE, HOST = "device", "host"
+TIERS = (DEVICE, HOST)
+
+
+def key_problem(key: Any) -> Optional[str]:
+    """Why ``key`` cannot name an entry (a string of 1..`KEY_MAX` characters), or None."""
+    if not isinstance(key, str):
+        return f"a prefix key must be a string, got {type(key).__name__}"
+    if not 1 <= len(key) <= KEY_MAX:
+        return f"a prefix key must have 1..{KEY_MAX} characters, got {len(key)}"
+    return None
+
+
+def _check_key(key: Any) -> str:
+    if (why := key_problem(key)) is not None:
+        raise ValueError(why)
+    return key
+
+
+@dataclass(frozen=True)
+class PrefixInfo:
+    """One entry as the API shows it: ``layers`` stored of the pool's ``num_layers``,
+    ``bytes`` of its tensor, ``tier`` (device or host), ``last_used`` in unix seconds."""
+
+    key: str
+    tokens: int
+    layers: int
+    complete: bool
+    bytes: int
+    tier: str
+    last_used: float
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest complete entry among a caller's keys: ``matched`` is its 1-based
+    position among them (0: none), ``key`` its key (None), ``tokens`` its offset (0)."""
+
+    matched: int = 0
+    key: Optional[str] = None
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Entries and bytes held by one tier, and its budget in bytes."""
+
+    entries: int
+    bytes: int
+    budget: int
+
+
+@dataclass
+class Entry:
+    """A cache entry: ``state`` [L, HV, V, K] (pool dtype; on the device, or pinned host
+    memory in the host tier), the layers stored, the token offset, last use on the cache's
+    clock and how many restores hold it."""
+
+    key: str
+    tokens: int
+    state: torch.Tensor
+    have: list[bool]
+    tier: str
+    last_used: float
+    pins: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return all(self.have)
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.numel() * self.state.element_size()
+
+
+@dataclass(frozen=True)
+class Restore:
+    """A match held for copying: its `PrefixMatch` and the entry's state [L, HV, V, K]
+    (None when nothing matched). Valid only inside `PrefixCache.restoring`."""
+
+    match: PrefixMatch
+    state: Optional[torch.Tensor]
+    tier: Optional[str] = None
+
+
+@dataclass
+class _Counters:
+    evictions: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
+
+
+class PrefixCache:
+    """Entries for a pool of ``geometry`` within ``device_bytes`` on its device and
+    ``host_bytes`` of pinned host memory (pinned only when the device is a GPU).
+    ``device_bytes`` 0 turns the cache off (`enabled`); ``on_evict(tier)`` is called for
+    each entry leaving ``tier`` for lack of room (moved down or dropped)."""
+
+    def __init__(self, geometry: PoolGeometry, device_bytes: int, host_bytes: int = 0,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_evict: Optional[Callable[[str], None]] = None) -> None:
+        if device_bytes < 0 or host_bytes < 0:
+            raise ValueError(f"budgets must be >= 0 bytes, got device {device_bytes}, host {host_bytes}")
+        self._geometry = geometry
+        self._budget = {DEVICE: int(device_bytes), HOST: int(host_bytes) if device_bytes else 0}
+        self._clock = clock
+        self._wall_offset = time.time() - clock()
+        self._on_evict = on_evict
+        self._entries: "OrderedDict[str, Entry]" = OrderedDict()  # least recently used first
+        self._lock = threading.RLock()
+        self._counters = _Counters()
+
+    @property
+    def geometry(self) -> PoolGeometry:
+        return self._geometry
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the cache keeps anything (a device budget > 0)."""
+        return self._budget[DEVICE] > 0
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one entry: one slot's state over every layer."""
+        return self._geometry.bytes_per_slot
+
+    # -- storing ---------------------------------------------------------------------
+
+    def store_layer(self, key: str, tokens: int, layer: int, state: torch.Tensor) -> None:
+        """Store ``state`` [HV, V, K] (pool dtype, any device) as layer ``layer`` of the
+        entry ``key`` at offset ``tokens``. An entry of ``key`` at another offset is
+        replaced by a new one holding only this layer; at the same offset the layer is
+        (re)written. Raises ValueError for a bad key, layer, offset or state."""
+        g = self._geometry
+        _check_key(key)
+        if not 0 <= layer < g.num_layers:
+            raise ValueError(f"layer {layer} out of range: the pool has {g.num_layers} layers")
+        self._check_state(state, g.slot_shape[1:])
+        with self._lock:
+            entry = self._writable(key, _check_tokens(tokens))
+            if entry is None:
+                return
+            entry.state[layer].copy_(state)
+            entry.have[layer] = True
+
+    def publish(self, key: str, tokens: int, state: torch.Tensor) -> Optional[PrefixInfo]:
+        """Store ``state`` [L, HV, V, K] (pool dtype, any device) as the complete entry
+        ``key`` at offset ``tokens``, replacing any entry of that key. Returns its info, or
+        None when it fits in neither tier's budget (nothing is kept)."""
+        _check_key(key)
+        self._check_state(state, self._geometry.slot_shape)
+        with self._lock:
+            self._remove(key)
+            entry = self._writable(key, _check_tokens(tokens))
+            if entry is None:
+                return None
+            entry.state.copy_(state)
+            entry.have = [True] * self._geometry.num_layers
+            return self._info(entry)
+
+    def _writable(self, key: str, tokens: int) -> Optional[Entry]:
+        """The entry to write ``key`` at ``tokens`` into, made the most recent: the present
+        one when it is at that offset on the device and not being restored, else a new one
+        (a copy of the present one's layers when at the same offset). None when an entry
+        cannot fit in either tier."""
+        old = self._entries.get(key)
+        if old is not None and old.tokens == tokens and old.tier == DEVICE and not old.pins:
+            self._touch(old)
+            return old
+        if old is not None:
+            self._remove(key)
+        tier = next((t for t in TIERS if self._make_room(t, self.entry_bytes)), None)
+        if tier is None:
+            self._evicted(DEVICE)
+            return None
+        entry = Entry(key, tokens, self._new_tensor(tier), [False] * self._geometry.num_layers, tier, self._clock())
+        if old is not None and old.tokens == tokens:
+            entry.state.copy_(old.state)
+            entry.have = list(old.have)
+        self._entries[key] = entry
+        return entry
+
+    def _new_tensor(self, tier: str) -> torch.Tensor:
+        g = self._geometry
+        if tier == DEVICE:
+            return torch.empty(g.slot_shape, dtype=g.dtype, device=g.device)
+        return torch.empty(g.slot_shape, dtype=g.dtype, pin_memory=g.device.type == "cuda")
+
+    def _check_state(self, state: torch.Tensor, shape: tuple[int, ...]) -> None:
+        g = self._geometry
+        if not isinstance(state, torch.Tensor) or tuple(state.shape) != tuple(shape) or state.dtype != g.dtype:
+            got = f"{state.dtype}{list(state.shape)}" if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(f"a cached state must be {g.dtype_name}{list(shape)}, got {got}")
+
+    # -- budgets -----------------------------------------------------------------------
+
+    def _bytes(self, tier: str) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.tier == tier)
+
+    def _make_room(self, tier: str, incoming: int) -> bool:
+        """Evict least recently used, unpinned entries of ``tier`` until ``incoming`` more
+        bytes fit its budget (device entries move to the host tier when it can take them);
+        whether they fit. Pinned entries stay, so a tier full of them takes nothing."""
+        if incoming > self._budget[tier]:
+            return False
+        used = self._bytes(tier)
+        for entry in [e for e in self._entries.values() if e.tier == tier]:
+            if used + incoming <= self._budget[tier]:
+                break
+            if entry.pins:
+                continue
+            used -= entry.nbytes
+            self._evicted(tier)
+            if tier == DEVICE and self._make_room(HOST, entry.nbytes):
+                moved = self._new_tensor(HOST)
+                moved.copy_(entry.state)
+                entry.state, entry.tier = moved, HOST
+            else:
+                del self._entries[entry.key]
+        return used + incoming <= self._budget[tier]
+
+    def _evicted(self, tier: str) -> None:
+        self._counters.evictions[tier] += 1
+        if self._on_evict is not None:
+            self._on_evict(tier)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def _best(self, keys: Sequence[str]) -> Optional[tuple[int, Entry]]:
+        for key in keys:
+            _check_key(key)
+        best: Optional[tuple[int, Entry]] = None
+        for position, key in enumerate(keys, start=1):
+            entry = self._entries.get(key)
+            if entry is not None and entry.complete and (best is None or entry.tokens >= best[1].tokens):
+                best = (position, entry)
+        return best
+
+    def peek(self, keys: Sequence[str]) -> PrefixMatch:
+        """What `restoring` would match among ``keys`` now (not a use, nothing pinned)."""
+        with self._lock:
+            best = self._best(keys)
+            return PrefixMatch() if best is None else PrefixMatch(best[0], best[1].key, best[1].tokens)
+
+    @contextmanager
+    def restoring(self, keys: Sequence[str]) -> Iterator[Restore]:
+        """The longest complete entry among ``keys`` (the caller's keys in prompt order;
+        the most tokens wins, the later key on a tie), pinned and made the most recent for
+        the duration: copy ``Restore.state`` into a slot inside the ``with``."""
+        with self._lock:
+            best = self._best(keys)
+            if best is None:
+                held = Restore(PrefixMatch(), None)
+            else:
+                position, entry = best
+                entry.pins += 1
+                self._touch(entry)
+                held = Restore(PrefixMatch(position, entry.key, entry.tokens), entry.state, entry.tier)
+        try:
+            yield held
+        finally:
+            if best is not None:
+                with self._lock:
+                    best[1].pins -= 1
+
+    def info(self, key: str) -> Optional[PrefixInfo]:
+        """The entry ``key``'s info (not a use), or None when there is none."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else self._info(entry)
+
+    def drop(self, key: str) -> bool:
+        """Remove the entry ``key``; whether there was one. A restore holding it finishes
+        with the state it holds."""
+        with self._lock:
+            return self._remove(key)
+
+    def stats(self) -> dict[str, TierStats]:
+        """Entries, bytes and budget of each tier."""
+        with self._lock:
+            return {tier: TierStats(sum(1 for e in self._entries.values() if e.tier == tier), self._bytes(tier),
+                                    self._budget[tier]) for tier in TIERS}
+
+    def evictions(self) -> dict[str, int]:
+        """Entries that left each tier for lack of room, since the start."""
+        with self._lock:
+            return dict(self._counters.evictions)
+
+    def keys(self) -> list[str]:
+        """The keys held, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    # -- persistence (`state_store.prefix_snapshot`) -------------------------------------
+
+    def entries(self) -> list[Entry]:
+        """The entries, least recently used first (for a snapshot: read, never change them)."""
+        with self._lock:
+            return list(self._entries.values())
+
+    def now(self) -> float:
+        """The present time on the cache's clock."""
+        return self._clock()
+
+    def wall_time(self, clock_time: float) -> float:
+        """Unix seconds of a time on the cache's clock."""
+        return clock_time + self._wall_offset
+
+    def replace_all(self, loaded: Sequence[tuple[str, int, list[bool], float, torch.Tensor]]) -> None:
+        """Replace every entry with ``loaded`` (key, tokens, layers stored, idle seconds,
+        state [L, HV, V, K] on the host), least recently used first, as far as the budgets
+        take them (the most recent are kept first)."""
+        with self._lock:
+            self._entries.clear()
+            now = self._clock()
+            for key, tokens, have, idle, state in loaded:
+                entry = self._writable(key, tokens)
+                if entry is None:
+                    continue
+                entry.state.copy_(state)
+                entry.have = list(have)
+                entry.last_used = now - idle
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _touch(self, entry: Entry) -> None:
+        entry.last_used = self._clock()
+        self._entries.move_to_end(entry.key)
+
+    def _remove(self, key: str) -> bool:
+        return self._entries.pop(key, None) is not None
+
+    def _info(self, entry: Entry) -> PrefixInfo:
+        return PrefixInfo(entry.key, entry.tokens, sum(entry.have), entry.complete, entry.nbytes, entry.tier,
+                          self.wall_time(entry.last_used))
+
+
+def _check_tokens(tokens: int) -> int:
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ValueError(f"an entry's tokens must be a non-negative integer, got {tokens!r}")
+    return tokens

@@ -1,0 +1,236 @@
+"""The prefix cache on its own: complete entries only, copies, LRU within byte budgets,
+demotion to the host tier, pins during a restore, geometry checks, and its snapshot file."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from pool_helpers import GEOMETRY, FakeClock, assert_bit_equal, make_pool
+
+from state_store import GeometryMismatch, Persistence, PrefixCache, SnapshotError, key_problem
+from state_store import prefix_snapshot
+from state_store.geometry import PoolGeometry
+
+G = PoolGeometry(GEOMETRY["num_layers"], GEOMETRY["num_slots"], GEOMETRY["num_heads"], GEOMETRY["head_k_dim"],
+                 GEOMETRY["head_v_dim"], torch.float32, torch.device("cpu"))
+ENTRY = G.bytes_per_slot
+
+
+def _state(seed: int) -> torch.Tensor:
+    return torch.randn(G.slot_shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _cache(entries: float, host_entries: float = 0, clock: FakeClock | None = None, **kw) -> PrefixCache:
+    return PrefixCache(G, int(entries * ENTRY), int(host_entries * ENTRY), clock=clock or FakeClock(), **kw)
+
+
+def test_only_complete_entries_match_and_they_are_copies():
+    cache = _cache(4)
+    state = _state(1)
+    for layer in range(G.num_layers - 1):
+        cache.store_layer("a", 128, layer, state[layer])
+    with cache.restoring(["a"]) as held:
+        assert held.match.matched == 0 and held.state is None  # a layer is missing: never served
+    info = cache.info("a")
+    assert (info.layers, info.complete, info.tokens, info.bytes, info.tier) == (G.num_layers - 1, False, 128,
+                                                                                ENTRY, "device")
+    cache.store_layer("a", 128, G.num_layers - 1, state[-1])
+    kept = state.clone()
+    state += 1  # the entry is a copy
+    with cache.restoring(["x", "a", "y"]) as held:
+        assert (held.match.matched, held.match.key, held.match.tokens) == (2, "a", 128)
+        assert_bit_equal(held.state, kept)
+
+
+def test_longest_complete_entry_wins_and_another_offset_replaces():
+    cache = _cache(4)
+    cache.publish("short", 64, _state(1))
+    cache.publish("long", 192, _state(2))
+    with cache.restoring(["short", "long", "missing"]) as held:
+        assert (held.match.matched, held.match.key, held.match.tokens) == (2, "long", 192)
+    cache.store_layer("long", 256, 0, _state(3)[0])  # a checkpoint at another offset starts a new entry
+    assert (cache.info("long").tokens, cache.info("long").complete) == (256, False)
+    with cache.restoring(["short", "long"]) as held:
+        assert held.match.key == "short"
+    cache.publish("short", 64, _state(4))  # re-publishing replaces
+    with cache.restoring(["short"]) as held:
+        assert_bit_equal(held.state, _state(4))
+
+
+def test_lru_order_and_the_byte_budget():
+    clock = FakeClock()
+    cache = _cache(2, clock=clock)
+    cache.publish("a", 64, _state(1))
+    clock.advance(1)
+    cache.publish("b", 64, _state(2))
+    clock.advance(1)
+    with cache.restoring(["a"]):  # a use: "b" is now the least recently used
+        pass
+    cache.publish("c", 64, _state(3))
+    assert cache.keys() == ["a", "c"]
+    assert cache.info("b") is None
+    assert cache.stats()["device"].bytes == 2 * ENTRY <= cache.stats()["device"].budget
+    assert cache.evictions() == {"device": 1, "host": 0}
+    cache.info("a")  # not a use
+    cache.publish("d", 64, _state(4))
+    assert cache.keys() == ["c", "d"]
+
+
+def test_demotion_to_the_host_tier_and_restore_from_it():
+    cache = _cache(1, host_entries=1)
+    cache.publish("a", 64, _state(1))
+    cache.publish("b", 64, _state(2))  # "a" moves down
+    assert (cache.info("a").tier, cache.info("b").tier) == ("host", "device")
+    with cache.restoring(["a"]) as held:
+        assert held.tier == "host" and held.state.device.type == "cpu"
+        assert_bit_equal(held.state, _state(1))
+    cache.publish("c", 64, _state(3))  # "b" moves down, "a" (host's least recent) is dropped
+    assert cache.info("a") is None and cache.info("b").tier == "host"
+    assert cache.evictions() == {"device": 2, "host": 1}
+    stats = cache.stats()
+    assert (stats["device"].entries, stats["host"].entries, stats["host"].bytes) == (1, 1, ENTRY)
+
+
+def test_a_pinned_entry_is_not_evicted_while_restored():
+    cache = _cache(1)
+    cache.publish("a", 64, _state(1))
+    with cache.restoring(["a"]) as held:
+        assert cache.publish("b", 64, _state(2)) is None  # no room: "a" is pinned
+        assert_bit_equal(held.state, _state(1))
+    assert cache.keys() == ["a"]
+    cache.publish("b", 64, _state(2))
+    assert cache.keys() == ["b"]
+
+
+def test_an_entry_over_every_budget_is_not_kept():
+    cache = PrefixCache(G, ENTRY - 1, clock=FakeClock())
+    assert cache.publish("a", 64, _state(1)) is None
+    cache.store_layer("a", 64, 0, _state(1)[0])
+    assert cache.keys() == []
+
+
+def test_budget_zero_is_off_and_host_tier_needs_a_device_tier():
+    assert not PrefixCache(G, 0, 10 * ENTRY).enabled
+    assert PrefixCache(G, 0, 10 * ENTRY).stats()["host"].budget == 0
+    with pytest.raises(ValueError):
+        PrefixCache(G, -1)
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 129, 5, None])
+def test_keys_are_strings_of_1_to_128_characters(bad):
+    assert key_problem(bad) is not None
+    with pytest.raises(ValueError):
+        _cache(1).publish(bad, 64, _state(1))
+    assert key_problem("x" * 128) is None
+
+
+def test_geometry_and_dtype_are_checked():
+    cache = _cache(2)
+    with pytest.raises(ValueError, match="float32"):
+        cache.publish("a", 64, _state(1).to(torch.bfloat16))
+    with pytest.raises(ValueError):
+        cache.publish("a", 64, _state(1)[:, :, :, :-1])
+    with pytest.raises(ValueError):
+        cache.store_layer("a", 64, G.num_layers, _state(1)[0])
+    with pytest.raises(ValueError):
+        cache.store_layer("a", -1, 0, _state(1)[0])
+    assert cache.keys() == []
+
+
+def test_concurrent_publish_restore_and_drop():
+    cache = _cache(3, host_entries=2)
+    errors: list[BaseException] = []
+    states = {k: _state(i) for i, k in enumerate("abcdef")}
+
+    def work(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(200):
+                key = "abcdef"[int(torch.randint(6, (1,), generator=gen))]
+                op = int(torch.randint(3, (1,), generator=gen))
+                if op == 0:
+                    cache.publish(key, 64 * (1 + "abcdef".index(key)), states[key])
+                elif op == 1:
+                    with cache.restoring([key]) as held:
+                        if held.state is not None:
+                            assert held.match.tokens == 64 * (1 + "abcdef".index(key))
+                            assert_bit_equal(held.state, states[key])
+                else:
+                    cache.drop(key)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    stats = cache.stats()
+    assert stats["device"].bytes <= 3 * ENTRY and stats["host"].bytes <= 2 * ENTRY
+
+
+def test_snapshot_file_round_trip(tmp_path):
+    clock = FakeClock()
+    cache = _cache(2, host_entries=1, clock=clock)
+    cache.publish("a", 64, _state(1))
+    clock.advance(5)
+    cache.publish("b", 128, _state(2))
+    cache.publish("c", 192, _state(3))  # "a" moves to the host tier
+    cache.store_layer("d", 256, 1, _state(4)[1])  # partial; "b" moves down, "a" is dropped
+    path = tmp_path / "cache.prefix"
+    prefix_snapshot.write(path, cache)
+    other = _cache(2, host_entries=1)
+    other.replace_all(prefix_snapshot.read(path, G))
+    assert other.keys() == cache.keys()
+    for key in cache.keys():
+        a, b = cache.info(key), other.info(key)
+        assert (a.tokens, a.layers, a.complete, a.tier) == (b.tokens, b.layers, b.complete, b.tier)
+    with other.restoring(["b", "c"]) as held:
+        assert held.match.key == "c"
+        assert_bit_equal(held.state, _state(3))
+    with other.restoring(["b"]) as held:
+        assert_bit_equal(held.state, _state(2))
+
+
+def test_snapshot_file_is_verified(tmp_path):
+    cache = _cache(2)
+    cache.publish("a", 64, _state(1))
+    path = tmp_path / "cache.prefix"
+    prefix_snapshot.write(path, cache)
+    wrong = PoolGeometry(G.num_layers, G.num_slots, G.num_heads, G.head_k_dim, G.head_v_dim, torch.bfloat16,
+                         G.device)
+    with pytest.raises(GeometryMismatch):
+        prefix_snapshot.read(path, wrong)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotError, match="checksum"):
+        prefix_snapshot.read(path, G)
+
+
+def test_persistence_saves_and_restores_the_cache(tmp_path):
+    pool = make_pool()
+    cache = PrefixCache(pool.geometry, 4 * ENTRY)
+    path = tmp_path / "pool.safetensors"
+    persistence = Persistence(pool, path, prefix_cache=cache)
+    persistence.restore()
+    cache.publish("a", 64, _state(1))
+    persistence.snapshot()
+    persistence.close()
+
+    again = PrefixCache(pool.geometry, 4 * ENTRY)
+    restarted = Persistence(make_pool(), path, prefix_cache=again)
+    report = restarted.restore()
+    restarted.close()
+    assert report.prefix_entries == 1 and report.prefix_problem is None
+    with again.restoring(["a"]) as held:
+        assert_bit_equal(held.state, _state(1))
+
+    (tmp_path / "pool.safetensors.prefix").write_bytes(b"not a file")
+    empty = PrefixCache(pool.geometry, 4 * ENTRY)
+    broken = Persistence(make_pool(), path, prefix_cache=empty)
+    report = broken.restore()
+    broken.close()
+    assert report.prefix_problem and empty.keys() == []
