@@ -15,7 +15,9 @@ import uvicorn
 
 from .http.app import create_app
 from .config import parse_settings
-from .http.protocol import KDAHttpConnection
+from .http.protocol_choice import choose_protocol, fallback_warning
+
+log = logging.getLogger("kda_serve.cli")
 
 
 def _exit_cleanly(signum: int, frame: object) -> NoReturn:
@@ -38,8 +40,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"(pool {list(geometry.shape)} {geometry.dtype_name} on {geometry.device}, backend {app.state.core.backend})",
         flush=True,
     )
+    protocol, fallback = choose_protocol()
+    if fallback is not None:
+        log.warning("%s", fallback_warning(fallback))
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(app, host=settings.host, port=settings.port, http=KDAHttpConnection, log_level=settings.log_level,
+    uvicorn.run(app, host=settings.host, port=settings.port, http=protocol, log_level=settings.log_level,
                 timeout_graceful_shutdown=30)
     return 0
 
