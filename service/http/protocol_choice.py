@@ -13,8 +13,7 @@ problem+json). `choose_protocol` says which one and why.
 from __future__ import annotations
 
 import asyncio
-import importlib
-from typing import Any, Optional
+from typing import Optional
 
 PROTOCOL_MODULE = "service.http.protocol"
 
@@ -63,7 +62,7 @@ def choose_protocol() -> tuple[type[asyncio.BaseProtocol], Optional[str]]:
     """(the protocol class to give uvicorn as ``http=``, None) when kda-serve's own one
     can serve; (uvicorn's stock httptools protocol, why not) otherwise."""
     try:
-        module: Any = importlib.import_module(PROTOCOL_MODULE)
+        from .protocol import KDAHttpConnection
     except (ImportError, AttributeError) as e:  # a private name of uvicorn moved or went
         return _stock(), f"{PROTOCOL_MODULE} does not import with uvicorn {_uvicorn_version()}: {e}"
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -71,7 +70,7 @@ def choose_protocol() -> tuple[type[asyncio.BaseProtocol], Optional[str]]:
     missing = missing_hooks(HttpToolsProtocol, RequestResponseCycle)
     if missing:
         return _stock(), f"uvicorn {_uvicorn_version()} lacks the hooks {PROTOCOL_MODULE} overrides: {', '.join(missing)}"
-    return module.KDAHttpConnection, None
+    return KDAHttpConnection, None
 
 
 def fallback_warning(reason: str) -> str:

@@ -18,8 +18,7 @@ from .middleware import AuthMiddleware, BodyLimitMiddleware, InternalErrors, Met
 from .openapi import install_openapi
 from .problem_details import install_problem_handlers
 from .routes import rest_router
-
-VERSION = "0.1.0"
+from ..version import __version__
 
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -32,7 +31,7 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
     ``settings`` give the API key, body limit, body timeout and deadline; ``regions``: the shared
     memory registry /prefill reads (None: refused); ``server_cancels``: the server cancels
     the request of a client that left (`rest_router`); ``lifespan``: FastAPI's."""
-    app = FastAPI(title=title, version=VERSION, summary=summary, lifespan=lifespan,
+    app = FastAPI(title=title, version=__version__, summary=summary, lifespan=lifespan,
                   redirect_slashes=False)  # "/slots/" is a 404, not a redirect outside the documented statuses
     app.state.core = core
     install_problem_handlers(app)
