@@ -1,8 +1,11 @@
 # kda-serve on a CUDA GPU.
 #   docker build -t kda-serve .
+#   docker build --build-arg EXTRAS=grpc,ray -t kda-serve .     # with the gRPC endpoint and Ray Serve
 #   docker run --gpus all -p 8000:8000 kda-serve
 # Settings come from KDA_* variables (see `kda-serve --help`).
-ARG BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# The base carries torch 2.11, triton 3.6 and CUDA 13.0: the stack the GPU tests ran on (the H200).
+# Every other dependency is installed at the version CI tested (constraints.txt).
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 
 FROM ${BASE_IMAGE} AS runtime
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -15,12 +18,16 @@ RUN apt-get update \
 
 WORKDIR /opt/kda-serve
 
-# Dependencies first, from pyproject.toml alone, so a code change does not reinstall them
-# (torch and triton come with the base image and already satisfy the pins).
-COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+# Dependencies first, from pyproject.toml alone (with the extras in EXTRAS, comma-separated:
+# grpc, ray), so a code change does not reinstall them (torch and triton come with the base
+# image and already satisfy the pins).
+ARG EXTRAS=""
+COPY pyproject.toml constraints.txt ./
+RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+extras = [e for e in os.environ['EXTRAS'].split(',') if e]; \
+print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" \
         > /tmp/requirements.txt \
-    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 COPY README.md ./
@@ -28,6 +35,7 @@ COPY kernels ./kernels
 COPY tensor_io ./tensor_io
 COPY state_store ./state_store
 COPY service ./service
+COPY kda_client ./kda_client
 RUN pip install --no-cache-dir --no-deps .
 
 RUN useradd --create-home --uid 10001 kda \

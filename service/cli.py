@@ -1,21 +1,50 @@
-"""``kda-serve``: start the server (uvicorn with httptools, through `KDAHttpConnection`) from flags or
-KDA_* variables.
+"""``kda-serve``: start the server (uvicorn with httptools, through `KDAHttpConnection` or, where
+this uvicorn lacks its hooks, uvicorn's stock protocol: `service.http.protocol_choice`) from flags
+or KDA_* variables.
 
     kda-serve --num-slots 256 --head-dim 128 --port 8000
+    kda-serve --version
     python -m service.cli --help
+
+Start-up, in order: the pool is allocated and the gate file loaded (`create_app`), the
+port is bound (the gRPC port checked), the snapshot restored; then uvicorn starts, and
+once it listens, ``kda-serve: listening on http://HOST:PORT (...)`` is printed on stdout.
+The kernels warm up in the background after that (logged with their duration;
+``/health/ready`` answers 200 once they passed their self-test). A start refused on the way
+(a pool larger than the device's memory, a bad gate file, a port in use, a snapshot that
+cannot be used, a bad setting) prints one line, ``kda-serve: <why>``, on stderr and exits 2,
+with no traceback. Logs go to stderr in one format (`service.logs`; ``--log-format json``).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
+import socket
 import sys
 from typing import NoReturn, Optional, Sequence
 
 import uvicorn
+from fastapi import FastAPI
 
+from state_store import PoolError
+
+from .config import Settings, parse_settings
 from .http.app import create_app
-from .config import parse_settings
-from .http.protocol import KDAHttpConnection
+from .http.protocol_choice import choose_protocol, fallback_warning
+from .logs import configure_logging
+
+log = logging.getLogger("kda_serve.cli")
+REFUSED = 2
+"""The exit status of a start refused (as argparse's for a bad flag)."""
+
+
+class StartRefused(Exception):
+    """The server cannot start; ``str(e)`` says why, on one line."""
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _exit_cleanly(signum: int, frame: object) -> NoReturn:
@@ -24,23 +53,92 @@ def _exit_cleanly(signum: int, frame: object) -> NoReturn:
     raise SystemExit(0)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    settings = parse_settings(argv)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT does not block a restart
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartRefused(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check_grpc_port(host: str, port: int) -> None:
+    """Refuse now a gRPC port already in use (the gRPC server binds it itself, later)."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise StartRefused(f"cannot serve gRPC on {address}: {e.strerror or e}") from None
+
+
+def banner(settings: Settings, app: FastAPI, sock: socket.socket) -> str:
+    """The line printed once the server listens."""
+    core = app.state.core
+    geometry = core.geometry
+    port = sock.getsockname()[1]
+    return (f"kda-serve: listening on http://{settings.host}:{port} (pool {list(geometry.shape)} "
+            f"{geometry.dtype_name} on {geometry.device}, backend {core.backend}; /health/ready once the kernels "
+            "are warm)")
+
+
+async def _serve(settings: Settings, app: FastAPI, sock: socket.socket, config: uvicorn.Config) -> None:
+    """Restore the snapshot, start uvicorn on ``sock`` and print the banner once it
+    listens; return when it stops. StartRefused when the snapshot cannot be used or the
+    application does not start."""
+    try:
+        await app.state.core.restore()
+    except PoolError as e:  # SnapshotError, GeometryMismatch: the pool is as it was
+        raise StartRefused(f"refused the snapshot: {_one_line(e)}") from None
+    server = uvicorn.Server(config)
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.wait({serving}, timeout=0.02)
+    if server.started:
+        print(banner(settings, app, sock), flush=True)
+    await serving
+    if not server.started:
+        raise StartRefused("the application did not start (see the log above)")
+
+
+def run(settings: Settings) -> None:
+    """Start and serve until stopped (SIGTERM: drain, snapshot, exit 0). StartRefused
+    when the start is refused (see the module docstring)."""
     try:
         app = create_app(settings)
-    except (ValueError, OSError) as e:  # a bad geometry, device, gate file, ...
-        print(f"kda-serve: {e}", file=sys.stderr)
-        return 2
-    geometry = app.state.core.geometry
-    print(
-        f"kda-serve: listening on http://{settings.host}:{settings.port} "
-        f"(pool {list(geometry.shape)} {geometry.dtype_name} on {geometry.device}, backend {app.state.core.backend})",
-        flush=True,
-    )
-    signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(app, host=settings.host, port=settings.port, http=KDAHttpConnection, log_level=settings.log_level,
-                timeout_graceful_shutdown=30)
+    except (PoolError, ValueError, OSError) as e:  # too large a pool, a bad geometry, device or gate file, ...
+        raise StartRefused(_one_line(e)) from None
+    sock = _bind(settings.host, settings.port)
+    try:
+        if settings.grpc_port:
+            _check_grpc_port(settings.host, settings.grpc_port)
+        protocol, fallback = choose_protocol()
+        if fallback is not None:
+            log.warning("%s", fallback_warning(fallback))
+        # log_config=None: uvicorn's loggers keep going through ours (service.logs)
+        config = uvicorn.Config(app, http=protocol, log_config=None, log_level=settings.log_level, lifespan="on",
+                                timeout_graceful_shutdown=30)
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:  # uvloop when installed
+            runner.run(_serve(settings, app, sock, config))
+    finally:
+        sock.close()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    settings = parse_settings(argv)  # a bad flag: argparse's usage message, exit 2
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        run(settings)
+    except StartRefused as e:
+        print(f"kda-serve: {e}", file=sys.stderr, flush=True)
+        return REFUSED
     return 0
 
 

@@ -19,9 +19,12 @@ import torch
 
 from kernels.problem import head_dims_error
 
+from .version import __version__
+
 ENV_PREFIX = "KDA_"
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKEND_CHOICES = ("auto", "torch", "triton")
+LOG_FORMATS = ("text", "json")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -64,7 +67,8 @@ class Settings:
         60.0, "with --snapshot-path: snapshot this often when anything changed (0: only at shutdown)"
     )
     body_timeout_s: float = _opt(30.0, "longest wait for the next bytes of a request body (408 after)")
-    log_level: str = _opt("info", "uvicorn log level")
+    log_level: str = _opt("info", "log level (the server's and uvicorn's): debug | info | warning | error")
+    log_format: str = _opt("text", "log lines: text | json (one JSON object per line, with the request id when there is one)")
     # -- reliability limits (docs/RELIABILITY.md) -------------------------------------
     body_deadline_s: float = _opt(120.0, "longest time a whole request body may take to arrive (408 after)")
     header_timeout_s: float = _opt(10.0, "longest time a request's headers may take, from their first byte "
@@ -98,6 +102,8 @@ class Settings:
                 problems.append(f"{name} must be in 0..65535, got {getattr(self, name)}")
         if not _DEVICE_RE.match(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.log_format not in LOG_FORMATS:
+            problems.append(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.backend not in BACKEND_CHOICES:
             problems.append(f"backend must be one of {BACKEND_CHOICES}, got {self.backend!r}")
         if self.state_dtype not in STATE_DTYPES:
@@ -201,6 +207,7 @@ def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentPa
         description="KDA chunked prefill over HTTP: a state pool, a batcher and the kernels behind FastAPI. "
         "Every flag can also be set as KDA_<FLAG> (e.g. KDA_NUM_SLOTS=256).",
     )
+    parser.add_argument("--version", action="version", version=f"kda-serve {__version__}")
     add_env_flags(parser, Settings, environ)
     return parser
 

@@ -50,6 +50,7 @@ from .batcher import Batcher
 from ..config import Settings
 from ..errors import InvalidRequest, NotReady, PrefixCacheOff, PrefixConflict, PrefixTooLarge, StateLost, UnknownPrefix
 from .checkpoints import Planned, check_checkpoint_keys, plan_checkpoints
+from ..version import __version__
 from .gate_params import Gate, load_gate_params
 from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics, build_info
@@ -98,6 +99,7 @@ class ServerCore:
         self._self_test_fault = settings.self_test_fault
         self.snapshot_path = settings.snapshot_path
         self.snapshot_interval_s = settings.snapshot_interval_s
+        self._restored = False  # whether `restore` has run
         self.metrics = Metrics(free_slots=lambda: self.pool.stats().free)
         self.metrics.add_pool(self.stats, build_info(self.backend, self.geometry.device))
         self.prefix_cache = PrefixCache(self.geometry, settings.prefix_cache_bytes, settings.prefix_cache_host_bytes,
@@ -119,19 +121,26 @@ class ServerCore:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    async def restore(self) -> None:
+        """Restore the snapshot and apply its journal (with a snapshot path; once: later
+        calls, and `start` after this one, do nothing). Raises SnapshotError or
+        GeometryMismatch when the snapshot cannot be used; the pool is then as it was."""
+        if self.persistence is None or self._restored:
+            return
+        report = await self.worker.run(self.persistence.restore)
+        self._restored = True
+        self.metrics.snapshot_generation.set(self.persistence.generation)
+        if report.lost or report.gone or not report.journal_intact:
+            log.warning("%s: %s", self.persistence.path, report.describe())
+        else:
+            log.info("%s: %s", self.persistence.path, report.describe())
+
     async def start(self) -> None:
-        """Restore the snapshot and apply its journal (with a snapshot path), start
-        batching and the periodic snapshots."""
-        if self.persistence is not None:
-            report = await self.worker.run(self.persistence.restore)
-            self.metrics.snapshot_generation.set(self.persistence.generation)
-            if report.lost or report.gone or not report.journal_intact:
-                log.warning("%s: %s", self.persistence.path, report.describe())
-            else:
-                log.info("%s: %s", self.persistence.path, report.describe())
-            if self.snapshot_interval_s > 0:
-                self._snapshot_task = asyncio.get_running_loop().create_task(
-                    self._snapshot_every(self.snapshot_interval_s), name="kda-snapshots")
+        """`restore` (unless done already), start batching and the periodic snapshots."""
+        await self.restore()
+        if self.persistence is not None and self.snapshot_interval_s > 0:
+            self._snapshot_task = asyncio.get_running_loop().create_task(
+                self._snapshot_every(self.snapshot_interval_s), name="kda-snapshots")
         self.batcher.start()
 
     async def warmup(self) -> SelfTestReport:
@@ -365,6 +374,7 @@ class ServerCore:
         stats = self.pool.stats()
         report = self.self_test_report
         return {
+            "version": __version__,
             "num_layers": g.num_layers, "num_slots": g.num_slots, "num_heads": g.num_heads,
             "head_k_dim": g.head_k_dim, "head_v_dim": g.head_v_dim, "state_dtype": g.dtype_name,
             "device": str(g.device), "backend": self.backend,

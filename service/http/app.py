@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager, suppress
 from typing import Any, AsyncIterator
 
@@ -42,15 +43,19 @@ _REGION_EXPIRY_S = 1.0  # how often leased shared memory regions are checked for
 async def _warm(core: ServerCore) -> None:
     """Warm the kernels and run their self-test; the core is ready (/health/ready 200) once
     they are warm and the test passed."""
+    log.info("warming the kernels (%s on %s) and running their self-test", core.backend, core.geometry.device)
+    started = time.perf_counter()
     try:
         report = await core.warmup()
     except Exception:
-        log.exception("kernel warmup failed: /health/ready stays 503")
+        log.exception("kernel warmup failed after %.1f s: /health/ready stays 503", time.perf_counter() - started)
         return
+    took = time.perf_counter() - started
     if not report.passed:
-        log.error("%s; /health/ready stays 503", report.describe())
+        log.error("%s (after %.1f s); /health/ready stays 503", report.describe(), took)
         return
-    log.info("kernels warm (%s on %s), %s; ready", core.backend, core.geometry.device, report.describe())
+    log.info("kernels warm in %.1f s (%s on %s), %s; ready", took, core.backend, core.geometry.device,
+             report.describe())
 
 
 async def _sweep_forever(core: ServerCore, period: float) -> None:

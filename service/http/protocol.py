@@ -43,8 +43,10 @@ these answers is problem+json and closes the connection.
     uvicorn.run(app, http=KDAHttpConnection)
 
 It overrides hooks of uvicorn's ``HttpToolsProtocol`` that are not public API
-(``_start_asgi_task``, the cycle's fields), as of uvicorn 0.54: pyproject.toml holds that
-floor, and tests/transport/test_transport_http_protocol.py fails if they move.
+(``_start_asgi_task``, the cycle's fields), as of uvicorn 0.54 and 0.55: pyproject.toml caps
+uvicorn to those minors, tests/transport/test_transport_http_protocol.py fails if they move,
+and `service.http.protocol_choice` serves with uvicorn's stock protocol (and a warning) when
+this module does not import or the hooks are gone.
 """
 from __future__ import annotations
 

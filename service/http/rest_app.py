@@ -21,8 +21,8 @@ from .openapi import install_openapi
 from .problem_details import install_problem_handlers
 from .request_id import RequestIdMiddleware
 from .routes import rest_router
+from ..version import __version__
 
-VERSION = "0.1.0"
 DOCS_ASSETS = "/docs/assets"
 
 
@@ -38,7 +38,7 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
     the request of a client that left (`rest_router`); ``lifespan``: FastAPI's."""
     # /docs and /redoc from the Swagger UI and ReDoc files fastapi-offline packages (served under DOCS_ASSETS), no
     # CDN: the docs work on an offline cluster. No online validator badge either.
-    app = FastAPIOffline(title=title, version=VERSION, summary=summary, lifespan=lifespan, static_url=DOCS_ASSETS,
+    app = FastAPIOffline(title=title, version=__version__, summary=summary, lifespan=lifespan, static_url=DOCS_ASSETS,
                          swagger_ui_parameters={"validatorUrl": None},
                          redirect_slashes=False)  # "/slots/" is a 404, not a redirect outside the documented statuses
     app.state.core = core

@@ -10,13 +10,13 @@ application; it keeps running on the cluster after this command exits
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Optional, Sequence
 
 import ray
 from ray import serve
 
+from ..logs import configure_logging
 from .config import parse_scale_out
 from .deploy import build_app
 
@@ -27,7 +27,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     front.add_argument("--wait", action="store_true", help="stay in the foreground until interrupted")
     known, rest = front.parse_known_args(args)
     settings, scale_out = parse_scale_out(rest)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     ray.init(address=scale_out.ray_address)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(build_app(settings, scale_out), name=scale_out.app_name, route_prefix="/", blocking=known.wait)

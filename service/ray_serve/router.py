@@ -38,6 +38,7 @@ from service.core.gate_params import Gate, load_gate_params
 from service.core.inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from service.core.metrics import Metrics
 from service.core.validation import validate_prefill
+from service.version import __version__
 from service.core.worker import off_loop
 from state_store import (
     GeometryMismatch, PoolError, PoolFull, PoolGeometry, PrefixInfo, PrefixMatch, SlotInfo, UnknownSlot, key_problem,
@@ -656,6 +657,7 @@ class ShardedCore:
             raise NotReady("no shard answers")
         g = self.geometry
         return {
+            "version": __version__,
             "num_layers": g.num_layers, "num_slots": sum(s.capacity for s in statuses), "num_heads": g.num_heads,
             "head_k_dim": g.head_k_dim, "head_v_dim": g.head_v_dim, "state_dtype": g.dtype_name,
             "device": ",".join(sorted({s.device for s in statuses})),

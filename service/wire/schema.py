@@ -177,6 +177,7 @@ class SelfTestInfo(BaseModel):
 
 
 class Info(BaseModel):
+    version: str = Field(description="the kda-serve release (kda-serve --version)")
     num_layers: int
     num_slots: int
     num_heads: int

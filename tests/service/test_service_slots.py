@@ -11,6 +11,7 @@ from safetensors.torch import load as st_load
 from server_harness import HV, K, LAYERS, SLOTS, TOL, V, make_sequence, metric, random_state, reference, rel
 
 from kda_client.client import KDAClient, SlotNotFound
+from service.version import __version__
 
 
 def test_alloc_free_and_counts(client):
@@ -84,7 +85,7 @@ def test_info_fields(client):
     info = client.info()
     self_test = info.pop("self_test")
     assert info == {
-        "num_layers": LAYERS, "num_slots": SLOTS, "num_heads": HV, "head_k_dim": K, "head_v_dim": V,
+        "version": __version__, "num_layers": LAYERS, "num_slots": SLOTS, "num_heads": HV, "head_k_dim": K, "head_v_dim": V,
         "state_dtype": "float32", "device": "cpu", "backend": "torch",
         "free_slots": info["free_slots"], "used_slots": SLOTS - info["free_slots"], "gate_layers": [],
     }
