@@ -32,6 +32,7 @@ from state_store import PoolError
 from .config import Settings, parse_settings
 from .http.app import create_app
 from .http.protocol_choice import choose_protocol, fallback_warning
+from .http.request_id import RequestIdFilter
 from .logs import configure_logging
 
 log = logging.getLogger("kda_serve.cli")
@@ -133,7 +134,7 @@ def run(settings: Settings) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     settings = parse_settings(argv)  # a bad flag: argparse's usage message, exit 2
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, filters=[RequestIdFilter()])
     try:
         run(settings)
     except StartRefused as e:

@@ -6,8 +6,10 @@ JSON object per line::
     {"ts": "2026-12-02T14:09:39.897+00:00", "level": "INFO", "logger": "kda_serve.app",
      "message": "...", "request_id": "..."}
 
-``request_id`` is there when the record carries one (an attribute set on it by the request
-id filter of `service.http`); ``exc_info`` holds the traceback of a record logged with one.
+``request_id`` (and ``trace_id``) are there when the record carries them: the request id
+filter of `service.http` (passed in ``filters`` by the CLIs) sets them on every record
+written while a request runs; text lines show the request id in brackets (``-`` outside
+a request). ``exc_info`` holds the traceback of a record logged with one.
 """
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import json
 import logging
 import sys
 from datetime import datetime, timezone
-from typing import Optional, TextIO
+from typing import Optional, Sequence, TextIO
 
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
 
 
@@ -32,20 +34,26 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        request_id = record.__dict__.get("request_id")
-        if request_id is not None:
-            line["request_id"] = str(request_id)
+        for name in ("request_id", "trace_id"):
+            value = record.__dict__.get(name)
+            if value is not None and value != "-":
+                line[name] = str(value)
         if record.exc_info:
             line["exc_info"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False)
 
 
-def configure_logging(level: str, fmt: str = "text", stream: Optional[TextIO] = None) -> None:
+def configure_logging(level: str, fmt: str = "text", stream: Optional[TextIO] = None,
+                      filters: Sequence[logging.Filter] = ()) -> None:
     """Send every record at ``level`` or above (debug | info | warning | error) to ``stream``
-    (default stderr), formatted as ``fmt`` (text | json); uvicorn's loggers lose their own
-    handlers and propagate here (start uvicorn with ``log_config=None`` so it keeps them so)."""
+    (default stderr), formatted as ``fmt`` (text | json), through ``filters`` (the request
+    id's); uvicorn's loggers lose their own handlers and propagate here (start uvicorn with
+    ``log_config=None`` so it keeps them so)."""
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json"
+                         else logging.Formatter(TEXT_FORMAT, defaults={"request_id": "-"}))
+    for f in filters:
+        handler.addFilter(f)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

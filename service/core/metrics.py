@@ -16,6 +16,8 @@ from prometheus_client.registry import Collector
 
 from state_store import PoolStats, TierStats
 
+from ..version import __version__
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
@@ -24,10 +26,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 def build_info(backend: str, device: torch.device) -> dict[str, str]:
-    """The labels of ``kda_build_info``: the kda-serve and triton versions installed
-    ("unknown" / "none" when not), the kernel backend and the serving device."""
-    return {"version": _version("kda-serve", "unknown"), "backend": backend, "device": str(device),
-            "triton": _version("triton", "none")}
+    """The labels of ``kda_build_info``: kda-serve's version, the triton version installed
+    ("none" when not), the kernel backend and the serving device."""
+    return {"version": __version__, "backend": backend, "device": str(device), "triton": _version("triton", "none")}
 
 
 def _version(distribution: str, missing: str) -> str:

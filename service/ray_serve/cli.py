@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import ray
 from ray import serve
 
+from ..http.request_id import RequestIdFilter
 from ..logs import configure_logging
 from .config import parse_scale_out
 from .deploy import build_app
@@ -27,7 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     front.add_argument("--wait", action="store_true", help="stay in the foreground until interrupted")
     known, rest = front.parse_known_args(args)
     settings, scale_out = parse_scale_out(rest)
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, filters=[RequestIdFilter()])
     ray.init(address=scale_out.ray_address)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(build_app(settings, scale_out), name=scale_out.app_name, route_prefix="/", blocking=known.wait)

@@ -133,7 +133,7 @@ def test_json_logs_are_one_object_per_line() -> None:
         while httpx.get(f"http://127.0.0.1:{port}/health/ready").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        assert httpx.get(f"http://127.0.0.1:{port}/slots/nope").status_code == 404
+        assert httpx.get(f"http://127.0.0.1:{port}/slots/nope", headers={"X-Request-ID": "lookup-7"}).status_code == 404
     finally:
         server.terminate()
         assert server.wait(30) == 0
@@ -143,7 +143,9 @@ def test_json_logs_are_one_object_per_line() -> None:
     assert all({"ts", "level", "logger", "message"} <= set(r) for r in records), records
     loggers = {r["logger"] for r in records}
     assert {"kda_serve.app", "uvicorn.error", "uvicorn.access"} <= loggers, loggers
-    assert any("/slots/nope" in r["message"] and r["logger"] == "uvicorn.access" for r in records), records
+    access = [r for r in records if "/slots/nope" in r["message"] and r["logger"] == "uvicorn.access"]
+    assert access and access[0].get("request_id") == "lookup-7", records  # the request's own id, in its log line
+    assert len(access[0].get("trace_id", "")) == 32, access
     assert any(re.search(r"kernels warm in \d+\.\d s", r["message"]) for r in records), records
 
 
