@@ -50,7 +50,8 @@ class Settings:
         None, "safetensors with layers.{i}.A_log, layers.{i}.dt_bias[, layers.{i}.lower_bound]"
     )
     max_body_mb: float = _opt(256.0, "largest request body accepted, in MiB (413 beyond)")
-    batch_window_ms: float = _opt(1.0, "how long a /prefill waits for others to share its launch")
+    batch_window_ms: float = _opt(
+        0.0, "how long a /prefill arriving at an idle device waits for others to share its launch (0: launch at once; what arrives during a launch still merges into the next)")
     max_batch_tokens: int = _opt(65536, "most tokens merged into one launch")
     slot_ttl_s: Optional[float] = _opt(None, "free slots idle longer than this (default: never)")
     api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer <key>' on all but /health", repr=False)
