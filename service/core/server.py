@@ -104,6 +104,7 @@ class ServerCore:
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
             self._run_batch, self.worker, self.metrics,
             window_s=settings.batch_window_ms / 1000.0, max_tokens=settings.max_batch_tokens,
+            inline_tokens=settings.inline_tokens(device),
         )
 
     # -- lifecycle ---------------------------------------------------------------------
