@@ -5,10 +5,9 @@ Errors name the field and show what was seen (`InvalidRequest`, HTTP 400).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -161,15 +160,19 @@ def extremes(tensors: Sequence[torch.Tensor]) -> list[Optional[tuple[float, floa
     any value is. (``torch.isfinite(t).all()`` writes a bool tensor of t's size and reads it
     again: ~10x slower.) Tensors on a GPU (inputs copied out of shared memory) are scanned on
     the stream that copied them, so the answer never waits for a launch in flight, and are
-    read back with one synchronization per device for all of them; host tensors' ends come
-    back in one list as well."""
+    read back with one synchronization per device for all of them."""
     out: list[Optional[tuple[float, float]]] = [None] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
+    on_gpu: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
-        if t.numel():
-            by_device.setdefault(t.device, []).append(i)
-    for device, indices in by_device.items():
-        with torch.cuda.stream(copy_stream(device)) if device.type == "cuda" else contextlib.nullcontext():
+        if t.numel() == 0:
+            continue
+        if t.is_cuda:
+            on_gpu.setdefault(t.device, []).append(i)
+        else:
+            lo, hi = torch.aminmax(t)
+            out[i] = (lo.item(), hi.item())  # host scalars: no synchronization, fewer ops than a stacked read
+    for device, indices in on_gpu.items():
+        with torch.cuda.stream(copy_stream(device)):
             ends = torch.stack([torch.stack(torch.aminmax(tensors[i])).float() for i in indices]).tolist()  # [n, 2]
         for i, (lo, hi) in zip(indices, ends):
             out[i] = (lo, hi)
@@ -186,8 +189,14 @@ def all_finite(t: torch.Tensor) -> bool:
     return finite_flags([t])[0]
 
 
-def _value_problem(name: str, described: str, lo: float, hi: float, log_decay: bool) -> Optional[InvalidRequest]:
-    """The 400 for tensor ``name`` with smallest ``lo`` and largest ``hi``, or None."""
+def _value_problem(name: str, described: Union[str, torch.Tensor], lo: float, hi: float, log_decay: bool
+                   ) -> Optional[InvalidRequest]:
+    """The 400 for tensor ``name`` (``described``: the tensor, or its description) with
+    smallest ``lo`` and largest ``hi``, or None."""
+    if math.isfinite(lo) and math.isfinite(hi) and not (name == "g" and log_decay and hi > 0):
+        return None
+    if isinstance(described, torch.Tensor):
+        described = describe(described)
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return _fail(name, f"{name} {described} holds non-finite values (NaN or Inf)")
     if name == "g" and log_decay and hi > 0:
@@ -208,7 +217,7 @@ def _check_values(x: PrefillInputs, gate: Gate, defer: bool) -> Optional[Deferre
     later = [(name, t) for name, t in named if defer and t.is_cuda]
     now = [(name, t) for name, t in named if not (defer and t.is_cuda)]
     for (name, t), ends in zip(now, extremes([t for _, t in now])):
-        if ends is not None and (why := _value_problem(name, describe(t), *ends, not gate.fused)):
+        if ends is not None and (why := _value_problem(name, t, *ends, not gate.fused)):
             raise why
     if not later:
         return None
