@@ -43,10 +43,12 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
         python3 -m pytest -q "$f" || rc=1; done; exit $rc' ;;
     cuda-ipc) run_step "$name" "$limit" python3 bench/cuda_ipc.py --cases 1x4096,8x4096 --dtypes bfloat16 --repeats 10 --json "$OUT/cuda_ipc.json" --server-log "$OUT/cuda_ipc_server.log" ;;
     transport) run_step "$name" "$limit" python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3 ;;
+    # issue 19's per-call figures: CUDA IPC and POSIX shm at 1x4096, 8x4096, 256x1 against the kernel, chunk_kda paths
+    latency) run_step "$name" "$limit" python3 bench/latency.py gpu --json "$OUT/latency.json" ;;
     # the transactional launch's row copies and finite check against the kernel, 8x4096 H32 (goal < 3%)
     transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;
     # prefix cache: checkpoints every 1024 tokens at 8x4096 H32 (goal <= 5%), 48-layer restores (docs/PREFIX_CACHE.md)
     prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-variants, cuda-ipc, transport, transaction, prefix-cache)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, latency)"; exit 2 ;;
     esac
 done

@@ -28,7 +28,7 @@ import select
 import socket
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import httpx
 
@@ -65,11 +65,45 @@ def _timeout(request: httpx.Request, phase: str) -> Optional[float]:
     return request.extensions.get("timeout", {}).get(phase)
 
 
+class _Connection(http.client.HTTPConnection):
+    """An HTTP connection whose request line, headers and body go out in one ``send()``
+    while they come to at most `HELD` bytes together (a small request: one system call,
+    and one read for the server, instead of one per body piece); past that, what is held
+    goes out and the rest as it comes."""
+
+    HELD = 64 * 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: Optional[list[Any]] = None  # None: not corked
+        self._held_size = 0
+
+    def cork(self) -> None:
+        """Hold what is sent from now on (until `uncork`, or HELD bytes)."""
+        self._held, self._held_size = [], 0
+
+    def uncork(self) -> None:
+        """Send what is held, joined."""
+        held, self._held = self._held, None
+        if held:
+            super().send(held[0] if len(held) == 1 else b"".join(held))
+
+    def send(self, data: Any) -> None:
+        if self._held is not None:
+            n = memoryview(data).nbytes
+            if self._held_size + n <= self.HELD:
+                self._held.append(data)
+                self._held_size += n
+                return
+            self.uncork()
+        super().send(data)
+
+
 class _ResponseBody(httpx.SyncByteStream):
     """A response's body; its connection goes back to the pool once the body has been read
     to the end, and is closed otherwise."""
 
-    def __init__(self, transport: "StdlibTransport", key: _Key, conn: http.client.HTTPConnection,
+    def __init__(self, transport: "StdlibTransport", key: _Key, conn: _Connection,
                  response: http.client.HTTPResponse, request: httpx.Request) -> None:
         self._transport = transport
         self._key = key
@@ -112,7 +146,7 @@ class StdlibTransport(httpx.BaseTransport):
 
     def __init__(self, max_idle: int = MAX_IDLE) -> None:
         self._max_idle = max_idle
-        self._idle: dict[_Key, list[http.client.HTTPConnection]] = {}
+        self._idle: dict[_Key, list[_Connection]] = {}
         self._lock = threading.Lock()
         self.warm = WarmBuffers()
 
@@ -133,7 +167,7 @@ class StdlibTransport(httpx.BaseTransport):
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": response.reason.encode("latin-1")},
         )
 
-    def _connection(self, key: _Key, request: httpx.Request) -> http.client.HTTPConnection:
+    def _connection(self, key: _Key, request: httpx.Request) -> _Connection:
         """An idle connection to ``key`` still open, or a new one."""
         with self._lock:
             idle = self._idle.get(key, [])
@@ -142,16 +176,17 @@ class StdlibTransport(httpx.BaseTransport):
                 if conn.sock is not None and not _readable(conn.sock):
                     return conn
                 conn.close()
-        conn = http.client.HTTPConnection(key[0], key[1], timeout=_timeout(request, "connect"))
+        conn = _Connection(key[0], key[1], timeout=_timeout(request, "connect"))
         with _mapped(request, httpx.ConnectTimeout, httpx.ConnectError):
             conn.connect()
         return conn
 
-    def _exchange(self, conn: http.client.HTTPConnection, request: httpx.Request) -> http.client.HTTPResponse:
+    def _exchange(self, conn: _Connection, request: httpx.Request) -> http.client.HTTPResponse:
         """Send ``request`` on ``conn`` and read the response's status line and headers."""
         assert conn.sock is not None
         conn.sock.settimeout(_timeout(request, "write"))
         with _mapped(request, httpx.WriteTimeout, httpx.WriteError):
+            conn.cork()
             conn.putrequest(request.method, request.url.raw_path.decode("ascii"), skip_host=True,
                             skip_accept_encoding=True)
             for name, value in request.headers.raw:
@@ -160,6 +195,7 @@ class StdlibTransport(httpx.BaseTransport):
         try:
             with _mapped(request, httpx.WriteTimeout, httpx.WriteError):
                 self._send_body(conn, request)
+                conn.uncork()
         except httpx.WriteError as cut_off:
             try:  # the server may have refused the body early and said why (httpcore does the same)
                 return self._response(conn, request)
@@ -187,7 +223,7 @@ class StdlibTransport(httpx.BaseTransport):
         with _mapped(request, httpx.ReadTimeout, httpx.RemoteProtocolError):
             return conn.getresponse()
 
-    def release(self, key: _Key, conn: http.client.HTTPConnection) -> None:
+    def release(self, key: _Key, conn: _Connection) -> None:
         """Keep ``conn`` (its last response read to the end) for the next request to ``key``."""
         with self._lock:
             idle = self._idle.setdefault(key, [])

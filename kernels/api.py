@@ -10,6 +10,7 @@ with ``out=``), and no output requires grad.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
@@ -47,44 +48,63 @@ def _check_rank(name: str, x: torch.Tensor, rank: int) -> None:
 
 
 def _packed_bounds(
-    B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.device
+    B: int, T: int, cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """cu_seqlens as a device int64 tensor and a host tuple, checked against B and T."""
+    """cu_seqlens as a device int64 tensor and a host tuple, checked against B and T. The
+    host tuple comes from ``cu_seqlens_cpu`` when given (no device-to-host copy), else
+    from ``cu_seqlens`` (one copy: a synchronization when it is on a GPU)."""
     if T == 0 or B == 0:
         raise ValueError(f"q has no tokens: shape [B, T] = [{B}, {T}]")
-    if cu_seqlens is None:
+    if cu_seqlens is None and cu_seqlens_cpu is None:
         bounds = tuple(range(0, B * T + 1, T))
         return torch.tensor(bounds, dtype=torch.int64, device=device), bounds
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1, got q of batch {B}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be a 1-D tensor of N + 1 >= 2 offsets, got {cu_seqlens!r}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    bounds = tuple(int(x) for x in cu_seqlens.tolist())
-    if bounds[0] != 0 or bounds[-1] != T or any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
+    for name, given in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
+        if given is None:
+            continue
+        if not isinstance(given, torch.Tensor) or given.dim() != 1 or given.numel() < 2:
+            raise ValueError(f"{name} must be a 1-D tensor of N + 1 >= 2 offsets, got {given!r}")
+        if given.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {given.dtype}")
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be on the host, got a tensor on {cu_seqlens_cpu.device}")
+        if cu_seqlens is not None and cu_seqlens.numel() != cu_seqlens_cpu.numel():
+            raise ValueError(f"cu_seqlens_cpu must hold cu_seqlens' {cu_seqlens.numel()} offsets, "
+                             f"got {cu_seqlens_cpu.numel()}")
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    bounds = tuple(host.tolist())
+    if bounds[0] != 0 or bounds[-1] != T or not all(map(operator.lt, bounds, bounds[1:])):
         raise ValueError(
             f"cu_seqlens must start at 0, increase strictly and end at T={T}, got {list(bounds)}"
         )
-    return cu_seqlens.to(device=device, dtype=torch.int64), bounds
+    if cu_seqlens is None:  # one host-to-device copy of the host bounds
+        return torch.tensor(bounds, dtype=torch.int64, device=device), bounds
+    on_device = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
+    return on_device.to(device), bounds
 
 
-def _check_indices(indices: torch.Tensor, n_seq: int, num_slots: int) -> torch.Tensor:
+def _check_indices(indices: torch.Tensor, n_seq: int, num_slots: int, read_values: bool) -> torch.Tensor:
+    """``indices`` checked: shape and dtype always; with ``read_values`` also each value in
+    -1..num_slots-1 and no slot twice (the values come to the host: a synchronization when
+    they are on a GPU). Returns them as int64."""
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.numel() != n_seq:
         shape = _shape(indices) if isinstance(indices, torch.Tensor) else type(indices).__name__
         raise ValueError(f"initial_state_indices must have shape ({n_seq},), one per sequence, got {shape}")
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"initial_state_indices must be int32 or int64, got {indices.dtype}")
-    host = indices.tolist()
-    bad = [i for i in host if i < -1 or i >= num_slots]
-    if bad:
-        raise ValueError(
-            f"initial_state_indices out of range for a pool of {num_slots} slots: {bad[:8]}"
-        )
-    live = [i for i in host if i >= 0]
-    if len(set(live)) != len(live):
-        raise ValueError(f"initial_state_indices repeats a slot: {host}")
-    return indices.to(torch.int64)
+    if read_values:
+        host = indices.tolist()
+        bad = [i for i in host if i < -1 or i >= num_slots]
+        if bad:
+            raise ValueError(
+                f"initial_state_indices out of range for a pool of {num_slots} slots: {bad[:8]}"
+            )
+        live = [i for i in host if i >= 0]
+        if len(set(live)) != len(live):
+            raise ValueError(f"initial_state_indices repeats a slot: {host}")
+    return indices if indices.dtype == torch.int64 else indices.to(torch.int64)
 
 
 def build_problem(
@@ -108,8 +128,11 @@ def build_problem(
     output_intermediate_states: bool,
     checkpoint_tokens: Optional[torch.Tensor] = None,
     checkpoint_states: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
-    """Validate public arguments (batched layout [B, T, ...]) into a packed PrefillProblem."""
+    """Validate public arguments (batched layout [B, T, ...]) into a packed PrefillProblem.
+    With ``cu_seqlens_cpu`` nothing is read back from the device: the sequence bounds come
+    from it, and the values of ``indices`` are the caller's promise (shape and dtype checked)."""
     _check_rank("q", q, 4)
     _check_rank("k", k, 4)
     _check_rank("v", v, 4)
@@ -154,9 +177,10 @@ def build_problem(
     if lower_bound is not None and (why := lower_bound_error(lower_bound)):
         raise ValueError(why)
 
-    cu, bounds = _packed_bounds(B, T, cu_seqlens, q.device)
+    cu, bounds = _packed_bounds(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
     n_seq = len(bounds) - 1
-    idx = _check_indices(indices, n_seq, pool.shape[0]).to(q.device)
+    trusted = cu_seqlens_cpu is not None and indices.device.type != "cpu"
+    idx = _check_indices(indices, n_seq, pool.shape[0], read_values=not trusted).to(q.device)
     positions, ckpt = check_checkpoints(checkpoint_tokens, checkpoint_states, bounds, pool)
 
     def packed(x: torch.Tensor) -> torch.Tensor:
@@ -208,6 +232,7 @@ def chunk_kda(
     backend: Optional[str] = None,
     checkpoint_tokens: Optional[torch.Tensor] = None,
     checkpoint_states: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
     **training_knobs: Any,
 ):
     """KDA chunked prefill in place on an indexed state pool (SGLang's contract).
@@ -229,6 +254,15 @@ def chunk_kda(
     positions are distinct. Row c receives the state of its sequence after the tokens
     before ``checkpoint_tokens[c]`` (its initial state included), written by the same
     launch: no second pass, no per-chunk state tensor. Other rows' memory is not touched.
+
+    ``cu_seqlens_cpu``: the same offsets as ``cu_seqlens`` on the host (int32/int64 [N + 1],
+    as fla and SGLang pass them; ``cu_seqlens`` itself may then be omitted, costing one
+    host-to-device copy). With it nothing is read back from the device: the bounds are
+    taken from it, and the values of ``initial_state_indices`` on a GPU are not checked
+    (their shape and dtype are: the caller promises each is -1 or a distinct slot of the
+    pool), so a call with ``cu_seqlens`` and ``cu_seqlens_cpu`` both given, after one
+    eager call of the same layout (its launch tables are cached), can be captured in a CUDA
+    graph. Checkpoint positions are always read on the host.
     """
     _reject_training_knobs(training_knobs)
     if initial_state is None or initial_state_indices is None:
@@ -239,7 +273,7 @@ def chunk_kda(
         use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
         output_intermediate_states=output_intermediate_states,
-        checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states,
+        checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states, cu_seqlens_cpu=cu_seqlens_cpu,
     )
     o, h = run_problem(problem, backend)
     o = o.reshape(v.shape)

@@ -104,18 +104,20 @@ def _write_checkpoints(p: PrefillProblem, saved: dict[int, torch.Tensor]) -> Non
 
 
 def recurrent_step(
-    x: _Prepared, tokens: torch.Tensor, states: torch.Tensor
+    x: _Prepared, tokens: Optional[torch.Tensor], states: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence. tokens: [M] token positions; states: [M, HV, K, V].
+    """One token per sequence. tokens: [M] token positions (None: every token of ``x``, in
+    order: M = T); states: [M, HV, K, V].
 
     Returns (o [M, HV, V], new states [M, HV, K, V]), fp32.
     """
-    q, k, v = x.q[tokens], x.k[tokens], x.v[tokens]
-    S = states * torch.exp(x.g[tokens])[..., None]
-    pred = torch.einsum("mhk,mhkv->mhv", k, S)
-    delta = x.beta[tokens][..., None] * (v - pred)
+    q, k, v, g, beta = (x.q, x.k, x.v, x.g, x.beta) if tokens is None else (
+        x.q[tokens], x.k[tokens], x.v[tokens], x.g[tokens], x.beta[tokens])
+    S = states * torch.exp(g)[..., None]
+    pred = (k[..., None, :] @ S).squeeze(-2)  # [M, HV, V]
+    delta = beta[..., None] * (v - pred)
     S = S + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("mhk,mhkv->mhv", q, S), S
+    return (q[..., None, :] @ S).squeeze(-2), S
 
 
 @dataclass
@@ -324,9 +326,15 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The torch backend: see `kernels.problem.Backend`."""
     x = prepare_inputs(p)
     states = _read_states(p)  # [N, HV, K, V]
+    starts, lengths = list(p.bounds[:-1]), p.lengths
+    if len(lengths) == x.q.shape[0] and not p.checkpoint_tokens:  # one token per sequence: a decode step
+        o, finals = recurrent_step(x, None, states)
+        _write_states(p, finals)
+        h = (states.transpose(-1, -2) if p.state_v_first else states).contiguous() \
+            if p.output_intermediate_states else None
+        return o.to(p.v.dtype), h
     finals = states.clone()
     o = torch.empty(x.v.shape, dtype=torch.float32, device=x.v.device)
-    starts, lengths = list(p.bounds[:-1]), p.lengths
     single = [n for n, length in enumerate(lengths) if length == 1]
     multi = [n for n, length in enumerate(lengths) if length > 1]
     inter: list[Optional[torch.Tensor]] = [None] * len(lengths)

@@ -25,6 +25,10 @@ ENV_PREFIX = "KDA_"
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKEND_CHOICES = ("auto", "torch", "triton")
 LOG_FORMATS = ("text", "json")
+# A lone launch of at most this many tokens runs on the event loop when the device is idle:
+# on a GPU that is a few milliseconds of kernel at most, on the CPU about one.
+INLINE_LAUNCH_TOKENS_GPU = 16384
+INLINE_LAUNCH_TOKENS_CPU = 256
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -55,8 +59,12 @@ class Settings:
         None, "safetensors with layers.{i}.A_log, layers.{i}.dt_bias[, layers.{i}.lower_bound]"
     )
     max_body_mb: float = _opt(256.0, "largest request body accepted, in MiB (413 beyond)")
-    batch_window_ms: float = _opt(1.0, "how long a /prefill waits for others to share its launch")
+    batch_window_ms: float = _opt(
+        0.0, "how long a /prefill arriving at an idle device waits for others to share its launch (0: launch at once; what arrives during a launch still merges into the next)")
     max_batch_tokens: int = _opt(65536, "most tokens merged into one launch")
+    inline_launch_tokens: Optional[int] = _opt(
+        None, "a lone prefill of at most this many tokens reaching an idle device launches on the event loop, "
+              "without the hop to the device thread (0: never; default 256 on the CPU, 16384 on a GPU)")
     slot_ttl_s: Optional[float] = _opt(None, "free slots idle longer than this (default: never)")
     api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer <key>' on all but /health", repr=False)
     snapshot_path: Optional[str] = _opt(
@@ -112,6 +120,8 @@ class Settings:
             problems.append(f"max_body_mb must be > 0, got {self.max_body_mb}")
         if not self.batch_window_ms >= 0:
             problems.append(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.inline_launch_tokens is not None and self.inline_launch_tokens < 0:
+            problems.append(f"inline_launch_tokens must be >= 0, got {self.inline_launch_tokens}")
         if not self.snapshot_interval_s >= 0:
             problems.append(f"snapshot_interval_s must be >= 0, got {self.snapshot_interval_s}")
         if not self.body_timeout_s > 0:
@@ -135,6 +145,12 @@ class Settings:
     def v_dim(self) -> int:
         """V: ``head_v_dim``, else ``head_dim``."""
         return self.head_dim if self.head_v_dim is None else self.head_v_dim
+
+    def inline_tokens(self, device: torch.device) -> int:
+        """`inline_launch_tokens`, its default for ``device`` when unset."""
+        if self.inline_launch_tokens is not None:
+            return self.inline_launch_tokens
+        return INLINE_LAUNCH_TOKENS_GPU if device.type == "cuda" else INLINE_LAUNCH_TOKENS_CPU
 
     @property
     def max_body_bytes(self) -> int:

@@ -1,10 +1,18 @@
 """`Batcher`: merges concurrent prefills that can share a kernel launch.
 
 Submissions with the same key (layer and options: `ValidPrefill.batch_key`) that are
-pending together go into one varlen launch. The oldest pending submission waits at most
-``window_s`` after its arrival for company, less when ``max_tokens`` fill up first; work
-that arrives while a launch runs joins the next one. Launches run one at a time on the
-`DeviceWorker`; the event loop only collects and distributes.
+pending together go into one varlen launch. Batching is adaptive: with ``window_s`` 0 (the
+default) a submission reaching an idle device launches at once, and what arrives while a
+launch runs joins the next one (continuous batching); a ``window_s`` > 0 makes the oldest
+pending submission wait at most that long after its arrival for company, less when
+``max_tokens`` fill up first. Launches run one at a time on the `DeviceWorker`; the event
+loop only collects and distributes.
+
+A lone submission of at most ``inline_tokens`` tokens that finds the device idle (nothing
+pending, no launch running, the device thread idle, no window) runs on the event loop
+itself (`DeviceWorker.run_inline`): no hop to the device thread and back, no batcher task
+wake-up. It first yields to the loop once, so requests already received reach `submit` too
+and merge with it through the device thread instead.
 
 Callers hold their (slot, layer) keys in `state_store.SlotOrdering` before submitting, so a
 slot appears at most once among pending submissions, hence once per launch, and work on
@@ -47,13 +55,16 @@ class Batcher(Generic[J, R]):
     """
 
     def __init__(
-        self, run_batch: RunBatch, worker: DeviceWorker, metrics: Metrics, *, window_s: float, max_tokens: int
+        self, run_batch: RunBatch, worker: DeviceWorker, metrics: Metrics, *, window_s: float, max_tokens: int,
+        inline_tokens: int = 0,
     ) -> None:
         self._run_batch = run_batch
         self._worker = worker
         self._metrics = metrics
         self._window_s = window_s
         self._max_tokens = max_tokens
+        self._inline_tokens = inline_tokens
+        self._launching = False  # the loop's launch is on the device thread
         self._pending: list[_Entry[J, R]] = []
         self._arrived = asyncio.Event()
         self._task: Optional[asyncio.Task[None]] = None
@@ -67,12 +78,37 @@ class Batcher(Generic[J, R]):
             raise NotReady("the batcher is not running (server starting or stopping)")
         entry = _Entry(key, tokens, job, asyncio.get_running_loop().create_future(), time.monotonic())
         self._pending.append(entry)
-        self._arrived.set()
         try:
+            if self._pending == [entry] and self._may_inline(tokens):
+                await asyncio.sleep(0)  # requests already received submit now, and merge with this one
+                if self._pending == [entry] and self._may_inline(tokens):
+                    self._pending.clear()
+                    return self._run_inline(entry)
+            self._arrived.set()
             return await entry.future
         finally:
             if entry in self._pending:  # cancelled before its launch: it never runs
                 self._pending.remove(entry)
+
+    def _may_inline(self, tokens: int) -> bool:
+        return (tokens <= self._inline_tokens and self._window_s == 0 and not self._launching and not self._closed
+                and self._worker.idle)
+
+    def _run_inline(self, entry: _Entry[J, R]) -> R:
+        """``entry``'s launch on the event loop (the device thread idle)."""
+        start = time.monotonic()
+        self._metrics.queue_seconds.observe(start - entry.enqueued)
+        self._metrics.batch_requests.observe(1)
+        try:
+            (outcome,) = self._worker.run_inline(self._run_batch, [entry.job])
+        except Exception:
+            log.exception("kernel launch of 1 request failed")
+            raise
+        finally:
+            self._metrics.kernel_seconds.observe(time.monotonic() - start)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     async def close(self) -> None:
         """Finish the launch in progress, then stop; submissions still pending fail with NotReady."""
@@ -134,11 +170,14 @@ class Batcher(Generic[J, R]):
         for entry in batch:
             self._metrics.queue_seconds.observe(start - entry.enqueued)
         self._metrics.batch_requests.observe(len(batch))
+        self._launching = True
         try:
             outcomes: Sequence[Any] = await self._worker.run(self._run_batch, [e.job for e in batch])
         except Exception as e:  # the launch failed as a whole
             log.exception("kernel launch of %d request(s) failed", len(batch))
             outcomes = [e] * len(batch)
+        finally:
+            self._launching = False
         self._metrics.kernel_seconds.observe(time.monotonic() - start)
         for entry, outcome in zip(batch, outcomes):
             if entry.future.done():  # the submitter was cancelled mid-launch

@@ -117,6 +117,7 @@ class ServerCore:
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
             self._run_batch, self.worker, self.metrics,
             window_s=settings.batch_window_ms / 1000.0, max_tokens=settings.max_batch_tokens,
+            inline_tokens=settings.inline_tokens(device),
         )
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -397,7 +398,8 @@ class ServerCore:
         host = [t for t in (getattr(inputs, name) for name in REQUIRED_TENSORS) if not t.is_cuda]
         size = sum(t.numel() * t.element_size() for t in host)
         start = time.perf_counter()
-        valid = await off_loop(validate_prefill, inputs, self.geometry, self.gates, nbytes=size)
+        # GPU tensors' values are scanned there and read at the launch's synchronization
+        valid = await off_loop(validate_prefill, inputs, self.geometry, self.gates, True, nbytes=size)
         validate_s = time.perf_counter() - start
         check_checkpoint_keys(inputs, self.prefix_cache.enabled)
         named = [slot_id for slot_id in inputs.slots if slot_id is not None]
@@ -482,6 +484,22 @@ class ServerCore:
             log.warning("pinned staging failed, copying this launch's inputs directly: %s", e)
             return None
 
+    @staticmethod
+    def _refuse_inputs(jobs: Sequence[_Job], checks: dict[int, torch.Tensor],
+                       transaction: LaunchTransaction) -> dict[int, Exception]:
+        """The jobs whose deferred value checks (read into ``checks``, by job index, once the
+        launch synchronized) fail: each rolled back, with its 400."""
+        refused: dict[int, Exception] = {}
+        n0 = 0
+        for j, job in enumerate(jobs):
+            n1 = n0 + len(job.valid.inputs.lengths)
+            deferred = job.valid.deferred
+            if j in checks and deferred is not None and (why := deferred.problem(checks[j])) is not None:
+                transaction.roll_back(range(n0, n1))
+                refused[j] = why
+            n0 = n1
+        return refused
+
     def _launch(self, jobs: list[_Job], rows: list[int]) -> list[Union[PrefillResult, BaseException]]:
         device = self.geometry.device
         first = jobs[0].valid
@@ -521,7 +539,10 @@ class ServerCore:
                 nonfinite=transaction.flags,
             )
             o, _ = kernels.run_problem(problem, self.backend)
-            refused = transaction.settle(o)  # diverged requests rolled back (an async failure shows here)
+            refused: dict[int, Exception] = dict(  # diverged requests rolled back (an async failure shows here)
+                transaction.settle(o))
+            checks = {j: job.valid.deferred.read() for j, job in enumerate(jobs) if job.valid.deferred is not None}
+            refused.update(self._refuse_inputs(jobs, checks, transaction))  # the one synchronization is behind us
             finals = pool_layer.index_select(0, indices) if wants_final else None
             o_host = o.cpu() if to_host else None  # (or here)
             finals_host = finals.cpu() if to_host and finals is not None else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -22,14 +22,54 @@ from ..wire.tensors import describe
 
 
 @dataclass(frozen=True)
+class DeferredCheck:
+    """The value checks of a request's tensors on a GPU, computed there and read after the
+    launch instead of before it (no synchronization of their own): ``ends`` [n, 2] float32,
+    each tensor's (min, max), computed on the copy stream, complete once ``ready`` (an event
+    on it) is; ``names``/``described`` name the tensors; ``log_decay``: g is the log decay,
+    so its largest value must be <= 0. The launch queues `read` on its stream before its
+    one synchronization and calls `problem` after it; a request it refuses is rolled back."""
+
+    names: tuple[str, ...]
+    described: tuple[str, ...]
+    ends: torch.Tensor
+    ready: Optional["torch.cuda.Event"]
+    log_decay: bool
+
+    def read(self) -> torch.Tensor:
+        """``ends`` copied to the host behind the current stream's work ([n, 2], float32;
+        valid once that stream is synchronized), the stream first waiting for ``ready``."""
+        if not self.ends.is_cuda:
+            return self.ends
+        stream = torch.cuda.current_stream(self.ends.device)
+        if self.ready is not None:
+            stream.wait_event(self.ready)
+        host = torch.empty(self.ends.shape, dtype=self.ends.dtype, pin_memory=True)
+        host.copy_(self.ends, non_blocking=True)
+        self.ends.record_stream(stream)
+        return host
+
+    def problem(self, host: torch.Tensor) -> Optional[InvalidRequest]:
+        """The 400 `read`'s values call for (the first failing tensor), or None."""
+        for name, described, (lo, hi) in zip(self.names, self.described, host.tolist()):
+            why = _value_problem(name, described, lo, hi, self.log_decay)
+            if why is not None:
+                return why
+        return None
+
+
+@dataclass(frozen=True)
 class ValidPrefill:
     """A prefill that passed validation: its inputs, q/k heads H, the gate that applies
-    (dt_bias reshaped to [HV, K]) and the key of the launches it may share."""
+    (dt_bias reshaped to [HV, K]) and the key of the launches it may share; ``deferred``:
+    the value checks of its GPU tensors, still to read after the launch (`DeferredCheck`),
+    or None when every check is done."""
 
     inputs: PrefillInputs
     heads: int
     gate: Gate
     batch_key: Hashable
+    deferred: Optional[DeferredCheck] = None
 
     @property
     def tokens(self) -> int:
@@ -130,7 +170,7 @@ def extremes(tensors: Sequence[torch.Tensor]) -> list[Optional[tuple[float, floa
             on_gpu.setdefault(t.device, []).append(i)
         else:
             lo, hi = torch.aminmax(t)
-            out[i] = (lo.item(), hi.item())  # two scalars: no more tensor ops
+            out[i] = (lo.item(), hi.item())  # host scalars: no synchronization, fewer ops than a stacked read
     for device, indices in on_gpu.items():
         with torch.cuda.stream(copy_stream(device)):
             ends = torch.stack([torch.stack(torch.aminmax(tensors[i])).float() for i in indices]).tolist()  # [n, 2]
@@ -149,33 +189,64 @@ def all_finite(t: torch.Tensor) -> bool:
     return finite_flags([t])[0]
 
 
-def _check_values(x: PrefillInputs, gate: Gate) -> None:
+def _value_problem(name: str, described: Union[str, torch.Tensor], lo: float, hi: float, log_decay: bool
+                   ) -> Optional[InvalidRequest]:
+    """The 400 for tensor ``name`` (``described``: the tensor, or its description) with
+    smallest ``lo`` and largest ``hi``, or None."""
+    if math.isfinite(lo) and math.isfinite(hi) and not (name == "g" and log_decay and hi > 0):
+        return None
+    if isinstance(described, torch.Tensor):
+        described = describe(described)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return _fail(name, f"{name} {described} holds non-finite values (NaN or Inf)")
+    if name == "g" and log_decay and hi > 0:
+        return _fail("g", f"g {described} is the log decay (no gate: no A_log, lower_bound or server gate "
+                          f"parameters), so every value must be <= 0; its largest is {hi:g}")
+    return None
+
+
+def _check_values(x: PrefillInputs, gate: Gate, defer: bool) -> Optional[DeferredCheck]:
     """Every value finite, ``scale`` > 0, and a given log decay (g without a gate) <= 0:
     a positive one grows the state by exp(g) per token, so a finite request would leave
-    Inf or NaN in its slot."""
+    Inf or NaN in its slot. With ``defer`` the tensors on a GPU are scanned there and the
+    answer returned as a `DeferredCheck` instead of read back here."""
     scale = x.params.scale
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise _fail("scale", f"scale must be a finite number > 0, got {scale}")
-    named = [(name, t) for name in TENSORS if (t := getattr(x, name)) is not None]
-    for (name, t), ends in zip(named, extremes([t for _, t in named])):
-        if ends is not None and not (math.isfinite(ends[0]) and math.isfinite(ends[1])):
-            raise _fail(name, f"{name} {describe(t)} holds non-finite values (NaN or Inf)")
-        if name == "g" and not gate.fused and ends is not None and ends[1] > 0:
-            raise _fail("g", f"g {describe(t)} is the log decay (no gate: no A_log, lower_bound or server gate "
-                             f"parameters), so every value must be <= 0; its largest is {ends[1]:g}")
+    named = [(name, t) for name in TENSORS if (t := getattr(x, name)) is not None and t.numel()]
+    later = [(name, t) for name, t in named if defer and t.is_cuda]
+    now = [(name, t) for name, t in named if not (defer and t.is_cuda)]
+    for (name, t), ends in zip(now, extremes([t for _, t in now])):
+        if ends is not None and (why := _value_problem(name, t, *ends, not gate.fused)):
+            raise why
+    if not later:
+        return None
+    device = later[0][1].device
+    stream = copy_stream(device)
+    with torch.cuda.stream(stream):
+        for _, t in later:
+            t.record_stream(stream)
+        ends_t = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in later])  # [n, 2]
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return DeferredCheck(tuple(n for n, _ in later), tuple(describe(t) for _, t in later), ends_t, ready,
+                         not gate.fused)
 
 
-def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mapping[int, Gate]) -> ValidPrefill:
+def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mapping[int, Gate],
+                     defer: bool = False) -> ValidPrefill:
     """Check ``x`` against the pool's ``geometry`` and the server's gates, cheapest checks
     first: layer, sequences and lengths, slots named once, shapes and dtypes, the gate,
     then the values (finite; a given log decay <= 0). Raises InvalidRequest (400) on the
-    first failure."""
+    first failure. With ``defer``, the values of tensors on a GPU are scanned there without
+    waiting (``ValidPrefill.deferred``): the launch reads the answer at its one
+    synchronization and rolls the request back when it fails."""
     _check_sequences(x, geometry)
     heads = _check_tensors(x, geometry)
     gate = _resolve_gate(x, geometry, server_gates.get(x.params.layer))
-    _check_values(x, gate)
+    deferred = _check_values(x, gate, defer)
     key = (x.params.launch_key, heads, tuple(getattr(x, n).dtype for n in REQUIRED_TENSORS), gate.key)
-    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=key)
+    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=key, deferred=deferred)
 
 
 def validate_state(state: torch.Tensor, geometry: PoolGeometry, field: str = "state") -> None:

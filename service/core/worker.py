@@ -19,16 +19,48 @@ _T = TypeVar("_T")
 
 class DeviceWorker:
     """The thread for ``device``; on CUDA it makes that device current there, so kernels
-    that use the current device (Triton's launcher, streams) see the right one."""
+    that use the current device (Triton's launcher, streams) see the right one.
+
+    `run_inline` runs work on the caller's thread (the event loop) instead, only while the
+    thread is idle: nothing submitted is queued or running, so the order stays the
+    submission order and pool memory is still touched by one thread at a time."""
 
     def __init__(self, device: torch.device) -> None:
+        self._device = device
         initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-device", initializer=initializer)
+        # each counter is written by one thread only: submitted by the loop, finished by the worker
+        self._submitted = 0
+        self._finished = 0
+
+    def _counted(self, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        finally:
+            self._finished += 1
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` on the device thread, awaited from the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+        future = loop.run_in_executor(self._executor, self._counted, functools.partial(fn, *args))
+        self._submitted += 1  # once accepted (a closed executor raises above)
+        return await future
+
+    @property
+    def idle(self) -> bool:
+        """Whether everything submitted with `run` has finished (read on the loop, which is
+        the only thread that submits: an idle worker stays idle until the loop submits)."""
+        return self._submitted == self._finished
+
+    def run_inline(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on the calling thread (the event loop), the device current there;
+        only while `idle` (ValueError otherwise): small launches skip two thread hops."""
+        if not self.idle:
+            raise ValueError("run_inline while the device thread has work")
+        if self._device.type == "cuda":
+            with torch.cuda.device(self._device):
+                return fn(*args)
+        return fn(*args)
 
     def close(self) -> None:
         """Finish queued work and stop the thread."""

@@ -22,6 +22,11 @@ buffers of its last two large bodies, whichever connections they came on
 read into memory already paged in (page faults on fresh memory cost ~8x the copy here),
 and idle keep-alive connections hold no body memory.
 
+A response's writes are corked (`CorkedWrites`): uvicorn writes the status line and
+headers, then each body message, each with its own ``send()``; small writes go out joined in one ``send()`` when the response is complete, or at the end
+of the event loop's turn when it is not yet (a small safetensors reply: one system call
+instead of four, and one read for the client).
+
 Requests without Content-Length (chunked), bodies the app does not read, pipelined
 requests waiting their turn, keep-alive, disconnects and shutdown are uvicorn's own.
 
@@ -174,6 +179,48 @@ class _Collect:
             self._view = None
 
 
+class CorkedWrites:
+    """A transport whose small writes are held and go out joined, in one write, at `flush`
+    (the protocol calls it when the response is complete) or at the end of the event loop's
+    current turn, whichever comes first: at most `HELD` bytes are held; a larger write
+    flushes what is held and goes out as it is. Everything else is the transport's."""
+
+    HELD = 64 * 1024
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 owner: Optional[RequestResponseCycle] = None) -> None:
+        self._transport = transport
+        self.owner = owner  # the cycle whose response this carries
+        self._loop = loop
+        self._held: list[Any] = []  # bytes-like pieces, in order
+        self._size = 0
+
+    def write(self, data: Any) -> None:
+        n = len(memoryview(data).cast("B"))
+        if self._size + n > self.HELD:
+            self.flush()
+            if n > self.HELD:
+                self._transport.write(data)
+                return
+        if not self._held:
+            self._loop.call_soon(self.flush)
+        self._held.append(data)
+        self._size += n
+
+    def flush(self) -> None:
+        """Write what is held (dropped when the transport is closing: the client is gone)."""
+        held, self._held, self._size = self._held, [], 0
+        if held and not self._transport.is_closing():
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class KDAHttpProtocol(HttpToolsProtocol):
     """See the module docstring. One instance per connection, as uvicorn's; the warm
     buffers (`service.wire.buffers`) are the server's, shared by its connections."""
@@ -190,6 +237,7 @@ class KDAHttpProtocol(HttpToolsProtocol):
         self._messages = 0  # requests begun on this connection
         self._idle: Optional[asyncio.TimerHandle] = None  # closes a connection that starts no request
         self._header_deadline: Optional[asyncio.TimerHandle] = None  # 408 for headers still incomplete
+        self._corks: list[CorkedWrites] = []  # the writes of responses not yet complete (pipelining: several)
 
     # -- connection limits ---------------------------------------------------------------
 
@@ -254,6 +302,9 @@ class KDAHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
+        for cork in self._corks:  # the whole response out now, before anything may close the connection
+            cork.flush()
+        self._corks = [c for c in self._corks if c.owner is not None and not c.owner.response_complete]
         super().on_response_complete()
         if not self.transport.is_closing() and not self.pipeline and self._idle is None:
             # idle between requests: uvicorn's keep-alive timer, which any byte cancels; this
@@ -353,6 +404,9 @@ class KDAHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        cork = CorkedWrites(cycle.transport, self.loop, cycle)
+        cycle.transport = cork  # type: ignore[assignment]
+        self._corks.append(cork)
         length = declared_length(cycle.scope["headers"])
         if length is not None:
             app = self._with_whole_body(cycle, length, app)

@@ -268,3 +268,39 @@ def test_default_backend_on_cpu_is_torch() -> None:
     from kernels import default_backend
 
     assert default_backend(torch.device("cpu")) == "torch"
+
+
+# ---- host-side sequence bounds (cu_seqlens_cpu) -------------------------------------------
+
+@pytest.mark.parametrize("lengths", [(1, 1, 1, 1), (5, 1, 70, 3)], ids=["decode", "mixed"])
+def test_cu_seqlens_cpu_gives_results_identical_to_cu_seqlens(lengths: tuple[int, ...]) -> None:
+    """The host bounds replace reading cu_seqlens back: o and every pool row bit for bit
+    the same, with cu_seqlens given too or alone from cu_seqlens_cpu (int32 or int64)."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    x, idx = inputs(cu[-1], seed=7), [3, -1, 0, 5][:len(lengths)]
+    want_pool = pool_of(6)
+    want = run(x, want_pool, idx, cu)
+    for dtype in (torch.int64, torch.int32):
+        for device_bounds in (torch.tensor(cu), None):
+            pool = pool_of(6)
+            got = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
+                            initial_state_indices=torch.tensor(idx), cu_seqlens=device_bounds,
+                            cu_seqlens_cpu=torch.tensor(cu, dtype=dtype), **OPTS)
+            assert torch.equal(got, want) and torch.equal(pool, want_pool)
+
+
+def test_cu_seqlens_cpu_is_checked() -> None:
+    x = inputs(8)
+    cases = [
+        (dict(cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 8])),
+         r"cu_seqlens_cpu must hold cu_seqlens' 3 offsets, got 2"),
+        (dict(cu_seqlens_cpu=torch.tensor([0, 3, 7])), r"cu_seqlens must .* end at T=8, got \[0, 3, 7\]"),
+        (dict(cu_seqlens_cpu=torch.tensor([0.0, 8.0])), r"cu_seqlens_cpu must be int32 or int64"),
+        (dict(cu_seqlens_cpu=torch.tensor([0, 3, 8], device="meta")), r"cu_seqlens_cpu must be on the host"),
+    ]
+    for kw, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool_of(3),
+                      initial_state_indices=torch.tensor([0, 2]), **OPTS, **kw)

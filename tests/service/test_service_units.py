@@ -182,6 +182,67 @@ def test_batcher_without_window_launches_at_once():
     assert launches == [[1]] and time.monotonic() - start < 0.5
 
 
+def run_inline_batcher(jobs: list[tuple[str, int, object]], inline_tokens: int):
+    """Submit ``jobs`` at once to a batcher with no window that may launch inline; returns
+    (launches, the thread each ran on, outcomes)."""
+    import threading
+
+    launches: list[list] = []
+    threads: list[str] = []
+
+    def run_batch(batch):
+        launches.append(list(batch))
+        threads.append(threading.current_thread().name)
+        return [f"done {j}" for j in batch]
+
+    async def main():
+        worker = DeviceWorker(torch.device("cpu"))
+        batcher = Batcher(run_batch, worker, Metrics(lambda: 0), window_s=0.0, max_tokens=1000,
+                          inline_tokens=inline_tokens)
+        batcher.start()
+        outcomes = await asyncio.gather(*(batcher.submit(key, n, j) for key, n, j in jobs))
+        await batcher.close()
+        worker.close()
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    return launches, threads, outcomes
+
+
+def test_a_lone_small_submission_to_an_idle_device_launches_on_the_loop():
+    launches, threads, outcomes = run_inline_batcher([("a", 4, 1)], inline_tokens=8)
+    assert launches == [[1]] and threads == ["MainThread"] and outcomes == ["done 1"]
+    launches, threads, _ = run_inline_batcher([("a", 9, 1)], inline_tokens=8)  # larger: the device thread
+    assert launches == [[1]] and threads[0].startswith("kda-device")
+
+
+def test_submissions_arriving_together_still_merge_when_inline_is_allowed():
+    """The inline path yields once first: requests received in the same turn merge."""
+    launches, threads, outcomes = run_inline_batcher([("a", 1, 1), ("a", 1, 2), ("a", 1, 3)], inline_tokens=8)
+    assert launches == [[1, 2, 3]] and threads[0].startswith("kda-device")
+    assert outcomes == ["done 1", "done 2", "done 3"]
+
+
+def test_device_worker_runs_inline_only_while_idle():
+    import threading
+
+    async def main():
+        worker = DeviceWorker(torch.device("cpu"))
+        assert worker.idle and worker.run_inline(lambda: threading.current_thread().name) == "MainThread"
+        gate = threading.Event()
+        busy = asyncio.ensure_future(worker.run(gate.wait))
+        await asyncio.sleep(0)
+        assert not worker.idle
+        with pytest.raises(ValueError, match="device thread has work"):
+            worker.run_inline(lambda: None)
+        gate.set()
+        await busy
+        assert worker.idle
+        worker.close()
+
+    asyncio.run(main())
+
+
 def test_batcher_refuses_after_close():
     async def main():
         worker = DeviceWorker(torch.device("cpu"))

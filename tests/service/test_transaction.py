@@ -169,3 +169,49 @@ def test_a_failed_launch_restores_its_slots_in_the_server(device: str, gen: torc
     o1, h1 = reference([first])
     o2, h2 = reference([second], initial=h1)
     assert rel(result.o, o2) < TOL and rel(result.final_state, h2) < TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_failing_their_deferred_check_are_refused_after_the_launch_and_change_nothing(
+        device: str, gen: torch.Generator) -> None:
+    """Two requests in one launch, the first with a NaN in q whose value check was deferred
+    (GPU inputs: scanned on the GPU, read at the launch's one synchronization): it gets
+    its 400 naming q, its slot is bit for bit as before and counts no token; the second
+    stands. On the CPU the deferred check is built by hand (host inputs are checked before)."""
+    import dataclasses
+
+    from service.core.server import _Job
+    from service.core.validation import DeferredCheck, validate_prefill
+    from service.errors import InvalidRequest
+
+    core = ServerCore(Settings(device=device, num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K,
+                               head_v_dim=V, batch_window_ms=0))
+    slots = core._alloc(2)
+    for slot in slots:
+        core._write_state(slot, (torch.randn(LAYERS, HV, V, K, generator=gen) * 0.3).to(device))
+    before = [core.pool.read_state(s).cpu().clone() for s in slots]
+    names = ("q", "k", "v", "g", "beta")
+    bad, good = list(make_sequence(5, gen)), make_sequence(3, gen)
+    bad[0][2, 0, 0] = float("nan")
+    jobs = []
+    for slot, seq in ((slots[0], bad), (slots[1], good)):
+        x = PrefillInputs.of(PrefillParams(layer=0), [slot], [seq[0].shape[0]],
+                             dict(zip(names, (t.to(device) for t in seq))))
+        if device == "cpu" and seq is bad:
+            finite = dataclasses.replace(x, q=torch.nan_to_num(x.q))
+            valid = dataclasses.replace(validate_prefill(finite, core.geometry, core.gates, defer=True), inputs=x,
+                                        deferred=DeferredCheck(("q",), ("q",), torch.stack(torch.aminmax(x.q))[None],
+                                                               None, True))
+        else:
+            valid = validate_prefill(x, core.geometry, core.gates, defer=True)  # a GPU NaN: no 400 yet
+        assert (valid.deferred is not None) == (device != "cpu" or seq is bad)
+        jobs.append(_Job(valid, [slot], []))
+    outcomes = core._run_batch(jobs)
+    assert isinstance(outcomes[0], InvalidRequest) and outcomes[0].field == "q" and "non-finite" in outcomes[0].detail
+    assert not isinstance(outcomes[1], BaseException)
+    assert torch.equal(core.pool.read_state(slots[0]).cpu(), before[0])
+    assert not torch.equal(core.pool.read_state(slots[1]).cpu(), before[1])
+    assert core.pool.slot_info(slots[0]).tokens_per_layer == [0, 0]
+    assert core.pool.slot_info(slots[1]).tokens_per_layer == [3, 0]
+    o2, h2 = reference([good], initial=before[1][0:1])
+    assert rel(outcomes[1].o, o2) < TOL

@@ -177,3 +177,34 @@ def test_a_body_refused_early_still_gets_the_servers_answer(client):
 def test_https_is_not_this_transports():
     with httpx.Client(transport=StdlibTransport()) as client, pytest.raises(httpx.UnsupportedProtocol):
         client.get("https://127.0.0.1:1/")
+
+
+def test_a_small_request_leaves_in_one_send_and_a_large_one_in_pieces():
+    from kda_client.transport import _Connection
+
+    class Socket:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        def sendall(self, data: Any) -> None:
+            self.sent.append(bytes(data))
+
+    conn = _Connection("127.0.0.1", 1)
+    conn.sock = Socket()  # type: ignore[assignment]
+    conn.cork()
+    conn.putrequest("POST", "/prefill", skip_host=True, skip_accept_encoding=True)
+    conn.putheader("Content-Length", "6")
+    conn.endheaders()
+    conn.send(memoryview(b"abc"))
+    conn.send(b"def")
+    assert conn.sock.sent == []
+    conn.uncork()
+    assert len(conn.sock.sent) == 1 and conn.sock.sent[0].endswith(b"\r\n\r\nabcdef")
+    conn.sock.sent.clear()
+    conn.cork()
+    big = bytes(_Connection.HELD + 1)
+    conn.send(b"head")
+    conn.send(big)  # past the limit: what is held, then the rest as it comes
+    conn.send(b"tail")
+    conn.uncork()
+    assert conn.sock.sent == [b"head", big, b"tail"]

@@ -260,3 +260,63 @@ class TestWarmBuffers:
             warm.keep(bytearray(size * MIN_BYTES))
         assert warm.take(2 * MIN_BYTES) is None  # let go: the 5 and 6 MiB ones are too large for it
         assert warm.take(5 * MIN_BYTES) is not None
+
+
+class _Recorder:
+    """A transport that records what is written to it."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: Any) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str) -> str:
+        return f"extra {name}"
+
+
+def test_corked_writes_go_out_joined_in_order_and_large_ones_as_they_are():
+    import asyncio
+
+    from service.http.protocol import CorkedWrites
+
+    async def main() -> None:
+        raw = _Recorder()
+        cork = CorkedWrites(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
+        cork.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        cork.write(memoryview(b"abc"))
+        assert raw.writes == []  # held
+        cork.flush()
+        assert raw.writes == [b"HTTP/1.1 200 OK\r\n\r\nabc"]
+        big = bytes(CorkedWrites.HELD + 1)
+        cork.write(b"head")
+        cork.write(big)  # what is held first, then the large write as it is
+        assert raw.writes[1:] == [b"head", big]
+        cork.write(b"tail")
+        await asyncio.sleep(0)  # the end of the loop's turn flushes too
+        assert raw.writes[-1] == b"tail"
+        cork.write(b"late")
+        cork.close()  # flushes, then closes
+        assert raw.writes[-1] == b"late" and raw.closing
+        cork.write(b"gone")
+        cork.flush()  # the client left: dropped, not written
+        assert raw.writes[-1] == b"late"
+        assert cork.get_extra_info("peername") == "extra peername"
+
+    asyncio.run(main())
+
+
+def test_a_small_response_reaches_the_client_whole_in_one_read(url):
+    """The status line, headers and body of a small answer leave in one write."""
+    with _connect(url) as s:
+        s.sendall(request_head("POST", "/", [("Content-Length", "1")]) + b"x")
+        data = s.recv(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["length"] == 1
