@@ -205,7 +205,7 @@ def test_inputs_failing_their_deferred_check_are_refused_after_the_launch_and_ch
         else:
             valid = validate_prefill(x, core.geometry, core.gates, defer=True)  # a GPU NaN: no 400 yet
         assert (valid.deferred is not None) == (device != "cpu" or seq is bad)
-        jobs.append(_Job(valid, [slot], []))
+        jobs.append(_Job(valid, [slot], [], []))
     outcomes = core._run_batch(jobs)
     assert isinstance(outcomes[0], InvalidRequest) and outcomes[0].field == "q" and "non-finite" in outcomes[0].detail
     assert not isinstance(outcomes[1], BaseException)
