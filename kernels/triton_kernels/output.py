@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .config import LaunchConfig
 from .inputs import StageInputs, StateTargets
-from .state import count_nonfinite
+from .state import flag_nonfinite
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def chunk_output_kernel(
     b_o = tl.dot(b_a, b_v.to(b_a.dtype), acc, input_precision=DOT_PREC).to(o.dtype.element_ty)
     tl.store(o + tv + p_tv, b_o, mask=m_tv)
     if FLAG:
-        tl.atomic_max(flag_any, 1, mask=count_nonfinite(b_o, m_tv) > 0)
+        flag_nonfinite(flag_any, b_o, m_tv)
 
 
 def launch_output(x: StageInputs, chunks: torch.Tensor, qg: torch.Tensor, st: StateTargets,

@@ -16,7 +16,7 @@ import triton.language as tl
 from .config import LaunchConfig
 from .gate import activate_beta, gate_params, log_decay
 from .inputs import StageInputs, StateTargets
-from .state import count_nonfinite, store_checkpoint
+from .state import flag_nonfinite, store_checkpoint
 
 
 @triton.jit
@@ -78,8 +78,8 @@ def recurrent_step_kernel(
     b_final = b_s.to(pool.dtype.element_ty)
     tl.store(p_pool, b_final, mask=m_live)
     if FLAG:
-        n_bad = count_nonfinite(b_o, m_v) + count_nonfinite(b_final, m_kv)
-        tl.atomic_max(flags + seq, 1, mask=n_bad > 0)
+        flag_nonfinite(flags + seq, b_o, m_v)
+        flag_nonfinite(flags + seq, b_final, m_kv)
     if CHECKPOINT:
         store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_s, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv, c_row, c_head)
 

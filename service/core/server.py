@@ -539,11 +539,13 @@ class ServerCore:
                 nonfinite=transaction.flags,
             )
             o, _ = kernels.run_problem(problem, self.backend)
+            # gathered before the flags are read, so as not to wait twice: a request rolled back
+            # below answers with its error, never with these rows; the others' rows stay as gathered
+            finals = pool_layer.index_select(0, indices) if wants_final else None
             refused: dict[int, Exception] = dict(  # diverged requests rolled back (an async failure shows here)
                 transaction.settle(o))
             checks = {j: job.valid.deferred.read() for j, job in enumerate(jobs) if job.valid.deferred is not None}
             refused.update(self._refuse_inputs(jobs, checks, transaction))  # the one synchronization is behind us
-            finals = pool_layer.index_select(0, indices) if wants_final else None
             o_host = o.cpu() if to_host else None  # (or here)
             finals_host = finals.cpu() if to_host and finals is not None else None
             if device.type == "cuda" and not to_host:
