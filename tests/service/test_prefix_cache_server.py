@@ -279,3 +279,24 @@ def test_a_server_without_cache_refuses_checkpoints_and_publish(tmp_path, gen):
             assert c.alloc(prefix=["k"]).matched == 0
     finally:
         srv.stop()
+
+
+def test_checkpoints_over_shared_memory_store_what_the_binary_path_stores(server, client: KDAClient, gen):
+    """The same prefill with checkpoints through the client's POSIX shared memory transport
+    (`POST /prefill` naming regions): the entry restores the same state bit for bit as the
+    entry the binary request stored, in every layer."""
+    T, cut = 150, 64
+    inputs = _layers(gen, T)
+    via_body, via_shm = client.alloc(2)
+    with KDAClient(server.url, transport="shm") as shm:
+        for layer, seq in enumerate(inputs):
+            client.prefill(layer, [(via_body, *seq)], checkpoints=[[(cut, "shm.body")]])
+            shm.prefill(layer, [(via_shm, *seq)], checkpoints=[[(cut, "shm.regions")]])
+    assert client.prefix_info("shm.regions")["complete"] and client.prefix_info("shm.body")["complete"]
+    restored = [client.alloc(prefix=[key]) for key in ("shm.body", "shm.regions")]
+    assert all((r.matched, r.tokens) == (1, cut) for r in restored)
+    assert torch.equal(_bits(client.get_state(restored[0].slots[0])), _bits(client.get_state(restored[1].slots[0])))
+    for s in (via_body, via_shm, *restored[0].slots, *restored[1].slots):
+        client.free(s)
+    for key in ("shm.body", "shm.regions"):
+        client.drop_prefix(key)
