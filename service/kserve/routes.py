@@ -69,7 +69,7 @@ def _grpc_front_end(endpoint: KServeEndpoint, settings: Settings) -> Any:
     try:
         from .rpc import GrpcFrontEnd
     except ImportError as e:
-        raise ValueError(f"--grpc-port needs the grpc extra (pip install 'kda-serve[grpc]'): {e}") from None
+        raise ValueError(f"--grpc-port needs the grpc extra (from the checkout: pip install -e '.[grpc]'): {e}") from None
     return GrpcFrontEnd(endpoint, settings)
 
 

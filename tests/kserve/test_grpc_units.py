@@ -66,7 +66,7 @@ def test_grpc_port_is_checked_and_needs_the_extra(monkeypatch: pytest.MonkeyPatc
     for name in [m for m in sys.modules if m.startswith("service.kserve.rpc")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "grpc", None)  # as if grpcio were not installed
-    with pytest.raises(ValueError, match=r"--grpc-port needs the grpc extra \(pip install 'kda-serve\[grpc\]'\)"):
+    with pytest.raises(ValueError, match=r"--grpc-port needs the grpc extra \(from the checkout: pip install -e '\.\[grpc\]'\)"):
         create_app(Settings(**SETTINGS, grpc_port=8001))
     create_app(Settings(**SETTINGS))  # gRPC off: nothing of it is imported
 

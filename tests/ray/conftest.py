@@ -1,6 +1,6 @@
 """Fixtures for the Ray Serve tests: a local Ray cluster on 127.0.0.1 running the sharded
 application with two CPU shards, torn down at the end. The whole folder is skipped when
-Ray is not installed (``pip install 'kda-serve[ray]'``): each test module starts with
+Ray is not installed (``pip install -e '.[ray]'`` from the checkout): each test module starts with
 ``pytest.importorskip("ray.serve")``, and nothing here imports Ray before a fixture runs."""
 from __future__ import annotations
 
