@@ -28,6 +28,9 @@ quickstart() {  # clone dir: seconds from nothing until its server is ready
   kill -TERM "$server"
   wait "$server" || true
 }
+if curl -fs "http://127.0.0.1:$port/health/live" >/dev/null 2>&1; then
+  echo "port $port already answers: stop that server or set PORT" >&2; exit 1
+fi
 serve_s=$(quickstart "$work/serve")
 base_s=$(quickstart "$work/base")
 
