@@ -11,14 +11,19 @@ and beta sigmoid where a gate is fused (the serving setup) and without them for 
 decay; on the GPU also a batch wide enough for the wide state pass and, where it fits, a
 sequence long enough to run in pieces. Each path (`decode/bfloat16/lower_bound`, ...)
 passes when o and the final states are within the project's tolerances of the reference
-(relative L2: 1e-4 for fp32 inputs, 5e-3 for 16-bit inputs or a bf16 pool) and the pool
-rows no sequence names are untouched, bit for bit.
+(relative L2: 1e-4 for fp32 inputs, 5e-3 for 16-bit inputs or a bf16 pool), the pool
+rows no sequence names are untouched, bit for bit, and the kernels' non-finite flags
+(`kernels.problem.PrefillProblem.nonfinite`, passed as the server passes them, so the
+kernels compiled are the server's) flag nothing. One more launch per input dtype
+(`flags/<dtype>`) poisons v of a chunked sequence and q of a decode sequence with a NaN:
+the flags must name exactly those two, or the server's transaction could not roll back.
 
 A failure keeps the server unready; the `SelfTestReport` (in /info and the log) names each
 failed path, its errors, and the toolchain that compiled it (`toolchain`).
 
 ``fault`` (the test-only setting ``--self-test-fault``) names one path whose o is corrupted
-after its kernel ran, to prove that a mismatch keeps the server unready.
+after its kernel ran (for a ``flags/`` path: whose flags are cleared), to prove that a
+mismatch keeps the server unready.
 """
 from __future__ import annotations
 
@@ -267,8 +272,10 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
             indices=rows, scale=None, A_log=None if gate.A_log is None else gate.A_log.to(device),
             dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device), lower_bound=gate.lower_bound,
             use_qk_l2norm=case.flags, use_beta_sigmoid=case.flags, allow_neg_eigval=False,
+            nonfinite=torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device),
         )
         o, _ = kernels.run_problem(problem, backend)
+        flagged = problem.nonfinite.tolist()
         for kind, seqs in kinds.items():
             if seqs and fault == case.path(kind):
                 for n in seqs:
@@ -289,7 +296,43 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
         result.state_error = _rel(finals[seqs], fixture.ref_h[seqs])
         if not untouched:
             result.error = "the launch wrote pool rows that no sequence names"
+        elif any(flagged):
+            result.error = f"the kernels flagged finite results as non-finite (flags {flagged})"
     return list(results.values())
+
+
+FLAG_POISON = {2: 1, 0: 2}  # input (2: v, 0: q, in q, k, v, g, beta order) -> the NARROW sequence it poisons
+
+
+def run_flag_case(dtype: torch.dtype, fixture: _Fixture, geometry: PoolGeometry, backend: str,
+                  fault: Optional[str] = None) -> PathResult:
+    """``flags/<dtype>``: the NARROW lower-bound case with one NaN in v of its chunked
+    sequence 1 and one in q of its decode sequence 2: the flags must be set for exactly
+    those two (the output stage may add the unattributed flag [N])."""
+    device, bounds = geometry.device, fixture.bounds
+    result = PathResult(f"flags/{_NAMES[dtype]}")
+    inputs = [t.to(device=device, dtype=dtype) for t in fixture.inputs]  # q, k, v, g, beta
+    for which, n in FLAG_POISON.items():
+        inputs[which][(bounds[n] + bounds[n + 1]) // 2, 0, 0] = float("nan")
+    gate = Gate(A_log=torch.zeros(geometry.num_heads), dt_bias=None, lower_bound=-5.0)
+    try:
+        problem = packed_problem(
+            *inputs, bounds=bounds, pool=fixture.pool.clone(), indices=fixture.rows.to(device), scale=None,
+            A_log=gate.A_log.to(device), dt_bias=None, lower_bound=gate.lower_bound, use_qk_l2norm=True,
+            use_beta_sigmoid=True, allow_neg_eigval=False,
+            nonfinite=torch.zeros(len(bounds), dtype=torch.int32, device=device))
+        kernels.run_problem(problem, backend)
+        if fault == result.path:
+            problem.nonfinite.zero_()  # the injected fault: kernels that never flag
+        flagged = problem.nonfinite.tolist()
+    except Exception as e:
+        result.error = f"launch raised {type(e).__name__}: {str(e)[:300]}"
+        return result
+    result.o_error = result.state_error = 0.0
+    expected = [int(n in FLAG_POISON.values()) for n in range(len(bounds) - 1)]
+    if flagged[:-1] != expected:
+        result.error = f"the kernels' non-finite flags are {flagged}, expected {expected} (+ the unattributed one)"
+    return result
 
 
 def run_self_test(geometry: PoolGeometry, backend: str, gates: Mapping[int, Gate],
@@ -304,6 +347,9 @@ def run_self_test(geometry: PoolGeometry, backend: str, gates: Mapping[int, Gate
             if key not in fixtures:
                 fixtures[key] = _fixture(case, geometry, seed=len(fixtures))
             results += run_case(case, fixtures[key], geometry, backend, fault)
+        narrow = fixtures.get(("given", "narrow"))
+        if narrow is not None:
+            results += [run_flag_case(dtype, narrow, geometry, backend, fault) for dtype in INPUT_DTYPES]
     if fault is not None and fault not in {r.path for r in results}:  # a fault that corrupts nothing proves nothing
         results.append(PathResult(fault, error="--self-test-fault names no path of this server's self-test"))
     if geometry.device.type == "cuda":

@@ -112,15 +112,18 @@ DEVICES = [
 @pytest.mark.parametrize("device, backend", DEVICES)
 def test_the_self_test_passes_and_catches_each_injected_fault(device: str, backend: str) -> None:
     """Every path passes on a sound backend; a fault in any one path fails that path alone
-    (on the GPU: the wide and pieces layouts of the Triton kernels too). A fault naming no
-    path fails the test rather than passing it unnoticed."""
+    (on the GPU: the wide and pieces layouts of the Triton kernels too), the last being a
+    ``flags/`` path whose kernels never flag the NaN inputs. A fault naming no path fails
+    the test rather than passing it unnoticed."""
     core = ServerCore(Settings(device=device, backend=backend, num_layers=1, num_slots=2, num_heads=4,
                                head_dim=16, head_v_dim=32))
     report = run_self_test(core.geometry, core.backend, core.gates)
     assert report.passed, report.describe()
     paths = [r.path for r in report.results]
     kinds = {p.split("/")[0] for p in paths}
-    assert kinds == {"decode", "chunked"} and {p.split("/")[1] for p in paths} == {"float32", "bfloat16", "float16"}
+    assert kinds == {"decode", "chunked", "flags"}
+    assert {p.split("/")[1] for p in paths} == {"float32", "bfloat16", "float16"}
+    assert paths[-1].startswith("flags/")
     if device == "cuda":
         assert any(p.endswith("/wide") for p in paths)
     for fault in (paths[0], paths[-1]):
