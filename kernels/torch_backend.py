@@ -332,7 +332,10 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         _write_states(p, finals)
         h = (states.transpose(-1, -2) if p.state_v_first else states).contiguous() \
             if p.output_intermediate_states else None
-        return o.to(p.v.dtype), h
+        o = o.to(p.v.dtype)
+        if p.nonfinite is not None:
+            _flag_nonfinite(p, o, finals.to(p.pool.dtype))
+        return o, h
     finals = states.clone()
     o = torch.empty(x.v.shape, dtype=torch.float32, device=x.v.device)
     single = [n for n, length in enumerate(lengths) if length == 1]
@@ -384,9 +387,12 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
 def _flag_nonfinite(p: PrefillProblem, o: torch.Tensor, finals: torch.Tensor) -> None:
     """``p.nonfinite[n]`` set for each sequence n whose final state (``finals`` [N, HV, K,
     V] in the pool's dtype) or whose tokens of ``o`` [T, HV, V] hold a NaN or Inf."""
-    bad_states = ~torch.isfinite(finals).flatten(1).all(dim=1)  # [N]
-    bad_tokens = (~torch.isfinite(o).flatten(1).all(dim=1)).to(torch.int64)  # [T]
-    counts = torch.cat([bad_tokens.new_zeros(1), torch.cumsum(bad_tokens, 0)])  # [T + 1]
-    bounds = torch.tensor(p.bounds, dtype=torch.int64, device=o.device)
-    bad = bad_states | (counts[bounds[1:]] > counts[bounds[:-1]]).to(bad_states.device)
+    bad = ~torch.isfinite(finals).flatten(1).all(dim=1)  # [N]
+    bad_tokens = ~torch.isfinite(o).flatten(1).all(dim=1)  # [T]
+    if bad_tokens.shape[0] == bad.shape[0]:  # one token per sequence (none is empty)
+        bad |= bad_tokens.to(bad.device)
+    else:
+        counts = torch.cat([bad_tokens.new_zeros(1, dtype=torch.int64), torch.cumsum(bad_tokens, 0)])  # [T + 1]
+        bounds = torch.tensor(p.bounds, dtype=torch.int64, device=o.device)
+        bad |= (counts[bounds[1:]] > counts[bounds[:-1]]).to(bad.device)
     p.nonfinite[:-1] |= bad.to(device=p.nonfinite.device, dtype=torch.int32)
