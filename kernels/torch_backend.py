@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -128,20 +128,45 @@ class _ChunkLayout:
     sequences are a prefix of length ``active[c]`` and their chunks are the contiguous
     range ``offsets[c] : offsets[c] + active[c]`` of the chunk axis.
     token_index: token positions; chunk_index / pos_index: each one's chunk and place in it.
+    One sequence: token_index is the slice of its rows, which are its chunks in order
+    (the last zero-padded), and chunk_index / pos_index are None: no gather, no scatter.
     """
 
     order: list[int]
     active: list[int]
     offsets: list[int]
     num_chunks: int
-    token_index: torch.Tensor
-    chunk_index: torch.Tensor
-    pos_index: torch.Tensor
+    token_index: Union[torch.Tensor, slice]
+    chunk_index: Optional[torch.Tensor]
+    pos_index: Optional[torch.Tensor]
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """Token rows [T, HV, D] into zero-padded, head-major chunks [NC, HV, C, D]."""
+        if self.chunk_index is None:
+            rows = x[self.token_index]
+            pad = self.num_chunks * CHUNK_SIZE - rows.shape[0]
+            if pad:
+                rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+            return rows.view(self.num_chunks, CHUNK_SIZE, *x.shape[1:]).transpose(1, 2).contiguous()
+        buf = x.new_zeros(self.num_chunks, x.shape[1], CHUNK_SIZE, *x.shape[2:])
+        buf[self.chunk_index, :, self.pos_index] = x[self.token_index]
+        return buf
+
+    def from_chunks(self, o: torch.Tensor) -> torch.Tensor:
+        """Chunks [NC, HV, C, V] back to the rows [T', HV, V] of the tokens of ``token_index``."""
+        if self.chunk_index is None:
+            rows = o.transpose(1, 2).reshape(-1, *o.shape[1:2], *o.shape[3:])
+            return rows[: self.token_index.stop - self.token_index.start]
+        return o[self.chunk_index, :, self.pos_index]
 
 
 def _chunk_layout(starts: list[int], lengths: list[int], device: torch.device) -> _ChunkLayout:
     C = CHUNK_SIZE
     counts = [(n + C - 1) // C for n in lengths]
+    if len(lengths) == 1:
+        return _ChunkLayout(order=[0], active=[1] * counts[0], offsets=list(range(counts[0] + 1)),
+                            num_chunks=counts[0], token_index=slice(starts[0], starts[0] + lengths[0]),
+                            chunk_index=None, pos_index=None)
     order = sorted(range(len(lengths)), key=lambda m: -counts[m])
     steps = counts[order[0]]
     active = [sum(1 for m in order if counts[m] > c) for c in range(steps)]
@@ -160,13 +185,6 @@ def _chunk_layout(starts: list[int], lengths: list[int], device: torch.device) -
         token_index=torch.cat(tok).to(device), chunk_index=torch.cat(chunk).to(device),
         pos_index=torch.cat(pos).to(device),
     )
-
-
-def _to_chunks(x: torch.Tensor, layout: _ChunkLayout) -> torch.Tensor:
-    """Scatter token rows [T, HV, D] into zero-padded, head-major chunks [NC, HV, C, D]."""
-    buf = x.new_zeros(layout.num_chunks, x.shape[1], CHUNK_SIZE, *x.shape[2:])
-    buf[layout.chunk_index, :, layout.pos_index] = x[layout.token_index]
-    return buf
 
 
 @dataclass
@@ -274,19 +292,20 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 def chunked_pass(
     x: _Prepared, starts: list[int], lengths: list[int], states: torch.Tensor, keep_intermediate: bool,
     after: Optional[dict[int, list[tuple[int, int]]]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[list[torch.Tensor]], dict[int, torch.Tensor]]:
+) -> tuple[Union[torch.Tensor, slice], torch.Tensor, torch.Tensor, Optional[list[torch.Tensor]],
+           dict[int, torch.Tensor]]:
     """Run multi-token sequences. states: [M, HV, K, V] initial states, one per sequence.
     ``after``: for chunk step c, the (sequence m, checkpoint row) pairs that want the state
     of sequence m after its chunk c.
 
-    Returns (token_index [T'], o [T', HV, V] for those tokens, final states [M, HV, K, V],
+    Returns (token_index [T'] (a slice for one sequence), o [T', HV, V] for those tokens, final states [M, HV, K, V],
     with keep_intermediate a list per sequence of [NC_m, HV, K, V] states before each chunk,
     and the checkpoint states [HV, K, V] by row).
     """
     C = CHUNK_SIZE
     layout = _chunk_layout(starts, lengths, x.q.device)
-    q, k, v, g = (_to_chunks(t, layout) for t in (x.q, x.k, x.v, x.g))
-    beta = _to_chunks(x.beta[..., None], layout).squeeze(-1)
+    q, k, v, g = (layout.to_chunks(t) for t in (x.q, x.k, x.v, x.g))
+    beta = layout.to_chunks(x.beta[..., None]).squeeze(-1)
     terms = _intra_chunk(q, k, v, g, beta)
 
     order = torch.tensor(layout.order, device=states.device)
@@ -312,7 +331,7 @@ def chunked_pass(
     o += terms.aqk @ terms.u
     finals = torch.empty_like(S)
     finals[order] = S
-    o_tok = o[layout.chunk_index, :, layout.pos_index]
+    o_tok = layout.from_chunks(o)
     inter = None
     if h is not None:
         inter = [None] * len(lengths)
