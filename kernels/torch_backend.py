@@ -308,8 +308,9 @@ def chunked_pass(
     beta = layout.to_chunks(x.beta[..., None]).squeeze(-1)
     terms = _intra_chunk(q, k, v, g, beta)
 
-    order = torch.tensor(layout.order, device=states.device)
-    S = states.index_select(0, order)  # sorted by chunk count, descending
+    in_order = layout.order == sorted(layout.order)
+    order = None if in_order else torch.tensor(layout.order, device=states.device)
+    S = states.clone() if order is None else states.index_select(0, order)  # sorted by chunk count, descending
     o = torch.empty_like(terms.u)  # [NC, HV, C, V]
     h = S.new_empty(layout.num_chunks, *S.shape[1:]) if keep_intermediate else None
     rank_of = {m: rank for rank, m in enumerate(layout.order)}
@@ -329,8 +330,11 @@ def chunked_pass(
         for m, row in (after or {}).get(c, ()):
             saved[row] = S[rank_of[m]].clone()
     o += terms.aqk @ terms.u
-    finals = torch.empty_like(S)
-    finals[order] = S
+    if order is None:
+        finals = S
+    else:
+        finals = torch.empty_like(S)
+        finals[order] = S
     o_tok = layout.from_chunks(o)
     inter = None
     if h is not None:
@@ -355,10 +359,10 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if p.nonfinite is not None:
             _flag_nonfinite(p, o, finals.to(p.pool.dtype))
         return o, h
-    finals = states.clone()
-    o = torch.empty(x.v.shape, dtype=torch.float32, device=x.v.device)
     single = [n for n, length in enumerate(lengths) if length == 1]
     multi = [n for n, length in enumerate(lengths) if length > 1]
+    finals = states.clone() if single else states  # every sequence chunked: replaced by chunked_pass's
+    o = torch.empty(x.v.shape, dtype=torch.float32, device=x.v.device)
     inter: list[Optional[torch.Tensor]] = [None] * len(lengths)
 
     if single:
@@ -370,18 +374,21 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     wanted = _checkpoints_by_chunk(p)
     saved: dict[int, torch.Tensor] = {}
     if multi:
-        sel = torch.tensor(multi, device=states.device)
+        sel = None if not single else torch.tensor(multi, device=states.device)
         local = {n: m for m, n in enumerate(multi)}
         after: dict[int, list[tuple[int, int]]] = {}
         for n, j, row in wanted:
             if n in local:
                 after.setdefault(j, []).append((local[n], row))
         tok, o_tok, f, hs, saved = chunked_pass(
-            x, [starts[n] for n in multi], [lengths[n] for n in multi], states[sel], p.output_intermediate_states,
-            after,
+            x, [starts[n] for n in multi], [lengths[n] for n in multi], states if sel is None else states[sel],
+            p.output_intermediate_states, after,
         )
         o[tok] = o_tok
-        finals[sel] = f
+        if sel is None:
+            finals = f
+        else:
+            finals[sel] = f
         if hs is not None:
             for j, n in enumerate(multi):
                 inter[n] = hs[j]
@@ -410,6 +417,8 @@ def _flag_nonfinite(p: PrefillProblem, o: torch.Tensor, finals: torch.Tensor) ->
     bad_tokens = ~torch.isfinite(o).flatten(1).all(dim=1)  # [T]
     if bad_tokens.shape[0] == bad.shape[0]:  # one token per sequence (none is empty)
         bad |= bad_tokens.to(bad.device)
+    elif bad.shape[0] == 1:
+        bad |= bad_tokens.any().to(bad.device)
     else:
         counts = torch.cat([bad_tokens.new_zeros(1, dtype=torch.int64), torch.cumsum(bad_tokens, 0)])  # [T + 1]
         bounds = torch.tensor(p.bounds, dtype=torch.int64, device=o.device)
