@@ -258,8 +258,9 @@ def _intra_group(
     torch.mul(k_end, span[:, :, -1, None], out=out.kd.view(n, nb, S, K))
     out.decay.copy_(span[:, 0, -1] * torch.exp(ends[:, 0].float()))
     torch.tril(aqk, out=out.aqk)
-    L = torch.tril(akk, -1).mul_(beta[..., None])
-    L.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    # I + strict lower part of beta_t A_kk[t, s]: the solve reads only that triangle (its
+    # unit diagonal implied), so the rest of the product is never masked
+    L = akk * beta[..., None]
     bk = beta[..., None] * k
     rhs = torch.cat([bk * eG, beta[..., None] * v], dim=-1)
     sol = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
