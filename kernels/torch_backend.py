@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -128,20 +128,45 @@ class _ChunkLayout:
     sequences are a prefix of length ``active[c]`` and their chunks are the contiguous
     range ``offsets[c] : offsets[c] + active[c]`` of the chunk axis.
     token_index: token positions; chunk_index / pos_index: each one's chunk and place in it.
+    One sequence: token_index is the slice of its rows, which are its chunks in order
+    (the last zero-padded), and chunk_index / pos_index are None: no gather, no scatter.
     """
 
     order: list[int]
     active: list[int]
     offsets: list[int]
     num_chunks: int
-    token_index: torch.Tensor
-    chunk_index: torch.Tensor
-    pos_index: torch.Tensor
+    token_index: Union[torch.Tensor, slice]
+    chunk_index: Optional[torch.Tensor]
+    pos_index: Optional[torch.Tensor]
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """Token rows [T, HV, D] into zero-padded, head-major chunks [NC, HV, C, D]."""
+        if self.chunk_index is None:
+            rows = x[self.token_index]
+            pad = self.num_chunks * CHUNK_SIZE - rows.shape[0]
+            if pad:
+                rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+            return rows.view(self.num_chunks, CHUNK_SIZE, *x.shape[1:]).transpose(1, 2).contiguous()
+        buf = x.new_zeros(self.num_chunks, x.shape[1], CHUNK_SIZE, *x.shape[2:])
+        buf[self.chunk_index, :, self.pos_index] = x[self.token_index]
+        return buf
+
+    def from_chunks(self, o: torch.Tensor) -> torch.Tensor:
+        """Chunks [NC, HV, C, V] back to the rows [T', HV, V] of the tokens of ``token_index``."""
+        if self.chunk_index is None:
+            rows = o.transpose(1, 2).reshape(-1, *o.shape[1:2], *o.shape[3:])
+            return rows[: self.token_index.stop - self.token_index.start]
+        return o[self.chunk_index, :, self.pos_index]
 
 
 def _chunk_layout(starts: list[int], lengths: list[int], device: torch.device) -> _ChunkLayout:
     C = CHUNK_SIZE
     counts = [(n + C - 1) // C for n in lengths]
+    if len(lengths) == 1:
+        return _ChunkLayout(order=[0], active=[1] * counts[0], offsets=list(range(counts[0] + 1)),
+                            num_chunks=counts[0], token_index=slice(starts[0], starts[0] + lengths[0]),
+                            chunk_index=None, pos_index=None)
     order = sorted(range(len(lengths)), key=lambda m: -counts[m])
     steps = counts[order[0]]
     active = [sum(1 for m in order if counts[m] > c) for c in range(steps)]
@@ -160,13 +185,6 @@ def _chunk_layout(starts: list[int], lengths: list[int], device: torch.device) -
         token_index=torch.cat(tok).to(device), chunk_index=torch.cat(chunk).to(device),
         pos_index=torch.cat(pos).to(device),
     )
-
-
-def _to_chunks(x: torch.Tensor, layout: _ChunkLayout) -> torch.Tensor:
-    """Scatter token rows [T, HV, D] into zero-padded, head-major chunks [NC, HV, C, D]."""
-    buf = x.new_zeros(layout.num_chunks, x.shape[1], CHUNK_SIZE, *x.shape[2:])
-    buf[layout.chunk_index, :, layout.pos_index] = x[layout.token_index]
-    return buf
 
 
 @dataclass
@@ -240,8 +258,9 @@ def _intra_group(
     torch.mul(k_end, span[:, :, -1, None], out=out.kd.view(n, nb, S, K))
     out.decay.copy_(span[:, 0, -1] * torch.exp(ends[:, 0].float()))
     torch.tril(aqk, out=out.aqk)
-    L = torch.tril(akk, -1).mul_(beta[..., None])
-    L.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    # I + strict lower part of beta_t A_kk[t, s]: the solve reads only that triangle (its
+    # unit diagonal implied), so the rest of the product is never masked
+    L = akk * beta[..., None]
     bk = beta[..., None] * k
     rhs = torch.cat([bk * eG, beta[..., None] * v], dim=-1)
     sol = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
@@ -274,23 +293,25 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 def chunked_pass(
     x: _Prepared, starts: list[int], lengths: list[int], states: torch.Tensor, keep_intermediate: bool,
     after: Optional[dict[int, list[tuple[int, int]]]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[list[torch.Tensor]], dict[int, torch.Tensor]]:
+) -> tuple[Union[torch.Tensor, slice], torch.Tensor, torch.Tensor, Optional[list[torch.Tensor]],
+           dict[int, torch.Tensor]]:
     """Run multi-token sequences. states: [M, HV, K, V] initial states, one per sequence.
     ``after``: for chunk step c, the (sequence m, checkpoint row) pairs that want the state
     of sequence m after its chunk c.
 
-    Returns (token_index [T'], o [T', HV, V] for those tokens, final states [M, HV, K, V],
+    Returns (token_index [T'] (a slice for one sequence), o [T', HV, V] for those tokens, final states [M, HV, K, V],
     with keep_intermediate a list per sequence of [NC_m, HV, K, V] states before each chunk,
     and the checkpoint states [HV, K, V] by row).
     """
     C = CHUNK_SIZE
     layout = _chunk_layout(starts, lengths, x.q.device)
-    q, k, v, g = (_to_chunks(t, layout) for t in (x.q, x.k, x.v, x.g))
-    beta = _to_chunks(x.beta[..., None], layout).squeeze(-1)
+    q, k, v, g = (layout.to_chunks(t) for t in (x.q, x.k, x.v, x.g))
+    beta = layout.to_chunks(x.beta[..., None]).squeeze(-1)
     terms = _intra_chunk(q, k, v, g, beta)
 
-    order = torch.tensor(layout.order, device=states.device)
-    S = states.index_select(0, order)  # sorted by chunk count, descending
+    in_order = layout.order == sorted(layout.order)
+    order = None if in_order else torch.tensor(layout.order, device=states.device)
+    S = states.clone() if order is None else states.index_select(0, order)  # sorted by chunk count, descending
     o = torch.empty_like(terms.u)  # [NC, HV, C, V]
     h = S.new_empty(layout.num_chunks, *S.shape[1:]) if keep_intermediate else None
     rank_of = {m: rank for rank, m in enumerate(layout.order)}
@@ -310,9 +331,12 @@ def chunked_pass(
         for m, row in (after or {}).get(c, ()):
             saved[row] = S[rank_of[m]].clone()
     o += terms.aqk @ terms.u
-    finals = torch.empty_like(S)
-    finals[order] = S
-    o_tok = o[layout.chunk_index, :, layout.pos_index]
+    if order is None:
+        finals = S
+    else:
+        finals = torch.empty_like(S)
+        finals[order] = S
+    o_tok = layout.from_chunks(o)
     inter = None
     if h is not None:
         inter = [None] * len(lengths)
@@ -332,11 +356,14 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         _write_states(p, finals)
         h = (states.transpose(-1, -2) if p.state_v_first else states).contiguous() \
             if p.output_intermediate_states else None
-        return o.to(p.v.dtype), h
-    finals = states.clone()
-    o = torch.empty(x.v.shape, dtype=torch.float32, device=x.v.device)
+        o = o.to(p.v.dtype)
+        if p.nonfinite is not None:
+            _flag_nonfinite(p, o, finals.to(p.pool.dtype))
+        return o, h
     single = [n for n, length in enumerate(lengths) if length == 1]
     multi = [n for n, length in enumerate(lengths) if length > 1]
+    finals = states.clone() if single else states  # every sequence chunked: replaced by chunked_pass's
+    o = torch.empty(x.v.shape, dtype=torch.float32, device=x.v.device)
     inter: list[Optional[torch.Tensor]] = [None] * len(lengths)
 
     if single:
@@ -348,18 +375,21 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     wanted = _checkpoints_by_chunk(p)
     saved: dict[int, torch.Tensor] = {}
     if multi:
-        sel = torch.tensor(multi, device=states.device)
+        sel = None if not single else torch.tensor(multi, device=states.device)
         local = {n: m for m, n in enumerate(multi)}
         after: dict[int, list[tuple[int, int]]] = {}
         for n, j, row in wanted:
             if n in local:
                 after.setdefault(j, []).append((local[n], row))
         tok, o_tok, f, hs, saved = chunked_pass(
-            x, [starts[n] for n in multi], [lengths[n] for n in multi], states[sel], p.output_intermediate_states,
-            after,
+            x, [starts[n] for n in multi], [lengths[n] for n in multi], states if sel is None else states[sel],
+            p.output_intermediate_states, after,
         )
         o[tok] = o_tok
-        finals[sel] = f
+        if sel is None:
+            finals = f
+        else:
+            finals[sel] = f
         if hs is not None:
             for j, n in enumerate(multi):
                 inter[n] = hs[j]
@@ -383,10 +413,23 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
 
 def _flag_nonfinite(p: PrefillProblem, o: torch.Tensor, finals: torch.Tensor) -> None:
     """``p.nonfinite[n]`` set for each sequence n whose final state (``finals`` [N, HV, K,
-    V] in the pool's dtype) or whose tokens of ``o`` [T, HV, V] hold a NaN or Inf."""
-    bad_states = ~torch.isfinite(finals).flatten(1).all(dim=1)  # [N]
-    bad_tokens = (~torch.isfinite(o).flatten(1).all(dim=1)).to(torch.int64)  # [T]
-    counts = torch.cat([bad_tokens.new_zeros(1), torch.cumsum(bad_tokens, 0)])  # [T + 1]
-    bounds = torch.tensor(p.bounds, dtype=torch.int64, device=o.device)
-    bad = bad_states | (counts[bounds[1:]] > counts[bounds[:-1]]).to(bad_states.device)
-    p.nonfinite[:-1] |= bad.to(device=p.nonfinite.device, dtype=torch.int32)
+    V] in the pool's dtype) or whose tokens of ``o`` [T, HV, V] hold a NaN or Inf (all on
+    one device)."""
+    bad = _nan_rows(finals)  # [N]
+    tokens = _nan_rows(o)  # [T]
+    if tokens.shape[0] == bad.shape[0]:  # one token per sequence (none is empty)
+        bad = bad + tokens
+    elif bad.shape[0] == 1:
+        bad = bad + tokens.sum()
+    else:
+        counts = torch.cat([tokens.new_zeros(1, dtype=torch.int64), torch.cumsum(tokens.isnan(), 0)])  # [T + 1]
+        bounds = torch.tensor(p.bounds, dtype=torch.int64, device=o.device)
+        bad = bad + (counts[bounds[1:]] - counts[bounds[:-1]])
+    p.nonfinite[:-1] |= bad != 0
+
+
+def _nan_rows(x: torch.Tensor) -> torch.Tensor:
+    """[R]: 0 where row r of ``x`` [R, ...] is all finite, NaN where it holds a NaN or Inf.
+    x * 0 is a signed zero or NaN, and a sum of zeros cannot overflow: two kernels, where
+    ``torch.isfinite`` alone is five on the CPU (abs, ne, eq, mul and a copy)."""
+    return (x * 0).flatten(1).sum(dim=1)

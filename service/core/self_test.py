@@ -30,9 +30,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +41,7 @@ from kernels.problem import packed_problem
 from state_store import PoolGeometry
 
 from .gate_params import Gate
+from .worker import one_cpu_thread
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NARROW = (1, 67, 1, 130)  # two decode sequences, two chunked ones (1 chunk + 3, 2 chunks + 2 tokens)
@@ -208,20 +208,6 @@ class _Fixture:
     ref_h: torch.Tensor
 
 
-@contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    """On a CPU, the self-test's small launches and the reference's thousands of tiny ops
-    on one thread (more contend more than they help: 20x slower on a loaded 2-core
-    machine); the calling thread's count (OpenMP's is per thread) is restored after."""
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _fixture(case: Case, geometry: PoolGeometry, seed: int) -> _Fixture:
     """Random inputs for ``case``'s gate and layout: never zero; k scaled so the
     recurrence stays tame without l2norm; g a log decay < 0 for the given gate, raw for
@@ -341,7 +327,7 @@ def run_self_test(geometry: PoolGeometry, backend: str, gates: Mapping[int, Gate
     start = time.perf_counter()
     fixtures: dict[tuple[str, str], _Fixture] = {}
     results = []
-    with _one_thread(geometry.device):
+    with one_cpu_thread(geometry.device):
         for case in cases(geometry, backend, gates):
             key = (case.gate, case.layout)
             if key not in fixtures:

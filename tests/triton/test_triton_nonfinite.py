@@ -91,6 +91,16 @@ def test_the_torch_backend_flags_the_same_sequences(name: Optional[str], n: int)
     assert flags == (one_hot(n, N + 1) if name else [0] * (N + 1)), flags
 
 
+@pytest.mark.parametrize("lengths, name, n", [((1, 1, 1, 1), None, 0), ((1, 1, 1, 1), "v", 2), ((1, 1, 1, 1), "q", 1),
+                                             ((70,), None, 0), ((70,), "v", 0), ((70,), "q", 0)])
+def test_the_torch_backend_flags_a_decode_step_and_a_lone_sequence(lengths: tuple[int, ...], name: Optional[str],
+                                                                   n: int) -> None:
+    """One token per sequence takes the torch backend's recurrent step, one sequence its
+    own reading of o's flag: flagged the same."""
+    flags = flags_after(Case(lengths, gate="lower_bound"), "cpu", None if name is None else (name, n), backend="torch")
+    assert flags == (one_hot(n, len(lengths) + 1) if name else [0] * (len(lengths) + 1)), flags
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["v", "q"])
