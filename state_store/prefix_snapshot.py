@@ -13,12 +13,10 @@ be of the same generation as the pool snapshot beside it.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
-import tempfile
 from typing import Any
 
 import torch
@@ -29,7 +27,7 @@ from tensor_io.views import tensor_bytes
 from .errors import GeometryMismatch, SnapshotError
 from .geometry import PoolGeometry
 from .prefix_cache import PrefixCache, key_problem
-from .snapshot import PathLike, fsync_directory
+from .snapshot import PathLike, write_atomically
 
 FORMAT = "kda-serve/prefix-cache"
 VERSION = "1"
@@ -57,22 +55,7 @@ def write(path: PathLike, cache: PrefixCache) -> None:
         digest.update(tensor_bytes(state))
     metadata = {"format": FORMAT, "version": VERSION, "index": index,
                 "index_sha256": hashlib.sha256(index.encode()).hexdigest(), "entries_sha256": digest.hexdigest()}
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                safetensors_format.write(out, TENSOR_NAME, g.dtype, (len(states), *g.slot_shape), states, metadata)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
-        fsync_directory(directory)
-    except OSError as exc:
-        raise SnapshotError(path, f"cannot write: {exc}") from exc
+    write_atomically(path, TENSOR_NAME, g.dtype, (len(states), *g.slot_shape), states, metadata)
 
 
 def read(path: PathLike, geometry: PoolGeometry) -> list[Loaded]:

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import tempfile
-from typing import Any, Iterator, Union
+from typing import Any, Iterable, Iterator, Union
 
 import torch
 
@@ -87,12 +87,21 @@ def write(
         "index_sha256": hashlib.sha256(index.encode()).hexdigest(),
         "pool_sha256": pool_hash.hexdigest(),
     }
+    write_atomically(path, TENSOR_NAME, geometry.dtype, geometry.shape, _layers(pool), metadata)
+
+
+def write_atomically(path: PathLike, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                     parts: Iterable[torch.Tensor], metadata: dict[str, str]) -> None:
+    """One safetensors file at ``path`` holding the tensor ``name`` of ``dtype`` and
+    ``shape`` (the bytes of ``parts`` concatenated) and ``metadata``, written atomically: a
+    temporary file beside it, fsynced, renamed over ``path``, the directory fsynced.
+    SnapshotError when it cannot be written (the old file, if any, is left as it was)."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as out:
-                safetensors_format.write(out, TENSOR_NAME, geometry.dtype, geometry.shape, _layers(pool), metadata)
+                safetensors_format.write(out, name, dtype, shape, parts, metadata)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(temp, path)
