@@ -29,53 +29,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels.problem import packed_problem  # noqa: E402
+from bench.serving_case import K, V, launch, make_case  # noqa: E402
+from bench.serving_case import event_ms as timed_ms  # noqa: E402
 from state_store import PrefixCache, StatePool  # noqa: E402
 
-K = V = 128
-LOWER_BOUND = -5.0
 EVERY = 1024
 
 
-def make_case(n_seq: int, length: int, heads: int, device: torch.device) -> dict:
-    gen = torch.Generator(device=device).manual_seed(0)
-    T = n_seq * length
-
-    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device).to(dtype)
-
-    return dict(
-        q=randn(T, heads, K), k=randn(T, heads, K), v=randn(T, heads, V), g=randn(T, heads, K),
-        beta=randn(T, heads), A_log=torch.rand(heads, generator=gen, device=device),
-        dt_bias=2.0 * randn(heads, K, dtype=torch.float32) - 3.0, bounds=list(range(0, T + 1, length)),
-        pool=0.1 * randn(n_seq, heads, V, K, dtype=torch.float32),
-        idx=torch.arange(n_seq, device=device),
-        positions=tuple(s * length + j for s in range(n_seq) for j in range(min(EVERY, length), length + 1,
-                                                                              min(EVERY, length))),
-    )
-
-
-def launch(c: dict, backend: str, marks: torch.Tensor | None) -> None:
-    problem = packed_problem(
-        c["q"], c["k"], c["v"], c["g"], c["beta"], bounds=c["bounds"], pool=c["pool"], indices=c["idx"],
-        scale=None, A_log=c["A_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND, use_qk_l2norm=True,
-        use_beta_sigmoid=True, allow_neg_eigval=False,
-        checkpoint_tokens=c["positions"] if marks is not None else (), checkpoint_states=marks,
-    )
-    kernels.run_problem(problem, backend)
-
-
-def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end)
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+def checkpoint_positions(c: dict) -> tuple[int, ...]:
+    """Packed positions every `EVERY` tokens of each sequence of case ``c`` (and its end)."""
+    step = min(EVERY, c["lengths"][0])
+    return tuple(a + j for a, n in zip(c["bounds"][:-1], c["lengths"]) for j in range(step, n + 1, step))
 
 
 def wall_ms(fn: Callable[[], object], device: torch.device) -> float:
@@ -91,22 +55,23 @@ def wall_ms(fn: Callable[[], object], device: torch.device) -> float:
 def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: str) -> None:
     n_seq, length = map(int, args.case.split("x"))
     c = make_case(n_seq, length, args.heads, device)
-    C = len(c["positions"])
+    positions = checkpoint_positions(c)
+    C = len(positions)
     marks = torch.empty((C, args.heads, V, K), dtype=torch.float32, device=device)
     geometry = StatePool(1, 1, args.heads, K, V, device=device).geometry
     cache = PrefixCache(geometry, (C + 1) * geometry.bytes_per_slot)
 
     def with_checkpoints() -> None:
-        launch(c, backend, marks)
+        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=marks)
         for row in range(C):
-            cache.store_layer(f"ck.{row}", c["positions"][row], 0, marks[row])
+            cache.store_layer(f"ck.{row}", positions[row], 0, marks[row])
 
     for _ in range(3):
-        launch(c, backend, None)
+        launch(c, backend)
         with_checkpoints()
     plain, marked = [], []
     for _ in range(args.reps):
-        plain.append(timed_ms(lambda: launch(c, backend, None), device))
+        plain.append(timed_ms(lambda: launch(c, backend), device))
         marked.append(timed_ms(with_checkpoints, device))
     p, m = statistics.median(plain), statistics.median(marked)
     print(f"checkpoints {args.case} H{args.heads}, one every {EVERY} tokens ({C} states): plain {p:.3f} ms, "

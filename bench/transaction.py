@@ -25,64 +25,17 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels.problem import packed_problem  # noqa: E402
+from bench.serving_case import K, V, launch, make_case  # noqa: E402
+from bench.serving_case import event_ms as gpu_ms  # noqa: E402
 from service.core.transaction import LaunchTransaction  # noqa: E402
 
-K = V = 128
-LOWER_BOUND = -5.0
 GOAL = 0.03
-
-
-def make_case(n_seq: int, length: int, heads: int, device: torch.device) -> dict:
-    gen = torch.Generator(device=device).manual_seed(0)
-    T = n_seq * length
-
-    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device).to(dtype)
-
-    rows = n_seq + 8
-    return dict(
-        q=randn(T, heads, K), k=randn(T, heads, K), v=randn(T, heads, V), g=randn(T, heads, K),
-        beta=randn(T, heads), A_log=torch.rand(heads, generator=gen, device=device),
-        dt_bias=2.0 * randn(heads, K, dtype=torch.float32) - 3.0,
-        bounds=list(range(0, T + 1, length)),
-        pool=0.1 * randn(rows, heads, V, K, dtype=torch.float32),
-        idx=torch.randperm(rows, generator=gen, device=device)[:n_seq],
-        lengths=[length] * n_seq,
-    )
-
-
-def launch(c: dict, backend: str, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The server's kernel call (`ServerCore._launch`: a `packed_problem` of checked inputs
-    run by `kernels.run_problem`), in place on the scratch pool, with the non-finite
-    ``flags`` (the transaction's) or none; o [T, HV, V]."""
-    problem = packed_problem(
-        c["q"], c["k"], c["v"], c["g"], c["beta"], bounds=c["bounds"], pool=c["pool"], indices=c["idx"],
-        scale=None, A_log=c["A_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND, use_qk_l2norm=True,
-        use_beta_sigmoid=True, allow_neg_eigval=False, nonfinite=flags,
-    )
-    return kernels.run_problem(problem, backend)[0]
-
-
-def gpu_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """One call's time on the device (CUDA events), or wall time on a CPU."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end)
 
 
 def sync(device: torch.device) -> None:
@@ -99,7 +52,7 @@ def profile_guarded(c: dict, backend: str, requests: list) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             txn = LaunchTransaction(layer, c["idx"], requests)
-            o = launch(c, backend, txn.flags)
+            o = launch(c, backend, nonfinite=txn.flags)
             layer.index_select(0, c["idx"])
             txn.settle(o)
         torch.cuda.synchronize()
@@ -129,7 +82,7 @@ def main() -> None:
     for _ in range(args.reps):
         kernel.append(gpu_ms(lambda: launch(c, backend), device))
         txn = LaunchTransaction(layer, c["idx"], requests)
-        flagged.append(gpu_ms(lambda: launch(c, backend, txn.flags), device))
+        flagged.append(gpu_ms(lambda: launch(c, backend, nonfinite=txn.flags), device))
         copies.append(gpu_ms(lambda: layer.index_select(0, c["idx"]), device))
         checks.append(gpu_ms(lambda: txn.diverged(o), device))  # the flags' one host read
         sync(device)
@@ -140,7 +93,7 @@ def main() -> None:
         plain.append(time.perf_counter() - start)
         start = time.perf_counter()
         txn = LaunchTransaction(layer, c["idx"], requests)
-        o = launch(c, backend, txn.flags)
+        o = launch(c, backend, nonfinite=txn.flags)
         layer.index_select(0, c["idx"])  # the final states, gathered before the flags are read (as the server does)
         refused = txn.settle(o)
         sync(device)
