@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import kernels  # noqa: E402
 from bench.serving_case import K, V, launch, make_case  # noqa: E402
 from bench.serving_case import event_ms as timed_ms  # noqa: E402
+from kernels.triton_kernels import LaunchConfig, select_config  # noqa: E402
 from state_store import PrefixCache, StatePool  # noqa: E402
 
 EVERY = 1024
@@ -61,21 +62,30 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     geometry = StatePool(1, 1, args.heads, K, V, device=device).geometry
     cache = PrefixCache(geometry, (C + 1) * geometry.bytes_per_slot)
 
-    def with_checkpoints() -> None:
-        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=marks)
+    def with_checkpoints(config: Optional[LaunchConfig] = None) -> None:
+        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=marks, config=config)
         for row in range(C):
             cache.store_layer(f"ck.{row}", positions[row], 0, marks[row])
 
-    for _ in range(3):
-        launch(c, backend)
-        with_checkpoints()
-    plain, marked = [], []
-    for _ in range(args.reps):
-        plain.append(timed_ms(lambda: launch(c, backend), device))
-        marked.append(timed_ms(with_checkpoints, device))
-    p, m = statistics.median(plain), statistics.median(marked)
-    print(f"checkpoints {args.case} H{args.heads}, one every {EVERY} tokens ({C} states): plain {p:.3f} ms, "
-          f"with checkpoints stored {m:.3f} ms: +{100 * (m / p - 1):.2f}% (goal <= 5%)")
+    variants: dict[str, Callable[[], object]] = {
+        "plain": lambda: launch(c, backend), "with checkpoints stored": with_checkpoints}
+    if args.state_stages:  # the same with the state pass's pipeline depth forced
+        forced = select_config(K, V, interpret=False).with_overrides(state_stages=args.state_stages)
+        variants[f"plain, {args.state_stages} state stages"] = lambda: launch(c, backend, config=forced)
+        variants[f"with checkpoints, {args.state_stages} state stages"] = lambda: with_checkpoints(forced)
+    for fn in variants.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.reps):  # interleaved
+        for name, fn in variants.items():
+            times[name].append(timed_ms(fn, device))
+    p = statistics.median(times["plain"])
+    print(f"checkpoints {args.case} H{args.heads}, one every {EVERY} tokens ({C} states), medians of "
+          f"{args.reps} interleaved:")
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"  {name}: {m:.3f} ms ({100 * (m / p - 1):+.2f}% against plain; goal for checkpoints <= +5%)")
 
 
 def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
@@ -115,6 +125,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--state-stages", type=int, default=0,
+                        help="GPU: also time both with the state pass's pipeline stages forced to this")
     args = parser.parse_args()
     device = torch.device(args.device)
     backend = kernels.default_backend(device)

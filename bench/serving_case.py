@@ -11,6 +11,8 @@ import torch
 
 import kernels
 from kernels.problem import packed_problem
+from kernels.triton_backend import run_triton
+from kernels.triton_kernels import LaunchConfig
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -39,15 +41,18 @@ def make_case(n_seq: int, length: int, heads: int, device: torch.device, spare_r
 
 
 def launch(c: dict, backend: str, nonfinite: Optional[torch.Tensor] = None, checkpoint_tokens: tuple[int, ...] = (),
-           checkpoint_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+           checkpoint_states: Optional[torch.Tensor] = None, config: Optional[LaunchConfig] = None) -> torch.Tensor:
     """The server's kernel call on case ``c``, in place on its scratch pool, with the
-    non-finite flags and checkpoints given (none by default); o [T, HV, V]."""
+    non-finite flags and checkpoints given (none by default); o [T, HV, V]. ``config``: a
+    Triton launch config in place of the shape-chosen one (variants of a bench)."""
     problem = packed_problem(
         c["q"], c["k"], c["v"], c["g"], c["beta"], bounds=c["bounds"], pool=c["pool"], indices=c["idx"],
         scale=None, A_log=c["A_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND, use_qk_l2norm=True,
         use_beta_sigmoid=True, allow_neg_eigval=False, nonfinite=nonfinite,
         checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states,
     )
+    if config is not None:
+        return run_triton(problem, config)[0]
     return kernels.run_problem(problem, backend)[0]
 
 

@@ -21,7 +21,9 @@ state after that chunk goes to that row of ``ckpt`` as well (`store_checkpoint`)
 Non-finite flags (FLAG): the program looks for NaN and Inf values in the o tiles it
 stores (FUSE_OUT) and of the state it writes at the segment's end, as stored, and sets
 ``flags[sequence]`` when there are any (`flag_nonfinite`): a guard for the caller that
-costs no second read.
+costs no second read. Inside the chunk loop an o tile is only folded into a per-row sum of
+``o * 0`` (NaN where the row held a NaN or Inf, else 0; the sum runs along the tile's rows,
+inside one warp, so no barrier); the sums are flagged once, after the loop.
 """
 from __future__ import annotations
 
@@ -99,6 +101,7 @@ def chunk_state_kernel(
         b_h = tl.load(p_pool, mask=m_kv & (slot + o_k * 0 >= 0)[:, None], other=0.0).to(tl.float32)
 
     o_t = tl.arange(0, 64)
+    o_bad = tl.zeros([64], dtype=tl.float32)  # FLAG: sum over the chunks' o rows of o * 0
     m_k = o_k < K
     m_v = o_v < V
     for i_t in range(tl.cdiv(eos - bos, 64)):
@@ -124,8 +127,8 @@ def chunk_state_kernel(
             b_o = tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PREC)
             b_o = tl.dot(b_a, b_v.to(b_a.dtype), b_o, input_precision=DOT_PREC).to(o.dtype.element_ty)
             tl.store(o + p_tv, b_o, mask=m_tv)
-            if FLAG:
-                flag_nonfinite(flags + seq, b_o, m_tv)
+            if FLAG:  # masked rows and columns of b_o are zeros (their operands load as 0)
+                o_bad += tl.sum(b_o.to(tl.float32) * 0.0, axis=1)
         else:
             tl.store(v_new + p_tv, b_v, mask=m_tv)
 
@@ -136,6 +139,8 @@ def chunk_state_kernel(
             store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv,
                              c_row, c_head)
 
+    if FLAG and FUSE_OUT:
+        flag_nonfinite(flags + seq, o_bad, o_t < 64)
     if store_carry >= 0:
         tl.store(carry + (store_carry * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :]), b_h, mask=m_kv)
         if FLAG:
