@@ -62,12 +62,10 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     geometry = StatePool(1, 1, args.heads, K, V, device=device).geometry
     cache = PrefixCache(geometry, (C + 1) * geometry.bytes_per_slot)
 
-    marks_vk = torch.empty((C, args.heads, K, V), dtype=torch.float32, device=device).transpose(-1, -2)
-
-    def with_checkpoints(config: Optional[LaunchConfig] = None, into: torch.Tensor = marks, store: bool = True) -> None:
-        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=into, config=config)
+    def with_checkpoints(config: Optional[LaunchConfig] = None, store: bool = True) -> None:
+        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=marks, config=config)
         for row in range(C if store else 0):
-            cache.store_layer(f"ck.{row}", positions[row], 0, into[row])
+            cache.store_layer(f"ck.{row}", positions[row], 0, marks[row])
 
     variants: dict[str, Callable[[], object]] = {
         "plain": lambda: launch(c, backend), "with checkpoints stored": with_checkpoints}
@@ -77,8 +75,6 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         variants[f"plain, {s} state stages"] = lambda: launch(c, backend, config=forced)
         variants[f"with checkpoints, {s} state stages"] = lambda: with_checkpoints(forced)
         variants[f"checkpoints written, not stored, {s} state stages"] = lambda: with_checkpoints(forced, store=False)
-        variants[f"with checkpoints into a V-contiguous buffer, {s} state stages"] = (
-            lambda: with_checkpoints(forced, into=marks_vk))
     for fn in variants.values():
         for _ in range(3):
             fn()
@@ -109,22 +105,10 @@ def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
             pool.write_state(slot, held.state)
         pool.free(slot)
 
-    def restore_by_layer(key: str) -> None:  # candidate: one contiguous copy per layer
-        with cache.restoring([key]) as held:
-            (slot,) = pool.alloc(1)
-            (row,) = pool.rows([slot])
-            for layer in range(g.num_layers):
-                pool.layer_view(layer)[row].copy_(held.state[layer], non_blocking=True)
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
-        pool.free(slot)
-
     pinned = torch.empty(g.slot_shape, pin_memory=device.type == "cuda")
     target = torch.empty(g.slot_shape, device=device)
     results = {}
     for name, fn in (("device", lambda: restore("device")), ("host", lambda: restore("host")),
-                     ("device by layer", lambda: restore_by_layer("device")),
-                     ("host by layer", lambda: restore_by_layer("host")),
                      ("pcie", lambda: target.copy_(pinned, non_blocking=True))):
         for _ in range(3):
             fn()
@@ -134,8 +118,6 @@ def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
           f"{results['device']:.3f} ms (goal <= 0.2 ms); host tier {results['host']:.3f} ms against PCIe "
           f"{results['pcie']:.3f} ms ({nbytes / results['pcie'] / 1e6:.1f} GB/s): "
           f"+{results['host'] - results['pcie']:.3f} ms (goal <= 0.2 ms)")
-    print(f"  candidate, one copy per layer: device tier {results['device by layer']:.3f} ms, host tier "
-          f"{results['host by layer']:.3f} ms (+{results['host by layer'] - results['pcie']:.3f} over PCIe)")
 
 
 def main() -> None:
@@ -146,7 +128,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--state-stages", type=int, default=0,
-                        help="GPU: also time both with the state pass's pipeline stages forced to this")
+                        help="GPU: also time plain, checkpointed and checkpoints-not-stored launches with the "
+                             "state pass's pipeline stages forced to this")
     args = parser.parse_args()
     device = torch.device(args.device)
     backend = kernels.default_backend(device)
