@@ -9,6 +9,7 @@ Formulas: with ``lower_bound`` L,
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Optional
 
@@ -37,6 +38,35 @@ class Gate:
     def fused(self) -> bool:
         """Whether g is raw (the kernel applies a gate), as opposed to the log decay."""
         return self.A_log is not None or self.lower_bound is not None
+
+
+class DeviceGates:
+    """Request gates' tensors on ``device``, by gate key: a request's A_log and dt_bias arrive
+    on the host (their bytes are the key), and a launch needs them on the device; the copy
+    is made once per distinct gate (the layers of one model repeat theirs every step), not
+    once per launch, where a blocking host-to-device copy would also wait for the inputs'
+    copies queued before it. Holds the ``capacity`` most recently used gates."""
+
+    def __init__(self, device: torch.device, capacity: int = 256) -> None:
+        self._device = device
+        self._capacity = capacity
+        self._held: OrderedDict[Hashable, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = OrderedDict()
+
+    def tensors(self, gate: Gate) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(A_log, dt_bias) of ``gate`` on the device (None where the gate has none); a gate
+        without a key is copied every time."""
+        held = self._held.get(gate.key)
+        if held is None:
+            held = (None if gate.A_log is None else gate.A_log.to(self._device),
+                    None if gate.dt_bias is None else gate.dt_bias.to(self._device))
+            if gate.key is None:
+                return held
+            self._held[gate.key] = held
+            if len(self._held) > self._capacity:
+                self._held.popitem(last=False)
+        else:
+            self._held.move_to_end(gate.key)
+        return held
 
 
 def gate_key(A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], lower_bound: Optional[float]) -> Hashable:

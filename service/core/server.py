@@ -51,7 +51,7 @@ from ..config import Settings
 from ..errors import InvalidRequest, NotReady, PrefixCacheOff, PrefixConflict, PrefixTooLarge, StateLost, UnknownPrefix
 from .checkpoints import Planned, check_checkpoint_keys, plan_checkpoints
 from ..version import __version__
-from .gate_params import Gate, load_gate_params
+from .gate_params import DeviceGates, Gate, load_gate_params
 from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics, build_info
 from .self_test import SelfTestReport, run_self_test
@@ -114,6 +114,7 @@ class ServerCore:
         self.worker = DeviceWorker(self.geometry.device)
         # host inputs reach a GPU through pinned memory (`_launch`, on the worker thread only)
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
+        self._device_gates = DeviceGates(device)  # requests' gate tensors, copied once per distinct gate
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
             self._run_batch, self.worker, self.metrics,
             window_s=settings.batch_window_ms / 1000.0, max_tokens=settings.max_batch_tokens,
@@ -530,22 +531,24 @@ class ServerCore:
             marks = (torch.empty((len(positions), *pool_layer.shape[1:]), dtype=pool_layer.dtype, device=device)
                      if positions else None)  # written by the launch itself (kernels.checkpoints)
             q, k, v, g, beta = staged or [packed(name) for name in REQUIRED_TENSORS]
+            A_log, dt_bias = self._device_gates.tensors(gate)
             problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
                 q, k, v, g, beta, bounds=[0, *itertools.accumulate(lengths)], pool=pool_layer, indices=indices,
-                scale=x.scale, A_log=None if gate.A_log is None else gate.A_log.to(device),
-                dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device), lower_bound=gate.lower_bound,
+                scale=x.scale, A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound,
                 use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
                 allow_neg_eigval=x.allow_neg_eigval, checkpoint_tokens=tuple(positions), checkpoint_states=marks,
                 nonfinite=transaction.flags,
             )
             o, _ = kernels.run_problem(problem, self.backend)
-            # gathered before the flags are read, so as not to wait twice: a request rolled back
-            # below answers with its error, never with these rows; the others' rows stay as gathered
+            # gathered, and the deferred input checks queued for the host, before the flags are read:
+            # that read is the launch's one wait, and the checks' host copies are complete after it. A
+            # request rolled back below answers with its error, never with these rows; the others'
+            # rows stay as gathered
             finals = pool_layer.index_select(0, indices) if wants_final else None
+            checks = {j: job.valid.deferred.read() for j, job in enumerate(jobs) if job.valid.deferred is not None}
             refused: dict[int, Exception] = dict(  # diverged requests rolled back (an async failure shows here)
                 transaction.settle(o))
-            checks = {j: job.valid.deferred.read() for j, job in enumerate(jobs) if job.valid.deferred is not None}
-            refused.update(self._refuse_inputs(jobs, checks, transaction))  # the one synchronization is behind us
+            refused.update(self._refuse_inputs(jobs, checks, transaction))
             o_host = o.cpu() if to_host else None  # (or here)
             finals_host = finals.cpu() if to_host and finals is not None else None
             if device.type == "cuda" and not to_host:

@@ -426,3 +426,29 @@ def test_finite_flags_names_each_bad_tensor_of_a_mixed_list(device: str) -> None
     tensors = [t.to(device) for t in (good[0], nan, good[1], torch.empty(0), inf, good[2])]
     assert finite_flags(tensors) == [True, False, True, True, False, True]
     assert finite_flags([]) == []
+
+
+def test_device_gates_copy_each_gate_once_and_keep_the_most_recent() -> None:
+    """`DeviceGates` hands back the gate's values on its device, the same tensors again for
+    a key it holds (no second copy), drops the least recently used key past its capacity,
+    and copies a keyless gate every time. The "meta" device makes every copy a new tensor."""
+    from service.core.gate_params import DeviceGates, Gate, gate_key
+
+    gen = torch.Generator().manual_seed(3)
+    gates = []
+    for _ in range(3):
+        a, d = torch.randn(4, generator=gen), torch.randn(4, 8, generator=gen)
+        gates.append(Gate(a, d, -5.0, key=gate_key(a, d, -5.0)))
+    on_cpu = DeviceGates(torch.device("cpu")).tensors(gates[0])
+    assert torch.equal(on_cpu[0], gates[0].A_log) and torch.equal(on_cpu[1], gates[0].dt_bias)
+    held = DeviceGates(torch.device("meta"), capacity=2)
+    first = held.tensors(gates[0])
+    assert first[0].device.type == "meta" and first[1].shape == (4, 8)
+    assert all(x is y for x, y in zip(held.tensors(gates[0]), first))
+    second = held.tensors(gates[1])
+    held.tensors(gates[0])  # gates[0] the most recent: gates[1] goes next
+    held.tensors(gates[2])
+    assert all(x is y for x, y in zip(held.tensors(gates[0]), first))
+    assert held.tensors(gates[1])[0] is not second[0]  # dropped, so copied afresh
+    keyless = Gate(gates[0].A_log, None, None, key=None)
+    assert held.tensors(keyless)[0] is not held.tensors(keyless)[0]
