@@ -6,6 +6,7 @@
 - `state`: the sequential chunk-to-chunk state pass, in place on the pool;
 - `output`: per-chunk outputs from the states and the intra-chunk matrices;
 - `recurrent`: single-token sequences (decode), in place on the pool;
+- `extremes`: the value range of several tensors in one launch (the service's input checks);
 - `config`: fixed launch configurations by shape;
 - `inputs`: what the stages' host launchers share (`StageInputs`, `StateTargets`).
 
@@ -13,6 +14,7 @@ Each stage's host launcher (`launch_intra`, `launch_wy`, ...) sits beside its ke
 `kernels.triton_backend.run_triton` chains them.
 """
 from .config import LaunchConfig, select_config
+from .extremes import value_extremes
 from .intra import chunk_intra_kernel
 from .output import chunk_output_kernel
 from .recurrent import recurrent_step_kernel
@@ -27,4 +29,5 @@ __all__ = [
     "chunk_state_kernel",
     "chunk_output_kernel",
     "recurrent_step_kernel",
+    "value_extremes",
 ]

@@ -24,11 +24,12 @@ from ..wire.tensors import describe
 @dataclass(frozen=True)
 class DeferredCheck:
     """The value checks of a request's tensors on a GPU, computed there and read after the
-    launch instead of before it (no synchronization of their own): ``ends`` [n, 2] float32,
-    each tensor's (min, max), computed on the copy stream, complete once ``ready`` (an event
-    on it) is; ``names``/``described`` name the tensors; ``log_decay``: g is the log decay,
-    so its largest value must be <= 0. The launch queues `read` on its stream before its
-    one synchronization and calls `problem` after it; a request it refuses is rolled back."""
+    launch instead of before it (no synchronization of their own): ``ends`` [n, 3] float32,
+    each tensor's (-min, max, bad) (`kernels.triton_kernels.extremes.value_extremes`: one
+    launch, on the copy stream), complete once ``ready`` (an event on it) is;
+    ``names``/``described`` name the tensors; ``log_decay``: g is the log decay, so its
+    largest value must be <= 0. The launch queues `read` on its stream before its one
+    synchronization and calls `problem` after it; a request it refuses is rolled back."""
 
     names: tuple[str, ...]
     described: tuple[str, ...]
@@ -37,7 +38,7 @@ class DeferredCheck:
     log_decay: bool
 
     def read(self) -> torch.Tensor:
-        """``ends`` copied to the host behind the current stream's work ([n, 2], float32;
+        """``ends`` copied to the host behind the current stream's work ([n, 3], float32;
         valid once that stream is synchronized), the stream first waiting for ``ready``."""
         if not self.ends.is_cuda:
             return self.ends
@@ -51,7 +52,8 @@ class DeferredCheck:
 
     def problem(self, host: torch.Tensor) -> Optional[InvalidRequest]:
         """The 400 `read`'s values call for (the first failing tensor), or None."""
-        for name, described, (lo, hi) in zip(self.names, self.described, host.tolist()):
+        for name, described, (neg_lo, hi, bad) in zip(self.names, self.described, host.tolist()):
+            lo, hi = (math.nan, math.nan) if bad > 0 else (-neg_lo, hi)
             why = _value_problem(name, described, lo, hi, self.log_decay)
             if why is not None:
                 return why
@@ -221,12 +223,14 @@ def _check_values(x: PrefillInputs, gate: Gate, defer: bool) -> Optional[Deferre
             raise why
     if not later:
         return None
+    from kernels.triton_kernels.extremes import value_extremes  # Triton: imported once a GPU tensor needs it
+
     device = later[0][1].device
     stream = copy_stream(device)
     with torch.cuda.stream(stream):
         for _, t in later:
             t.record_stream(stream)
-        ends_t = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in later])  # [n, 2]
+        ends_t = value_extremes([t for _, t in later])  # [n, 3]: one launch, where ~3n small ops were
         ready = torch.cuda.Event()
         ready.record(stream)
     return DeferredCheck(tuple(n for n, _ in later), tuple(describe(t) for _, t in later), ends_t, ready,
