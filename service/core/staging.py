@@ -30,6 +30,14 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)
 
 
+def drain_copy_streams() -> None:
+    """Wait for every copy queued on a `copy_stream` so far (of every device that has one):
+    before memory those copies read or write is unmapped or unpinned."""
+    if torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            copy_stream(torch.device("cuda", index)).synchronize()
+
+
 class PinnedStaging:
     """Stages host tensors for ``device`` (a CUDA device) through one pinned buffer."""
 

@@ -44,7 +44,7 @@ import torch
 
 from tensor_io.views import tensor_bytes
 
-from ..core.staging import copy_stream
+from ..core.staging import copy_stream, drain_copy_streams
 from .cuda_ipc import IpcMappings, IpcMemory, unavailable_reason
 from ..errors import InvalidRequest
 
@@ -239,9 +239,11 @@ class SystemRegion(_Region):
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
     def _unpin(self) -> None:
-        """Drop the page-locked view (unregistered with CUDA); the next use pins afresh."""
+        """Drop the page-locked view (unregistered with CUDA, once no copy is in flight from
+        or to it); the next use pins afresh."""
         if self._host is not None:
             if self._pinned:
+                drain_copy_streams()
                 torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
                 self._pinned = False
             self._host = None  # its export of the mapping ends here, so the mapping can close
@@ -315,6 +317,7 @@ class CudaRegion(_Region):
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
 
     def close(self) -> None:
+        drain_copy_streams()  # a request's inputs may still be on their way out of the client's memory
         del self._tensor
         self._release(self._memory)
 

@@ -75,8 +75,11 @@ def _to_host(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], warm
 
 def _to_device(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], device: torch.device
                ) -> dict[str, torch.Tensor]:
-    """``inputs`` copied into one buffer on the GPU ``device``, on its copy stream, complete
-    on return (the client may reuse its memory then; no launch in flight is waited for)."""
+    """``inputs`` copied into one buffer on the GPU ``device``, on its copy stream. Nothing
+    waits for the copies here: the scans that check the inputs follow them on that stream,
+    and the launch stream (the device's default stream) waits for them on the GPU, so the
+    host goes on to validate and launch while they run. A region is never unmapped under a
+    copy in flight (`service.shm.registry`: closing one waits for its copy streams)."""
     offsets, total = _packed_offsets(inputs)
     stream = copy_stream(device)
     with torch.cuda.stream(stream):
@@ -84,8 +87,9 @@ def _to_device(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], de
         for name, x in inputs.items():
             start = offsets[name]
             regions[x.ref.region].read_into_tensor(x.ref.offset, buf[start:start + x.ref.byte_size])
-    stream.synchronize()
-    buf.record_stream(torch.cuda.default_stream(device))  # the launch reads it there
+    launch_stream = torch.cuda.default_stream(device)
+    launch_stream.wait_stream(stream)
+    buf.record_stream(launch_stream)  # the launch reads it there
     return {name: buf[offsets[name]:offsets[name] + nbytes(x.shape, x.dtype)].view(x.dtype).view(x.shape)
             for name, x in inputs.items()}
 
