@@ -222,6 +222,31 @@ class StatePool:
         self._touch(slot_id).tokens_per_layer[layer] += count
 
     @_locked
+    def record_tokens_many(self, slot_ids: Sequence[str], layer: int, counts: Sequence[int]) -> None:
+        """`record_tokens` for each of ``slot_ids`` with its ``counts`` entry, under one lock
+        (a decode step names hundreds of slots). Checks every count and resolves every id
+        before it changes any."""
+        layer = self._layer_index(layer)
+        if len(slot_ids) != len(counts):
+            raise ValueError(f"{len(slot_ids)} slot ids but {len(counts)} counts")
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in counts):
+            raise ValueError(f"counts must be non-negative integers, got {list(counts)[:8]}")
+        slots = [self._resolve(slot_id) for slot_id in slot_ids]
+        now = self._clock()
+        for slot, n in zip(slots, counts):
+            slot.last_used = now
+            slot.tokens_per_layer[layer] += n
+
+    @_locked
+    def first_lost(self, slot_ids: Sequence[str]) -> Optional[str]:
+        """The first of ``slot_ids`` flagged state_lost (`mark_lost`), or None; UnknownSlot
+        for the first id that is not live. One lock for all of them; not a use."""
+        for slot_id in slot_ids:
+            if self._resolve(slot_id).state_lost:
+                return slot_id
+        return None
+
+    @_locked
     def mark_lost(self, slot_ids: Sequence[str]) -> None:
         """Flag slots whose state can no longer be trusted (an in-place update on their rows
         failed midway). Resolves all ids first, like `rows`; does not count as a use."""

@@ -403,13 +403,9 @@ class ServerCore:
         valid = await off_loop(validate_prefill, inputs, self.geometry, self.gates, True, nbytes=size)
         validate_s = time.perf_counter() - start
         check_checkpoint_keys(inputs, self.prefix_cache.enabled)
-        named = [slot_id for slot_id in inputs.slots if slot_id is not None]
-        for slot_id in named:
-            if not self.pool.contains(slot_id):
-                raise UnknownSlot(slot_id)
-        for slot_id in named:
-            if self.pool.slot_info(slot_id).state_lost:
-                raise StateLost(slot_id)
+        lost = self.pool.first_lost([slot_id for slot_id in inputs.slots if slot_id is not None])  # or UnknownSlot
+        if lost is not None:
+            raise StateLost(lost)
         if inputs.checkpoints:  # refused before anything is allocated; checked again once the slots are held
             plan_checkpoints(inputs, self._tokens_before(inputs.slots, inputs.params.layer))
         count = inputs.slots.count(None)
@@ -456,7 +452,7 @@ class ServerCore:
             except UnknownSlot as e:
                 outcomes[i] = e
                 continue
-            lost = next((s for s in job.slots if self.pool.slot_info(s).state_lost), None)
+            lost = self.pool.first_lost(job.slots)
             if lost is not None:
                 outcomes[i] = StateLost(lost)
                 continue
@@ -569,8 +565,7 @@ class ServerCore:
             if j in refused:
                 results.append(refused[j])
             else:
-                for slot_id, n in zip(job.slots, job_lengths):
-                    self.pool.record_tokens(slot_id, layer, n)
+                self.pool.record_tokens_many(job.slots, layer, job_lengths)
                 self.metrics.tokens.inc(sum(job_lengths))
                 self.metrics.sequences.inc(len(job_lengths))
                 o_all, final_all = (o, finals) if job.valid.inputs.device_outputs else (o_host, finals_host)

@@ -255,6 +255,33 @@ def test_record_tokens_and_slot_info(clock):
     assert pool.slot_info(a).tokens_per_layer == [65, 0, 10]
 
 
+def test_record_tokens_many_adds_each_count_or_nothing(clock):
+    pool = make_pool(clock=clock)
+    a, b = pool.alloc(2)
+    before = pool.slot_info(b).last_used
+    clock.advance(1.5)
+    pool.record_tokens_many([a, b], 1, [5, 1])
+    assert pool.slot_info(a).tokens_per_layer == [0, 5, 0] and pool.slot_info(b).tokens_per_layer == [0, 1, 0]
+    assert pool.slot_info(b).last_used == pytest.approx(before + 1.5)  # a use
+    for ids, counts, error in (([a, "gone"], [1, 1], UnknownSlot), ([a, b], [1, -1], ValueError),
+                               ([a, b], [1, True], ValueError), ([a, b], [1], ValueError)):
+        with pytest.raises(error):
+            pool.record_tokens_many(ids, 1, counts)
+    assert pool.slot_info(a).tokens_per_layer == [0, 5, 0] and pool.slot_info(b).tokens_per_layer == [0, 1, 0]
+    with pytest.raises(IndexError):
+        pool.record_tokens_many([a], 3, [1])
+
+
+def test_first_lost_names_the_first_flagged_slot():
+    pool = make_pool()
+    a, b, c = pool.alloc(3)
+    assert pool.first_lost([a, b, c]) is None and pool.first_lost([]) is None
+    pool.mark_lost([c, b])
+    assert pool.first_lost([a, b, c]) == b and pool.first_lost([c, a]) == c
+    with pytest.raises(UnknownSlot):
+        pool.first_lost([a, "gone", b])
+
+
 def test_mark_lost_flags_until_the_state_is_replaced():
     pool = make_pool()
     a, b = pool.alloc(2)
