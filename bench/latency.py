@@ -15,7 +15,7 @@ concurrent 64-token requests (`AsyncKDAClient`) on a second server of ``bench/tr
 ``gpu`` (the H200): a GPU server (``--device cuda:0 --backend triton``, H = HV = 32, K = V =
 128, fp32 pool, bf16 inputs, the serving options: lower-bound gate with A_log and dt_bias,
 q/k l2norm, beta sigmoid). Cases 1x4096, 8x4096 and a decode step 256x1, each on named
-slots:
+slots, and ``GET /health/live`` on the same client (the HTTP round trip every call includes):
 
 - CUDA IPC: the inputs already lie in a registered CUDA region of this process, the request
   names them in place (the engine's call); goals 1x4096 <= kernel + 0.3 ms and <= 1.0 ms,
@@ -379,6 +379,19 @@ def gpu_case(http: httpx.Client, case: GpuCase, index: int, args: argparse.Names
     return figures, records
 
 
+def trivial_request(http: httpx.Client, calls: int, warmup: int) -> Figure:
+    """``GET /health/live`` on the same client and server: the HTTP round trip alone, which
+    every prefill's end-to-end figure includes."""
+    walls = []
+    for i in range(warmup + calls):
+        t0 = time.perf_counter()
+        if http.get("/health/live").status_code != 200:
+            raise RuntimeError("/health/live did not answer 200")
+        if i >= warmup:
+            walls.append(time.perf_counter() - t0)
+    return figure("GET /health/live (the same client)", walls)
+
+
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     from bench.cuda_ipc import DIM, HEADS
 
@@ -391,6 +404,7 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     figures, records = [], []
     try:
         with http_client(server.url) as http:
+            figures.append(trivial_request(http, args.calls, args.warmup))
             for i, case in enumerate(cases):
                 f, r = gpu_case(http, case, i, args)
                 figures += f
