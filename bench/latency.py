@@ -243,7 +243,7 @@ def kernel_paths(inputs: dict[str, torch.Tensor], case: GpuCase, calls: int, war
     indices = torch.arange(case.sequences, dtype=torch.int64, device=device)
     q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
     options = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=LOWER_BOUND)
-    problem = packed_problem(q, k, v, g, beta, bounds=bounds, cu_seqlens=cu, pool=pool, indices=indices, scale=None,
+    problem = packed_problem(q, k, v, g, beta, bounds=bounds, pool=pool, indices=indices, scale=None,
                              use_qk_l2norm=True, use_beta_sigmoid=True, allow_neg_eigval=False, **options)
     public = dict(initial_state=pool, initial_state_indices=indices, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                   use_beta_sigmoid_in_kernel=True, backend="triton", **options)

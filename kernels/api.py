@@ -48,16 +48,15 @@ def _check_rank(name: str, x: torch.Tensor, rank: int) -> None:
 
 
 def _packed_bounds(
-    B: int, T: int, cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """cu_seqlens as a device int64 tensor and a host tuple, checked against B and T. The
-    host tuple comes from ``cu_seqlens_cpu`` when given (no device-to-host copy), else
-    from ``cu_seqlens`` (one copy: a synchronization when it is on a GPU)."""
+    B: int, T: int, cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor]
+) -> tuple[int, ...]:
+    """The sequence bounds as a host tuple, checked against B and T: from ``cu_seqlens_cpu``
+    when given (nothing read back from the device), else from ``cu_seqlens`` (one copy to the
+    host: a synchronization when it is on a GPU), else B sequences of T tokens."""
     if T == 0 or B == 0:
         raise ValueError(f"q has no tokens: shape [B, T] = [{B}, {T}]")
     if cu_seqlens is None and cu_seqlens_cpu is None:
-        bounds = tuple(range(0, B * T + 1, T))
-        return torch.tensor(bounds, dtype=torch.int64, device=device), bounds
+        return tuple(range(0, B * T + 1, T))
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1, got q of batch {B}")
     for name, given in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
@@ -79,10 +78,7 @@ def _packed_bounds(
         raise ValueError(
             f"cu_seqlens must start at 0, increase strictly and end at T={T}, got {list(bounds)}"
         )
-    if cu_seqlens is None:  # one host-to-device copy of the host bounds
-        return torch.tensor(bounds, dtype=torch.int64, device=device), bounds
-    on_device = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
-    return on_device.to(device), bounds
+    return bounds
 
 
 def _check_indices(indices: torch.Tensor, n_seq: int, num_slots: int, read_values: bool) -> torch.Tensor:
@@ -177,7 +173,7 @@ def build_problem(
     if lower_bound is not None and (why := lower_bound_error(lower_bound)):
         raise ValueError(why)
 
-    cu, bounds = _packed_bounds(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
+    bounds = _packed_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     n_seq = len(bounds) - 1
     trusted = cu_seqlens_cpu is not None and indices.device.type != "cpu"
     idx = _check_indices(indices, n_seq, pool.shape[0], read_values=not trusted).to(q.device)
@@ -187,7 +183,7 @@ def build_problem(
         return x[:, :T].reshape(B * T, *x.shape[2:])
 
     return packed_problem(
-        packed(q), packed(k), packed(v), packed(g), packed(beta), bounds=bounds, cu_seqlens=cu, pool=pool,
+        packed(q), packed(k), packed(v), packed(g), packed(beta), bounds=bounds, pool=pool,
         indices=idx, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first, output_intermediate_states=output_intermediate_states,
@@ -256,8 +252,8 @@ def chunk_kda(
     launch: no second pass, no per-chunk state tensor. Other rows' memory is not touched.
 
     ``cu_seqlens_cpu``: the same offsets as ``cu_seqlens`` on the host (int32/int64 [N + 1],
-    as fla and SGLang pass them; ``cu_seqlens`` itself may then be omitted, costing one
-    host-to-device copy). With it nothing is read back from the device: the bounds are
+    as fla and SGLang pass them; ``cu_seqlens`` itself may then be omitted). With it
+    nothing is read back from the device: the bounds are
     taken from it, and the values of ``initial_state_indices`` on a GPU are not checked
     (their shape and dtype are: the caller promises each is -1 or a distinct slot of the
     pool), so a call with ``cu_seqlens`` and ``cu_seqlens_cpu`` both given, after one

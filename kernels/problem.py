@@ -42,7 +42,8 @@ class PrefillProblem:
 
     q, k: [T, H, K]; v: [T, HV, V]; g: [T, HV, K] (raw when a gate is fused, else the log
     decay); beta: [T, HV]. Inputs may be fp32, bf16 or fp16; arithmetic is fp32.
-    cu_seqlens: [N + 1] int64 on the inputs' device; ``bounds`` holds the same on the host.
+    bounds: the host offsets [0, ..., T] of the N sequences (the backends build their launch
+    tables from them; no device copy of them is made per launch).
     pool: [S, HV, V, K] (``state_v_first``) or [S, HV, K, V], fp32 or bf16, updated in place.
     indices: [N] int64 on the device: sequence n reads and writes ``pool[indices[n]]``;
     -1 means a zero initial state and no write-back.
@@ -61,7 +62,6 @@ class PrefillProblem:
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
-    cu_seqlens: torch.Tensor
     bounds: tuple[int, ...]
     pool: torch.Tensor
     indices: torch.Tensor
@@ -105,7 +105,6 @@ def packed_problem(
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
     allow_neg_eigval: bool,
-    cu_seqlens: Optional[torch.Tensor] = None,
     state_v_first: bool = True,
     output_intermediate_states: bool = False,
     checkpoint_tokens: tuple[int, ...] = (),
@@ -115,18 +114,15 @@ def packed_problem(
     """The problem of packed inputs its caller has checked against the contract above
     (shapes as `PrefillProblem` gives them, all on one device; nothing is checked here).
 
-    ``bounds``: the host offsets [0, ..., T] of the N sequences (``cu_seqlens``, int64 on
-    the inputs' device, is made from them when not given); ``indices``: [N] int64 pool rows
+    ``bounds``: the host offsets [0, ..., T] of the N sequences; ``indices``: [N] int64 pool rows
     on that device; ``scale`` None means K ** -0.5; dt_bias [HV, K] or [HV * K];
     checkpoints as `PrefillProblem` holds them (`kernels.checkpoints` checks them);
     ``nonfinite``: the [N + 1] int32 zeros that receive the non-finite flags, or None.
     """
     HV, K = v.shape[1], q.shape[2]
     bounds = tuple(bounds)
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor(bounds, dtype=torch.int64, device=q.device)
     return PrefillProblem(
-        q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, bounds=bounds, pool=pool, indices=indices,
+        q=q, k=k, v=v, g=g, beta=beta, bounds=bounds, pool=pool, indices=indices,
         state_v_first=state_v_first, scale=float(K ** -0.5 if scale is None else scale),
         A_log=A_log, dt_bias=None if dt_bias is None else dt_bias.reshape(HV, K),
         lower_bound=None if lower_bound is None else float(lower_bound),
