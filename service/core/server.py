@@ -55,7 +55,7 @@ from .gate_params import DeviceGates, Gate, load_gate_params
 from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics, build_info
 from .self_test import SelfTestReport, run_self_test
-from .staging import PinnedStaging
+from .staging import PinnedStaging, host_ints_to
 from .transaction import LaunchTransaction
 from .validation import ValidPrefill, validate_prefill, validate_state
 from .worker import DeviceWorker, off_loop
@@ -511,7 +511,7 @@ class ServerCore:
             return torch.cat(parts).to(device)
 
         lengths = [n for job in jobs for n in job.valid.inputs.lengths]
-        indices = torch.tensor(rows, dtype=torch.int64, device=device)
+        indices = host_ints_to(rows, device)
         pool_layer = self.pool.layer_view(layer)
         slots = [s for job in jobs for s in job.slots]
         wants_final = any(job.valid.inputs.params.return_final_state for job in jobs)

@@ -30,6 +30,16 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)
 
 
+def host_ints_to(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 [len(values)] on ``device``. On a GPU through page-locked memory with an
+    asynchronous copy: a plain copy of a host list would wait for everything queued on the
+    stream first (copies from pageable memory synchronize), here the inputs' copies."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def drain_copy_streams() -> None:
     """Wait for every copy queued on a `copy_stream` so far (of every device that has one):
     before memory those copies read or write is unmapped or unpinned."""

@@ -50,3 +50,15 @@ def test_refuses_device_parts_and_oversize_launches() -> None:
     assert PinnedStaging(torch.device("cuda"), max_bytes=1024).to_device(groups) is None
     mixed = [groups[0], [groups[1][0].cuda(), groups[1][1]], groups[2]]
     assert PinnedStaging(torch.device("cuda")).to_device(mixed) is None
+
+
+def test_host_ints_to_the_device_equal_the_values() -> None:
+    """`host_ints_to`: the values as int64 on the GPU, copied asynchronously (read after a
+    synchronization of the stream they were queued on)."""
+    from service.core.staging import host_ints_to
+
+    values = [5, -1, 0, 2 ** 40, 7]
+    out = host_ints_to(values, torch.device("cuda"))
+    assert out.dtype == torch.int64 and out.device.type == "cuda"
+    torch.cuda.current_stream().synchronize()
+    assert out.tolist() == values
