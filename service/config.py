@@ -86,6 +86,10 @@ class Settings:
                                                 "request (closed after)")
     max_shm_regions: int = _opt(256, "most shared memory regions registered at a time (system and CUDA)")
     max_shm_mb: float = _opt(32768.0, "most bytes of system shared memory regions mapped at a time, in MiB")
+    cuda_ipc_zero_copy: bool = _opt(
+        False, "for trusted co-located clients only: the kernels read a request's inputs in its CUDA IPC regions in "
+               "place, without the copy that keeps a client writing them during the launch from reaching the pool "
+               "(the client must leave them alone until the reply; docs/RELIABILITY.md)")
     self_test_fault: Optional[str] = _opt(None, "testing only: corrupt o of the self-test path of this name, "
                                                 "to prove a mismatch keeps the server unready")
     # -- prefix cache (docs/PREFIX_CACHE.md) ------------------------------------------
@@ -189,7 +193,7 @@ def env_name(name: str) -> str:
 
 
 def _field_types(cls: type) -> dict[str, type]:
-    """Each field's scalar type (int, float or str), Optional[...] unwrapped."""
+    """Each field's scalar type (int, float, str or bool), Optional[...] unwrapped."""
     types = {}
     for name, hint in typing.get_type_hints(cls).items():
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -197,22 +201,37 @@ def _field_types(cls: type) -> dict[str, type]:
     return types
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(raw: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case); ValueError otherwise."""
+    word = raw.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError(f"{raw!r} is not one of {', '.join(_TRUE + _FALSE)}")
+    return word in _TRUE
+
+
 def add_env_flags(parser: argparse.ArgumentParser, cls: type, environ: Mapping[str, str]) -> None:
     """One ``--flag`` per field of the dataclass ``cls`` (help from the field's metadata), its
-    default taken from ``KDA_<FLAG>`` when set; a malformed variable is a usage error."""
+    default taken from ``KDA_<FLAG>`` when set; a malformed variable is a usage error. A
+    bool field's flag alone means true (``--flag false`` and the variable take the words
+    of `parse_bool`)."""
     types = _field_types(cls)
     for f in dataclasses.fields(cls):
         kind = types[f.name]
+        convert = parse_bool if kind is bool else kind
         raw = environ.get(env_name(f.name))
         default = f.default
         if raw not in (None, ""):
             try:
-                default = kind(raw)
+                default = convert(raw)
             except ValueError:
                 parser.error(f"{env_name(f.name)}={raw!r} is not a valid {kind.__name__}")
+        extra = {"nargs": "?", "const": True} if kind is bool else {}
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), type=kind, default=default,
-            help=f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]",
+            "--" + f.name.replace("_", "-"), type=convert, default=default,
+            help=f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]", **extra,
         )
 
 

@@ -112,7 +112,11 @@ def create_app(settings: Settings) -> FastAPI:
     ``--metrics-port`` the Prometheus page is also served there, without the API key
     (`service.http.metrics_port`; a busy port raises OSError here)."""
     core = ServerCore(settings)
-    registry = ShmRegistry(max_regions=settings.max_shm_regions, max_bytes=settings.max_shm_bytes)
+    registry = ShmRegistry(max_regions=settings.max_shm_regions, max_bytes=settings.max_shm_bytes,
+                           cuda_in_place=settings.cuda_ipc_zero_copy)
+    if settings.cuda_ipc_zero_copy:
+        log.warning("--cuda-ipc-zero-copy: the kernels read CUDA IPC inputs in place; a client that writes its "
+                    "region before the reply can corrupt its own slots' states")
     app = create_rest_app(core, settings, title="kda-serve",
                           summary="KDA (Kimi Delta Attention) chunked prefill over HTTP, on an in-place state pool",
                           regions=registry, lifespan=_lifespan(core, registry, settings))

@@ -92,6 +92,12 @@ class _Region(ABC):
             raise InvalidRequest(f"{field}: bytes [{offset}, {offset + nbytes}) fall outside shared memory region "
                                  f"{self.name!r} of {self.byte_size} bytes", field=field)
 
+    def lend(self, offset: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
+        """The ``nbytes`` bytes at ``offset`` as a uint8 tensor on ``device`` to read in place
+        (bounds checked by the caller), or None: the caller copies them out. Only a CUDA
+        region of a server started with ``--cuda-ipc-zero-copy`` lends its bytes."""
+        return None
+
     @abstractmethod
     def read_into(self, offset: int, dest: memoryview) -> None:
         """Copy the ``dest.nbytes`` bytes at ``offset`` into host memory ``dest`` (bounds
@@ -280,16 +286,24 @@ def _open_object(key: str) -> int:
 class CudaRegion(_Region):
     """``byte_size`` bytes of another process's device memory: the start of the allocation
     that ``memory`` (shared with other regions naming the same allocation) maps. Copies
-    run on the device's `copy_stream`, so none waits for a kernel launch in flight."""
+    run on the device's `copy_stream`, so none waits for a kernel launch in flight. With
+    ``in_place`` it lends its bytes to readers on its own device (`lend`) instead."""
 
     kind = CUDA
 
-    def __init__(self, name: str, memory: IpcMemory, byte_size: int, release: Callable[[IpcMemory], None]) -> None:
+    def __init__(self, name: str, memory: IpcMemory, byte_size: int, release: Callable[[IpcMemory], None],
+                 in_place: bool = False) -> None:
         super().__init__(name, byte_size)
         self.device_id = memory.device.index
         self._tensor = memory.view(byte_size)
         self._memory = memory
         self._release = release
+        self._in_place = in_place
+
+    def lend(self, offset: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
+        if self._in_place and device == self._memory.device:
+            return self._tensor[offset:offset + nbytes]
+        return None
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         if dest.nbytes:
@@ -380,12 +394,14 @@ class ShmRegistry:
     a registration past either is refused (400) before anything is opened.
     """
 
-    def __init__(self, max_regions: int = DEFAULT_MAX_REGIONS, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_regions: int = DEFAULT_MAX_REGIONS, max_bytes: int = DEFAULT_MAX_BYTES,
+                 cuda_in_place: bool = False) -> None:
         self._regions: dict[str, Region] = {}
         self._ipc = IpcMappings()
         self.cuda_reason = unavailable_reason()
         self.max_regions = max_regions
         self.max_bytes = max_bytes
+        self.cuda_in_place = cuda_in_place  # CUDA regions lend their bytes in place (--cuda-ipc-zero-copy)
 
     def register_system(self, name: str, key: str, offset: int, byte_size: int,
                         ttl_s: Optional[float] = None) -> SystemRegion:
@@ -410,7 +426,7 @@ class ShmRegistry:
         self._room_for(0)
         memory = self._ipc.acquire(raw_handle, device_id)
         try:
-            region = CudaRegion(name, memory, byte_size, self._ipc.release)
+            region = CudaRegion(name, memory, byte_size, self._ipc.release, in_place=self.cuda_in_place)
         except BaseException:
             self._ipc.release(memory)
             raise

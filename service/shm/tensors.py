@@ -3,9 +3,11 @@
 `service.kserve.codec`): where one lies (`ShmRef`), and the one reader that copies a
 request's inputs out (`copy_out`).
 
-Inputs are copied out once, so the kernels never see memory the client may change: on a
-GPU server the token-packed inputs go into one device buffer (device to device from CUDA
-regions, one DMA from page-locked system regions: no host copy); every other input (on a
+Inputs are copied out once, so the kernels never see memory the client may change (unless
+the server runs with ``--cuda-ipc-zero-copy``: then the token-packed inputs of CUDA regions on
+the serving device are read in place, for trusted clients): on a GPU server the token-packed
+inputs go into one device buffer (device to device from CUDA regions, one DMA from
+page-locked system regions: no host copy); every other input (on a
 CPU server all of them) into one host buffer at 64-byte aligned offsets, taken from
 `WarmBuffers` when one of the size is free (its pages already mapped: fresh pages cost ~8x
 the copy). Outputs are written with `Region.write` (from the device directly when the
@@ -75,11 +77,29 @@ def _to_host(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], warm
 
 def _to_device(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], device: torch.device
                ) -> dict[str, torch.Tensor]:
-    """``inputs`` copied into one buffer on the GPU ``device``, on its copy stream. Nothing
-    waits for the copies here: the scans that check the inputs follow them on that stream,
-    and the launch stream (the device's default stream) waits for them on the GPU, so the
-    host goes on to validate and launch while they run. A region is never unmapped under a
-    copy in flight (`service.shm.registry`: closing one waits for its copy streams)."""
+    """``inputs`` on the GPU ``device``: read in place where their region lends its bytes
+    (`Region.lend`: ``--cuda-ipc-zero-copy``) at an offset aligned for their dtype, the rest
+    copied into one buffer on the device's copy stream. Nothing waits for the copies here:
+    the scans that check the inputs follow them on that stream, and the launch stream (the
+    device's default stream) waits for them on the GPU, so the host goes on to validate and
+    launch while they run. A region is never unmapped under a copy in flight
+    (`service.shm.registry`: closing one waits for its copy streams)."""
+    out: dict[str, torch.Tensor] = {}
+    copied: dict[str, ShmInput] = {}
+    for name, x in inputs.items():
+        lent = regions[x.ref.region].lend(x.ref.offset, x.ref.byte_size, device)
+        if lent is not None and x.ref.offset % x.dtype.itemsize == 0:
+            out[name] = lent.view(x.dtype).view(x.shape)
+        else:
+            copied[name] = x
+    if copied:
+        out.update(_copied_to_device(copied, regions, device))
+    return {name: out[name] for name in inputs}
+
+
+def _copied_to_device(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], device: torch.device
+                      ) -> dict[str, torch.Tensor]:
+    """``inputs`` copied into one buffer on ``device`` (see `_to_device`)."""
     offsets, total = _packed_offsets(inputs)
     stream = copy_stream(device)
     with torch.cuda.stream(stream):

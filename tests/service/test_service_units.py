@@ -267,6 +267,14 @@ def test_settings_defaults_env_and_flags():
     assert Settings(max_body_mb=1).max_body_bytes == 1 << 20
 
 
+def test_bool_settings_take_the_flag_alone_its_words_and_the_variable():
+    assert parse_settings([], {}).cuda_ipc_zero_copy is False
+    assert parse_settings(["--cuda-ipc-zero-copy"], {}).cuda_ipc_zero_copy is True
+    assert parse_settings(["--cuda-ipc-zero-copy", "off"], {"KDA_CUDA_IPC_ZERO_COPY": "1"}).cuda_ipc_zero_copy is False
+    for word, value in (("1", True), ("TRUE", True), ("yes", True), ("0", False), ("false", False), ("No", False)):
+        assert parse_settings([], {"KDA_CUDA_IPC_ZERO_COPY": word}).cuda_ipc_zero_copy is value
+
+
 def test_head_dims_the_kernels_cannot_run_are_refused_in_the_settings():
     """The kernels' limit is checked once, before a pool exists, not at every launch."""
     with pytest.raises(ValueError, match="head dims must be in 1..256, got K=64, V=257"):
@@ -277,7 +285,7 @@ def test_head_dims_the_kernels_cannot_run_are_refused_in_the_settings():
 @pytest.mark.parametrize("argv,env", [
     (["--num-slots", "0"], {}), (["--device", "tpu"], {}), (["--state-dtype", "float16"], {}),
     (["--batch-window-ms", "-1"], {}), ([], {"KDA_PORT": "eighty"}), (["--bogus"], {}),
-    (["--head-dim", "257"], {}),
+    (["--head-dim", "257"], {}), (["--cuda-ipc-zero-copy", "maybe"], {}), ([], {"KDA_CUDA_IPC_ZERO_COPY": "2"}),
 ])
 def test_bad_settings_exit_with_usage(argv, env, capsys):
     with pytest.raises(SystemExit) as e:

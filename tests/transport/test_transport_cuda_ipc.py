@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import pathlib
 
 import httpx
 import pytest
 import torch
-from transport_helpers import HV, K, NAMES, SHM_JSON, V, Server, dumps, make_sequence
+from transport_helpers import (
+    GEOMETRY_ARGS, HV, K, NAMES, SHM_JSON, TOL, V, Server, dumps, make_sequence, reference, rel, start_server,
+)
 
 from kda_client.client import KDAClient
 from kda_client.shm import cuda_ipc_handle
@@ -23,16 +26,18 @@ pytestmark = [
 ]
 
 
-def test_cuda_ipc_prefill_equals_binary(server: Server, gen: torch.Generator) -> None:
-    seq = make_sequence(21, gen)
+def _ipc_prefill(url: str, seq: tuple[torch.Tensor, ...], skew: int = 0) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """One shared memory prefill of ``seq`` on a new slot, its tensors in one CUDA region of
+    this process (``skew`` bytes after an aligned start: an odd skew misaligns every input
+    for its dtype); the o [T, HV, V] and final state [1, HV, V, K] it wrote, and the slot."""
+    T = seq[0].shape[0]
     sizes = [t.numel() * t.element_size() for t in seq]
-    o_size, final_size = 21 * HV * V * 4, HV * V * K * 4
-    memory = torch.zeros(sum(sizes) + o_size + final_size, dtype=torch.uint8, device="cuda:0")
+    o_size, final_size = T * HV * V * 4, HV * V * K * 4
+    memory = torch.zeros(skew + sum(sizes) + o_size + final_size, dtype=torch.uint8, device="cuda:0")
     # torch's IPC handle opens the caching allocator's block; the storage starts `base` bytes into it
     handle, base = cuda_ipc_handle(memory)
-    nbytes = memory.numel()
-    doc: dict = {"layer": 0, "sequences": [{"slot": None, "length": 21}]}
-    at = 0
+    doc: dict = {"layer": 0, "sequences": [{"slot": None, "length": T}]}
+    at = skew
     for name, t, size in zip(NAMES, seq, sizes):
         memory[at:at + size].copy_(t.contiguous().view(-1).view(torch.uint8).cuda())
         doc[name] = {"dtype": JSON_NAMES[t.dtype], "shape": list(t.shape),
@@ -41,21 +46,49 @@ def test_cuda_ipc_prefill_equals_binary(server: Server, gen: torch.Generator) ->
     doc["outputs"] = {"o": {"region": "kda-cuda", "offset": base + at, "byte_size": o_size},
                       "final_state": {"region": "kda-cuda", "offset": base + at + o_size, "byte_size": final_size}}
     torch.cuda.synchronize()
-    register = {"raw_handle": {"b64": base64.b64encode(handle).decode()}, "device_id": 0, "byte_size": base + nbytes}
-    r = httpx.post(f"{server.url}/v2/cudasharedmemory/region/kda-cuda/register", json=register)
+    register = {"raw_handle": {"b64": base64.b64encode(handle).decode()}, "device_id": 0,
+                "byte_size": base + memory.numel()}
+    r = httpx.post(f"{url}/v2/cudasharedmemory/region/kda-cuda/register", json=register)
     assert r.status_code == 200, r.text
     try:
-        r = httpx.post(f"{server.url}/prefill", content=dumps(doc), headers={"content-type": SHM_JSON}, timeout=60)
+        r = httpx.post(f"{url}/prefill", content=dumps(doc), headers={"content-type": SHM_JSON}, timeout=60)
         assert r.status_code == 200, r.text
-        o = memory[at:at + o_size].view(torch.float32).view(21, HV, V).cpu()
-        final = memory[at + o_size:].view(torch.float32).view(1, HV, V, K).cpu()
-        with KDAClient(server.url) as binary:
-            want = binary.prefill(0, [(None, *seq)])
-            assert torch.equal(o, want.o_packed) and torch.equal(final, want.final_state)
-            binary.free(want.slots[0])
-            binary.free(r.json()["slots"][0])
+        o = memory[at:at + o_size].clone().view(torch.float32).view(T, HV, V).cpu()
+        final = memory[at + o_size:].clone().view(torch.float32).view(1, HV, V, K).cpu()
+        return o, final, r.json()["slots"][0]
     finally:
-        httpx.post(f"{server.url}/v2/cudasharedmemory/region/kda-cuda/unregister")
+        httpx.post(f"{url}/v2/cudasharedmemory/region/kda-cuda/unregister")
+
+
+def test_cuda_ipc_prefill_equals_binary(server: Server, gen: torch.Generator) -> None:
+    seq = make_sequence(21, gen)
+    o, final, slot = _ipc_prefill(server.url, seq)
+    with KDAClient(server.url) as binary:
+        want = binary.prefill(0, [(None, *seq)])
+        assert torch.equal(o, want.o_packed) and torch.equal(final, want.final_state)
+        binary.free(want.slots[0])
+        binary.free(slot)
+
+
+def test_zero_copy_prefill_equals_the_copying_server(server: Server, gen: torch.Generator,
+                                                     tmp_path: pathlib.Path) -> None:
+    """``--cuda-ipc-zero-copy``: inputs read in place (aligned) or, misaligned for their
+    dtype, still copied give the numbers the default server gives from its copies; the
+    reference agrees with both."""
+    seq = make_sequence(150, gen)
+    zero_copy = start_server([*GEOMETRY_ARGS, "--cuda-ipc-zero-copy"], tmp_path / "kda-zero-copy.log")
+    try:
+        for skew in (0, 1):
+            o, final, _ = _ipc_prefill(zero_copy.url, seq, skew)
+            o_copy, final_copy, slot = _ipc_prefill(server.url, seq, skew)
+            assert rel(o, o_copy) < 1e-6 and rel(final, final_copy) < 1e-6
+            with KDAClient(server.url) as client:
+                client.free(slot)
+        ref_o, ref_final = reference([seq])
+        assert rel(o, ref_o) < TOL and rel(final, ref_final[0:1]) < TOL
+    finally:
+        assert zero_copy.stop() == 0, zero_copy.log_text()
+    assert "--cuda-ipc-zero-copy" in zero_copy.log_text()
 
 
 def _cuda_regions(server: Server) -> list[dict]:
