@@ -63,9 +63,12 @@ FP32_CASES = [("1x4096 H32 fp32", (4096,), 32), ("8x4096 H32 fp32", (4096,) * 8,
 # config variants timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
     "decode BV 64": dict(rec_bv=64),
+    # the bounded gate's intra kernel (`intra_bounded`): the serving config's intra stage
+    "bounded intra": dict(bounded_intra=True),
+    "bounded intra, no register cap": dict(bounded_intra=True, bounded_intra_maxnreg=0),
 }
-STAGE_OF = {"chunk_intra_kernel": "intra", "chunk_wy_kernel": "wy", "chunk_state_kernel": "state",
-            "chunk_output_kernel": "output", "recurrent_step_kernel": "decode"}
+STAGE_OF = {"chunk_intra_kernel": "intra", "chunk_intra_bounded_kernel": "intra", "chunk_wy_kernel": "wy",
+            "chunk_state_kernel": "state", "chunk_output_kernel": "output", "recurrent_step_kernel": "decode"}
 
 
 def make_case(lengths: tuple[int, ...], heads: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
