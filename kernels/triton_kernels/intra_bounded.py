@@ -37,7 +37,9 @@ Each per-token log2 decay is in [L log2(e), 0] (>= -7.22), so |F|, |R|, |Tot| <=
 and every factor is a sum of at most 16 decays (no cancellation against a chunk-level
 cumsum). For j < i both factors are <= 1, so a factor that underflows (tl.exp2 flushes
 below 2^-126) belongs to a term below 2^-126 |x| |k|; for j = i the product is exact in
-range. The products run in tf32 as in `intra` (the operands reach 2^115, past fp16).
+range. The products run in tf32 as in `intra` (the operands reach 2^115, past fp16); as
+there, a raw key element times 2^115.4 must stay below fp32's largest value (|k| < 2^12
+per element, before the L2 norm, in a block whose decays all sit at the bound).
 """
 from __future__ import annotations
 

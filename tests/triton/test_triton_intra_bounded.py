@@ -109,14 +109,16 @@ def test_bounded_stage_outputs_match_current_kernel(device: str, monkeypatch: py
     from kernels.triton_backend import stage_inputs
     from kernels.triton_kernels import select_config
     from kernels.triton_plan import launch_plan
+    from kernels.triton_toolchain import configure_toolchain
 
     case = Case((150, 1, 64, 77), H=1, HV=2, K=48, gate="lower_bound", dtype=torch.bfloat16)
     inp = make_inputs(case, device, seed=51)
     p = build_problem(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=None, pool=inp.pool, indices=inp.indices,
                       cu_seqlens=inp.cu_seqlens, use_qk_l2norm=True, use_beta_sigmoid=True, allow_neg_eigval=False,
                       state_v_first=True, output_intermediate_states=False, **inp.gate_kwargs)
-    cfg = select_config(case.K, case.V, interpret=True)
+    cfg = select_config(case.K, case.V, interpret=inp.q.device.type != "cuda")
     x = stage_inputs(p, cfg)
+    configure_toolchain(x.device)
     assert intra_bounded.bounded_intra_applies(x)
     plan = launch_plan(p.bounds, 0, x.device)
     old, new = IntraOutputs.alloc(x), IntraOutputs.alloc(x)
