@@ -7,7 +7,10 @@ each launch (`IntraOutputs.alloc`), so a row the kernel leaves unwritten fails.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from safetensors import safe_open
 from kernels import chunk_kda
 from kernels.triton_kernels import config, intra, intra_bounded
 from kernels.triton_kernels.intra import IntraOutputs
+from sm90_shared_memory import SM90_MAX_SHARED
 from triton_cases import Case, check_case, make_inputs, reference, reference_errors, rel_err, run_triton
 
 TOL = 5e-3  # relative L2 against the float64 reference, 16-bit inputs
@@ -199,3 +203,27 @@ def test_bounded_intra_on_reference_vectors(device: str, monkeypatch: pytest.Mon
     assert launches["bounded"] > 0
     for new, old in zip(errors[True], errors[False]):
         assert new <= 1e-2 and new <= 1.5 * old + 2e-4, errors
+
+
+def test_bounded_intra_fits_three_programs_an_sm90_sm() -> None:
+    """Compiled for sm_90 (offline, `sm90_bounded_intra.py`, a process without the
+    interpreter): at the config's register cap 3 programs of 4 warps fit an SM's 64K
+    registers, with at most a few loop-invariant values spilled, and shared memory is no
+    limit."""
+    import os
+    import subprocess
+    import sys
+
+    from sm90_shared_memory import SM90_MAX_SHARED
+
+    script = Path(__file__).with_name("sm90_bounded_intra.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), "64", "128", "256"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [row["K"] for row in rows] == [64, 128, 256]
+    for row in rows:
+        assert 3 * 128 * row["registers"] <= 65536, row
+        assert row["stack"] <= 64 and row["spill_ops"] <= 24, row
+        assert 3 * row["shared"] <= SM90_MAX_SHARED, row
