@@ -67,6 +67,7 @@ VARIANTS: dict[str, dict] = {
     # the bounded gate's intra kernel (`intra_bounded`): the serving config's intra stage
     "bounded intra": dict(bounded_intra=True),
     "bounded intra, no register cap": dict(bounded_intra=True, bounded_intra_maxnreg=0),
+    "bounded intra, 128 registers": dict(bounded_intra=True, bounded_intra_maxnreg=128),  # 4 programs an SM, spills
 }
 STAGE_OF = {"chunk_intra_kernel": "intra", "chunk_intra_bounded_kernel": "intra", "chunk_wy_kernel": "wy",
             "chunk_state_kernel": "state", "chunk_output_kernel": "output", "recurrent_step_kernel": "decode"}
