@@ -160,6 +160,19 @@ def test_bounded_intra_with_full_decays(device: str, monkeypatch: pytest.MonkeyP
     assert max(errs.values()) <= TOL, errs
 
 
+@pytest.mark.parametrize("drop", [("A_log", "dt_bias"), ("dt_bias",)], ids=["no-a_log-no-dt_bias", "no-dt_bias"])
+def test_bounded_intra_without_gate_parameters(device: str, monkeypatch: pytest.MonkeyPatch, launches: dict[str, int],
+                                               drop: tuple[str, ...]) -> None:
+    """The lower-bound gate with A_log and/or dt_bias absent (their constexpr branches)."""
+    case = Case((130, 9), H=1, HV=2, gate="lower_bound", dtype=torch.bfloat16)
+    _bounded(monkeypatch, True)
+    inp = make_inputs(case, device, seed=71)
+    for name in drop:
+        del inp.gate_kwargs[name]
+    errs = reference_errors(case, inp)
+    assert max(errs.values()) <= TOL and launches["bounded"] == 1, errs
+
+
 def test_other_gates_keep_the_current_kernel(device: str, monkeypatch: pytest.MonkeyPatch,
                                              launches: dict[str, int]) -> None:
     """The softplus gate and fp32 inputs are not the bounded kernel's: they run `intra`."""
