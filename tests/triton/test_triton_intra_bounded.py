@@ -68,7 +68,8 @@ CASES = {
     "varlen-bf16": Case((130, 1, 64, 200, 5, 128), gate="lower_bound", dtype=torch.bfloat16),
     # GVA (HV = 2H), non-power-of-two key dim (masked key slices), fp16 inputs
     "gva-fp16-k48": Case((97, 64, 3, 150), H=2, HV=4, K=48, V=32, gate="lower_bound", dtype=torch.float16),
-    "random-lengths-gva": Case(_random_lengths(7, 6), H=1, HV=2, K=32, gate="lower_bound", dtype=torch.bfloat16),
+    "random-lengths-gva-k128": Case(_random_lengths(7, 6), H=1, HV=2, K=128, V=64, gate="lower_bound",
+                                   dtype=torch.bfloat16),
     "neg-eigval-bf16-pool": Case((70, 129), gate="lower_bound", neg_eigval=True, dtype=torch.bfloat16,
                                  pool_dtype=torch.bfloat16),
 }
