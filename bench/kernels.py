@@ -17,8 +17,9 @@ runs advance those states, never a live one); ours is never autotuned. Each case
 checks our o and final states against each peer's on the same inputs (relative L2), and
 gives our per-stage GPU times (torch profiler) with the bytes each stage moves
 (`bench/stage_bytes.py`) and the bandwidth that makes. ``--sweep`` times the config
-variants of `VARIANTS` beside the default, each first checked against the default in a
-worker process of its own (a faulting variant cannot take the timed process down).
+variants of `VARIANTS` beside the default (total and per stage), each first checked against
+the default in a worker process of its own (a faulting variant cannot take the timed
+process down).
 
 Usage (GPU machine; fla-core and .peers on PYTHONPATH, FLA_FLASH_KDA=0 so fla runs its own path):
     python bench/kernels.py [--sweep] [--no-peers] [--fp32] [--json PATH] [--cases NAMES]
@@ -63,9 +64,13 @@ FP32_CASES = [("1x4096 H32 fp32", (4096,), 32), ("8x4096 H32 fp32", (4096,) * 8,
 # config variants timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
     "decode BV 64": dict(rec_bv=64),
+    # the bounded gate's intra kernel (`intra_bounded`): the serving config's intra stage
+    "bounded intra": dict(bounded_intra=True),
+    "bounded intra, no register cap": dict(bounded_intra=True, bounded_intra_maxnreg=0),
+    "bounded intra, 128 registers": dict(bounded_intra=True, bounded_intra_maxnreg=128),  # 4 programs an SM, spills
 }
-STAGE_OF = {"chunk_intra_kernel": "intra", "chunk_wy_kernel": "wy", "chunk_state_kernel": "state",
-            "chunk_output_kernel": "output", "recurrent_step_kernel": "decode"}
+STAGE_OF = {"chunk_intra_kernel": "intra", "chunk_intra_bounded_kernel": "intra", "chunk_wy_kernel": "wy",
+            "chunk_state_kernel": "state", "chunk_output_kernel": "output", "recurrent_step_kernel": "decode"}
 
 
 def make_case(lengths: tuple[int, ...], heads: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
@@ -271,6 +276,7 @@ def time_case(name: str, c: dict, with_peers: bool, variants: list[str]) -> dict
                 pool_v = c["pool"].clone()
                 row[f"{vname} vs default"] = max(rel(ours_fn(c, pool_v, cfg)(), o_d),
                                                  rel(pool_v[c["idx"]], pool_d[c["idx"]]))
+                row[f"{vname} stages"] = stage_times(ours_fn(c, c["pool"].clone(), cfg))
             except Exception as e:
                 row[vname] = f"error: {e!r}"[:120]
         if with_peers:
@@ -321,6 +327,12 @@ def print_tables(rows: list[dict], variants: list[str]) -> None:
             print(f"{r['case']} | {r['ours_ms']:.3f} | " + " | ".join(
                 f"{r[n]:.3f} ({r[n + ' vs default']:.0e})" if isinstance(r.get(n), float) else "err"
                 for n in variants))
+        print("stages, ms: case | default | " + " | ".join(variants))
+        for r in rows:
+            print(f"{r['case']} | " + " | ".join(
+                ", ".join(f"{st} {ms:.3f}" for st, ms in stages.items())
+                for stages in [{s: v["ms"] for s, v in r["stages"].items()},
+                               *(r.get(f"{n} stages", {}) for n in variants)]))
 
 
 def main() -> None:

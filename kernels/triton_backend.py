@@ -4,7 +4,8 @@ The pipeline (`run_triton`), one launcher per stage beside its kernel in
 `kernels.triton_kernels`:
 
     decode  single-token sequences: one recurrent step each          (`recurrent.launch_decode`)
-    intra   per chunk: A_qk, A_kk, the solve -> T diag(beta), norms   (`intra.launch_intra`)
+    intra   per chunk: A_qk, A_kk, the solve -> T diag(beta), norms   (`intra.launch_intra`; the
+            bounded gate with 16-bit inputs: `intra_bounded`, with `LaunchConfig.bounded_intra`)
     wy      per chunk: the WY factors w, u, kg, qg                     (`wy.launch_wy`)
     state   per sequence: the chunk-to-chunk state pass, and o         (`state.launch_state`)
     output  per chunk, when o is not computed in the state pass        (`output.launch_output`)
@@ -37,6 +38,7 @@ from .triton_kernels.config import fuse_output, piece_chunks, state_launch
 from .triton_kernels.gate import GATE_GIVEN, GATE_LOWER_BOUND, GATE_SOFTPLUS
 from .triton_kernels.inputs import StageInputs, StateTargets
 from .triton_kernels.intra import IntraOutputs, launch_intra
+from .triton_kernels.intra_bounded import bounded_intra_applies, launch_intra_bounded
 from .triton_kernels.output import launch_output
 from .triton_kernels.recurrent import launch_decode
 from .triton_kernels.state import launch_state
@@ -157,8 +159,10 @@ def run_triton(
     if not fused and h is None:  # scratch states for the output stage, [NT, HV, K, V]
         st = st.with_h(torch.empty(NT, x.HV, K, V, dtype=torch.float32, device=x.device), (V, 1))
 
+    intra_stage = launch_intra_bounded if cfg.bounded_intra and bounded_intra_applies(x) else launch_intra
+
     def parallel(c0: int, c1: int) -> None:
-        launch_intra(x, plan.chunks[c0:c1], intra, cfg)
+        intra_stage(x, plan.chunks[c0:c1], intra, cfg)
         launch_wy(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
 
     def sequential(c0: int, c1: int, s0: int, s1: int) -> None:
