@@ -677,10 +677,12 @@ class ServerCore:
             raise UnknownPrefix(key)
         return info
 
-    async def drop_prefix(self, key: str) -> None:
-        """Remove the entry ``key`` (UnknownPrefix, 404, when there is none)."""
-        if key_problem(key) is not None or not await self.worker.run(self._drop_prefix, key):
-            raise UnknownPrefix(key)
+    async def drop_prefix(self, key: str) -> bool:
+        """Remove the entry ``key``; whether there was one (idempotent: no entry is no
+        error). InvalidRequest (400) for a key no entry can have."""
+        if (why := key_problem(key)) is not None:
+            raise InvalidRequest(why, field="key")
+        return await self.worker.run(self._drop_prefix, key)
 
     def _drop_prefix(self, key: str) -> bool:
         dropped = self.prefix_cache.drop(key)

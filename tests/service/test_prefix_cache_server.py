@@ -136,12 +136,28 @@ def test_publish_info_delete(client: KDAClient, server, gen):
     got = client.alloc(prefix=["pub/with/slashes"])
     assert torch.equal(_bits(client.get_state(got.slots[0])), _bits(state))
     assert client.prefix_info("pub/with/slashes")["key"] == "pub/with/slashes"
-    client.drop_prefix("pub/with/slashes")
+    assert client.drop_prefix("pub/with/slashes") is True
     with pytest.raises(SlotNotFound):
         client.prefix_info("pub/with/slashes")
-    with pytest.raises(SlotNotFound):
-        client.drop_prefix("pub/with/slashes")
     assert client.alloc(prefix=["pub/with/slashes"]).matched == 0
+
+
+def test_delete_is_idempotent_and_a_bad_key_is_refused(client: KDAClient, server, gen):
+    """DELETE /prefix/{key} answers 204 whether or not the entry exists (the header says
+    which); a key no entry can have is a 400 problem+json that drops nothing."""
+    _publish_new(client, "del.kept", gen)
+    for _ in range(2):
+        reply = httpx.delete(f"{server.url}/prefix/never%2Fstored")
+        assert (reply.status_code, reply.headers["kda-prefix-dropped"], reply.content) == (204, "false", b"")
+    assert client.drop_prefix("never/stored") is False
+    reply = httpx.delete(f"{server.url}/prefix/{'x' * 129}")
+    assert reply.status_code == 400 and reply.headers["content-type"].startswith("application/problem+json")
+    assert reply.json()["field"] == "key"
+    with pytest.raises(BadRequest):
+        client.drop_prefix("y" * 129)
+    assert client.prefix_info("del.kept")["complete"]  # nothing else was dropped
+    assert httpx.delete(f"{server.url}/prefix/del.kept").headers["kda-prefix-dropped"] == "true"
+    assert client.drop_prefix("del.kept") is False
 
 
 def test_publish_refusals_change_nothing(client: KDAClient, server, gen):
@@ -205,10 +221,7 @@ def test_concurrent_publish_restore_and_delete(server, gen):
                             assert c.slot_info(got.slots[0])["tokens_per_layer"] == [40] * LAYERS
                         c.free(got.slots[0])
                     else:
-                        try:
-                            c.drop_prefix("race")
-                        except SlotNotFound:
-                            pass
+                        assert c.drop_prefix("race") in (True, False)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
