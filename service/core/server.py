@@ -292,14 +292,16 @@ class ServerCore:
         self.pool.write_state(slot_id, state)
 
     def _restore(self, state: torch.Tensor, tokens_per_layer: list[int], state_lost: bool) -> str:
+        if not state_lost:  # the copy writes every layer of the row: no zero fill before it
+            (slot_id,) = self.pool.alloc_copies(state, 1, tokens_per_layer)
+            if self.persistence is not None:
+                self.persistence.note_change()
+            return slot_id
         (slot_id,) = self._alloc(1)
         try:
-            if not state_lost:
-                self._write_state(slot_id, state)
             for layer, count in enumerate(tokens_per_layer):
                 self.pool.record_tokens(slot_id, layer, count)
-            if state_lost:
-                self.pool.mark_lost([slot_id])
+            self.pool.mark_lost([slot_id])
         except BaseException:
             self._free(slot_id)
             raise
@@ -612,16 +614,12 @@ class ServerCore:
 
     def _alloc_prefix(self, prefix: list[str], count: int) -> tuple[list[str], PrefixMatch]:
         with self.prefix_cache.restoring(prefix) as held:
-            slots = self._alloc(count)
-            if held.state is not None:
-                try:
-                    for slot_id in slots:
-                        self.pool.write_state(slot_id, held.state)
-                        for layer in range(self.geometry.num_layers):
-                            self.pool.record_tokens(slot_id, layer, held.match.tokens)
-                except BaseException:
-                    self._free_all(slots)
-                    raise
+            if held.state is None:
+                return self._alloc(count), held.match
+            # the entry's copy writes every layer of the rows: no zero fill before it
+            slots = self.pool.alloc_copies(held.state, count, [held.match.tokens] * self.geometry.num_layers)
+            if self.persistence is not None:
+                self.persistence.note_change()
             return slots, held.match
 
     def prefix_peek(self, prefix: Sequence[str]) -> PrefixMatch:
