@@ -15,8 +15,10 @@ writes a carry row instead, by its segment-table entry. The pool is addressed th
 layouts (fp32 or bf16) are one code path. This kernel must never be autotuned: a timing
 run would advance live states.
 
-Checkpoints (CHECKPOINT): after each chunk, when ``ckpt_rows[chunk]`` names a row, the
-state after that chunk goes to that row of ``ckpt`` as well (`store_checkpoint`).
+Checkpoints (CHECKPOINT): after each chunk, when ``ckpt_addrs[chunk]`` holds an address,
+the state after that chunk goes to the [HV, ., .] state there as well, in the pool's dtype
+(`store_checkpoint`): the targets are the caller's tensors wherever they live (a cache's
+entries), one int64 address each, so nothing is copied after the launch.
 
 Non-finite flags (FLAG): the program looks for NaN and Inf values in the o tiles it
 stores (FUSE_OUT) and of the state it writes at the segment's end, as stored, and sets
@@ -38,13 +40,15 @@ from .wy import WyOutputs
 
 
 @triton.jit
-def store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, offsets, mask, c_row, c_head):
-    """Store the fp32 state tile b_h (after chunk i_g) to ``ckpt`` row ckpt_rows[i_g], head
-    i_hv, in ckpt's dtype at element ``offsets`` (b_h's shape: its key and value indices
-    times the key and value strides) where ``mask``; nothing when that row is -1."""
-    row = tl.load(ckpt_rows + i_g)
-    if row >= 0:
-        tl.store(ckpt + row * c_row + i_hv * c_head + offsets, b_h.to(ckpt.dtype.element_ty), mask=mask)
+def store_checkpoint(ckpt_addrs, i_g, i_hv, b_h, offsets, mask, c_head, like):
+    """Store the fp32 state tile b_h (after chunk i_g) to the state at address
+    ckpt_addrs[i_g] (int64), head i_hv, in the element type of ``like`` (the pool) at
+    element ``offsets`` (b_h's shape: its key and value indices times the key and value
+    strides) where ``mask``; nothing when the address is 0."""
+    addr = tl.load(ckpt_addrs + i_g)
+    if addr != 0:
+        base = addr.to(tl.pointer_type(like.dtype.element_ty))
+        tl.store(base + i_hv * c_head + offsets, b_h.to(like.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -59,8 +63,8 @@ def flag_nonfinite(flag, x, mask):
 
 @triton.jit
 def chunk_state_kernel(
-    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry, ckpt_rows, ckpt, flags,
-    s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_row, c_head, c_k, c_v,
+    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry, ckpt_addrs, flags,
+    s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_head, c_k, c_v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
@@ -74,8 +78,8 @@ def chunk_state_kernel(
     products cast S and v_new to it); u, v_new: [T, HV, V] and gexp: [NT, HV, K] fp32; o: [T, HV, V] in v's dtype (FUSE_OUT) ; v_new written unless FUSE_OUT;
     h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state (STORE_H);
     pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64;
-    ckpt_rows [NT] int64 and ckpt (row, head, key, value strides c_*) and flags [N + 1]
-    int32 (FLAG) as in `StateTargets`.
+    ckpt_addrs [NT] int64 (head, key, value strides c_*) and flags [N + 1] int32 (FLAG) as
+    in `StateTargets`.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -136,8 +140,8 @@ def chunk_state_kernel(
         b_k = tl.load(kg + p_tk, mask=m_tk, other=0.0)
         b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PREC)
         if CHECKPOINT:
-            store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv,
-                             c_row, c_head)
+            store_checkpoint(ckpt_addrs, i_g, i_hv, b_h, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv,
+                             c_head, pool)
 
     if FLAG and FUSE_OUT:
         flag_nonfinite(flags + seq, o_bad, o_t < 64)
@@ -159,15 +163,15 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
     """The state pass over the segment rows ``segs`` ([Ns, 6], `kernels.triton_plan`), from
     the WY factors ``wy`` and A_qk ``aqk`` [T, HV, 64]: o [T, HV, V] when ``v_new`` is None
     (fused output), else v_new [T, HV, V] fp32 and the per-chunk states ``st.h`` for the
-    output stage; final states to the pool, checkpoints to ``st.ckpt``, non-finite flags to
-    ``st.flags``. ``launch``: (BV, warps, stages) from `config.state_launch`."""
+    output stage; final states to the pool, checkpoints to ``st.ckpt_addrs``' targets,
+    non-finite flags to ``st.flags``. ``launch``: (BV, warps, stages) from `config.state_launch`."""
     bv, warps, stages = launch
-    h, ckpt_rows, ckpt = st.pointers(o)
+    h, ckpt_addrs = st.pointers(o)
     fused = v_new is None
     chunk_state_kernel[(segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)](
         wy.w, wy.u, wy.kg, wy.gexp, wy.qg, aqk, o, o if fused else v_new, h, st.pool, st.indices, segs, carry,
-        ckpt_rows, ckpt, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides,
+        ckpt_addrs, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides,
         HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
-        STORE_H=st.h is not None, CHECKPOINT=st.ckpt is not None, FLAG=st.flags is not None, DOT_PREC=x.dot_prec,
-        num_warps=warps, num_stages=stages,
+        STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
+        DOT_PREC=x.dot_prec, num_warps=warps, num_stages=stages,
     )

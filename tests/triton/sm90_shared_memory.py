@@ -35,7 +35,7 @@ SM90 = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KB)
 HEADS = 32
 INT_ARGS = {"scale": "fp32", "lower_bound": "fp32", "s_slot": "i64", "s_head": "i64", "s_pk": "i64", "s_pv": "i64",
-            "s_hk": "i64", "s_hv": "i64", "c_row": "i64", "c_head": "i64", "c_k": "i64", "c_v": "i64"}
+            "s_hk": "i64", "s_hv": "i64", "c_head": "i64", "c_k": "i64", "c_v": "i64"}
 
 
 def shared_bytes(fn: triton.JITFunction, pointers: dict[str, str], constants: dict, num_warps: int,
@@ -75,7 +75,7 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
                 HAS_DT_BIAS=True, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, BLOCK_SCAN=cfg.wy_block_scan),
            cfg.wy_warps, cfg.wy_stages)
     state_ptrs = {**io, "w": mat, "kg": mat, "qg": mat, "aqk": mat, "indices": "i64", "segs": "i64",
-                  "ckpt_rows": "i64"}
+                  "ckpt_addrs": "i64"}
     for seq_heads in (HEADS, WIDE_STATE_MIN_SEQ_HEADS):
         for fuse, ckpt in ((True, False), (True, True), (False, True)):
             bv, warps, stages = state_launch(cfg, seq_heads, K, V, 4 if fp32_inputs else 2, checkpoint=ckpt)
@@ -85,7 +85,7 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
                    warps, stages)
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)
-    yield ("recurrent", {}, recurrent_step_kernel, {**io, "indices": "i64", "decs": "i64", "ckpt_rows": "i64"},
+    yield ("recurrent", {}, recurrent_step_kernel, {**io, "indices": "i64", "decs": "i64", "ckpt_addrs": "i64"},
            dict(H=HEADS, HV=HEADS, K=K, V=V, BK=bk, BV=cfg.rec_bv, **flags, STORE_H=False, CHECKPOINT=True),
            cfg.rec_warps, 3)
 
