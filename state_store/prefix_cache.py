@@ -13,6 +13,11 @@ used entries when over its own budget. An entry's bytes are those of its whole `
 tensor, allocated when its first layer arrives. Use (a store into it, a match) makes an
 entry the most recent. An entry being restored is pinned: no eviction moves or drops it.
 
+A launch may write its checkpoints straight into entries (`place`, then `commit` once it
+succeeded, `release` always): a target is a layer not yet stored of a present entry, or a
+layer of a new entry that is not in the cache until committed, so a launch rolled back
+stores nothing.
+
 Keys are the caller's strings of 1..`KEY_MAX` characters; the cache never sees tokens.
 Every method holds the cache's lock; copies into slots happen outside it, under a pin.
 """
@@ -115,6 +120,23 @@ class Restore:
     tier: Optional[str] = None
 
 
+@dataclass(eq=False)
+class CheckpointTarget:
+    """Where a launch writes one checkpoint (`PrefixCache.place`): ``state`` [HV, V, K]
+    (pool dtype, on the pool's device) is layer ``layer`` of the entry ``key`` at ``tokens``:
+    a layer of a present entry that is not stored yet, or of a new entry that nothing sees
+    until `PrefixCache.commit`. None: the cache has no such place for it (the launch writes
+    it elsewhere and `commit` copies it in, as `PrefixCache.store_layer` does)."""
+
+    key: str
+    tokens: int
+    layer: int
+    state: Optional[torch.Tensor]
+    entry: Optional[Entry] = field(default=None, repr=False)
+    new: bool = False
+    open: bool = True  # neither committed nor released yet
+
+
 @dataclass
 class _Counters:
     evictions: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
@@ -139,6 +161,7 @@ class PrefixCache:
         self._entries: "OrderedDict[str, Entry]" = OrderedDict()  # least recently used first
         self._lock = threading.RLock()
         self._counters = _Counters()
+        self._pending = 0  # bytes of new entries placed for a launch (`place`), not yet committed
 
     @property
     def geometry(self) -> PoolGeometry:
@@ -188,6 +211,77 @@ class PrefixCache:
             entry.have = [True] * self._geometry.num_layers
             return self._info(entry)
 
+    # -- checkpoints written in place by a launch -----------------------------------------
+
+    def place(self, layer: int, wanted: Sequence[tuple[str, int]]) -> list[CheckpointTarget]:
+        """Targets for a launch's checkpoints ``wanted`` (key, tokens), in order, of layer
+        ``layer``, for the launch to write the states into directly (`CheckpointTarget`).
+        In place: a present device entry at that offset whose layer is not stored, not
+        being restored; else a new device entry when room can be made for it (room is made
+        now: least recently used entries move down or go, as for a store; the new entry's
+        bytes count against the budget until it is committed or released). Anything else
+        (a stored layer rewritten, a host-tier or pinned entry, no room, a key named twice)
+        gets no place. Nothing placed is visible: `commit` stores it once the launch
+        succeeded, and `release` must follow in every case (it frees what was not committed,
+        so a launch rolled back stores nothing)."""
+        if not 0 <= layer < self._geometry.num_layers:
+            raise ValueError(f"layer {layer} out of range: the pool has {self._geometry.num_layers} layers")
+        with self._lock:
+            placed: list[CheckpointTarget] = []
+            for key, tokens in wanted:
+                repeated = any(t.key == key for t in placed)
+                placed.append(self._place(_check_key(key), _check_tokens(tokens), layer, repeated))
+            return placed
+
+    def _place(self, key: str, tokens: int, layer: int, repeated: bool) -> CheckpointTarget:
+        old = self._entries.get(key)
+        if repeated or (old is not None and old.tokens == tokens and (
+                old.tier != DEVICE or old.pins or old.have[layer])):
+            return CheckpointTarget(key, tokens, layer, None)
+        if old is not None and old.tokens == tokens:
+            return CheckpointTarget(key, tokens, layer, old.state[layer], old)
+        if not self._make_room(DEVICE, self.entry_bytes):
+            return CheckpointTarget(key, tokens, layer, None)
+        entry = Entry(key, tokens, self._new_tensor(DEVICE), [False] * self._geometry.num_layers, DEVICE,
+                      self._clock())
+        self._pending += entry.nbytes
+        return CheckpointTarget(key, tokens, layer, entry.state[layer], entry, new=True)
+
+    def commit(self, target: CheckpointTarget, written: Optional[torch.Tensor] = None) -> None:
+        """Store ``target`` once its launch succeeded: its layer becomes stored (a new entry
+        enters the cache, replacing the key's entry at another offset). A target placed
+        nowhere stores ``written`` [HV, V, K], the state the launch wrote elsewhere, as
+        `store_layer` does; so does one whose entry changed since it was placed."""
+        with self._lock:
+            if not target.open:
+                raise ValueError(f"checkpoint {target.key!r} was committed or released already")
+            target.open = False
+            if target.state is None:
+                if written is None:
+                    raise ValueError(f"checkpoint {target.key!r} has no place in the cache: pass the state written")
+                self.store_layer(target.key, target.tokens, target.layer, written)
+                return
+            entry = target.entry
+            assert entry is not None
+            if target.new:
+                self._pending -= entry.nbytes
+                self._remove(target.key)
+                self._entries[target.key] = entry  # its room was made when it was placed
+            elif self._entries.get(target.key) is not entry or entry.tier != DEVICE:
+                self.store_layer(target.key, target.tokens, target.layer, target.state)
+                return
+            entry.have[target.layer] = True
+            self._touch(entry)
+
+    def release(self, targets: Sequence[CheckpointTarget]) -> None:
+        """End ``targets``' placement: the new entries of those not committed are dropped
+        (a layer written in place but not committed stays unstored, so never served)."""
+        with self._lock:
+            for target in targets:
+                if target.open and target.new and target.entry is not None:
+                    self._pending -= target.entry.nbytes
+                target.open = False
+
     def _writable(self, key: str, tokens: int) -> Optional[Entry]:
         """The entry to write ``key`` at ``tokens`` into, made the most recent: the present
         one when it is at that offset on the device and not being restored, else a new one
@@ -233,7 +327,7 @@ class PrefixCache:
         whether they fit. Pinned entries stay, so a tier full of them takes nothing."""
         if incoming > self._budget[tier]:
             return False
-        used = self._bytes(tier)
+        used = self._bytes(tier) + (self._pending if tier == DEVICE else 0)
         for entry in [e for e in self._entries.values() if e.tier == tier]:
             if used + incoming <= self._budget[tier]:
                 break

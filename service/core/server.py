@@ -42,8 +42,8 @@ import torch
 import kernels
 from kernels.problem import packed_problem
 from state_store import (
-    Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, SlotInfo, SlotOrdering, SnapshotError, StatePool,
-    UnknownSlot, key_problem,
+    CheckpointTarget, Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, SlotInfo, SlotOrdering,
+    SnapshotError, StatePool, UnknownSlot, key_problem,
 )
 
 from .batcher import Batcher
@@ -503,6 +503,18 @@ class ServerCore:
         return refused
 
     def _launch(self, jobs: list[_Job], rows: list[int]) -> list[Union[PrefillResult, BaseException]]:
+        """`_run_launch` with the jobs' checkpoints placed in the prefix cache for the launch
+        to write into (`PrefixCache.place`): committed for the jobs that stand, released in
+        every case, so a job rolled back or a failed launch stores none."""
+        layer = jobs[0].valid.inputs.params.layer
+        targets = self.prefix_cache.place(layer, [(key, offset) for job in jobs for _, key, offset in job.checkpoints])
+        try:
+            return self._run_launch(jobs, rows, targets)
+        finally:
+            self.prefix_cache.release(targets)
+
+    def _run_launch(self, jobs: list[_Job], rows: list[int],
+                    targets: list[CheckpointTarget]) -> list[Union[PrefillResult, BaseException]]:
         device = self.geometry.device
         first = jobs[0].valid
         x, gate, layer = first.inputs.params, first.gate, first.inputs.params.layer
@@ -529,8 +541,7 @@ class ServerCore:
         for job, start_t in zip(jobs, starts):
             positions.extend(start_t + pos for pos, _, _ in job.checkpoints)
         try:
-            marks = (torch.empty((len(positions), *pool_layer.shape[1:]), dtype=pool_layer.dtype, device=device)
-                     if positions else None)  # written by the launch itself (kernels.checkpoints)
+            marks = self._checkpoint_states(targets, pool_layer)  # written by the launch itself (kernels.checkpoints)
             q, k, v, g, beta = staged or [packed(name) for name in REQUIRED_TENSORS]
             problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
                 q, k, v, g, beta, bounds=[0, *itertools.accumulate(lengths)], pool=pool_layer, indices=indices,
@@ -554,8 +565,8 @@ class ServerCore:
                 torch.cuda.current_stream(device).synchronize()  # or here; results complete before any response
         except Exception as e:
             raise transaction.abort(e, lambda: self.pool.mark_lost(slots)) from e
-        if marks is not None:
-            self._store_checkpoints(jobs, refused, layer, marks)
+        if targets:
+            self._store_checkpoints(jobs, refused, targets, marks)
         kernel_s = time.perf_counter() - start
         self.metrics.batch_sequences.observe(len(lengths))
         self.metrics.batch_tokens.observe(sum(lengths))
@@ -579,15 +590,24 @@ class ServerCore:
             t0, n0 = t1, n1
         return results
 
-    def _store_checkpoints(self, jobs: list[_Job], refused: Mapping[int, Exception], layer: int, marks: torch.Tensor) -> None:
-        """The launch's checkpoint states ``marks`` [C, HV, V, K] into the prefix cache, as
-        layer ``layer`` of their entries, but those of jobs rolled back (``refused``)."""
-        row = 0
+    @staticmethod
+    def _checkpoint_states(targets: Sequence[CheckpointTarget], pool_layer: torch.Tensor) -> list[torch.Tensor]:
+        """Where the launch writes each checkpoint, [HV, V, K] each: its place in the prefix
+        cache, or a row of one scratch tensor for those the cache placed nowhere."""
+        spare = [i for i, t in enumerate(targets) if t.state is None]
+        rows = iter(torch.empty((len(spare), *pool_layer.shape[1:]), dtype=pool_layer.dtype,
+                                device=pool_layer.device).unbind(0) if spare else ())
+        return [t.state if t.state is not None else next(rows) for t in targets]
+
+    def _store_checkpoints(self, jobs: list[_Job], refused: Mapping[int, Exception],
+                           targets: Sequence[CheckpointTarget], written: Sequence[torch.Tensor]) -> None:
+        """Commit the launch's checkpoints (``targets``, the states ``written`` [HV, V, K]
+        each) to the prefix cache, but those of jobs rolled back (``refused``)."""
+        placed = iter(zip(targets, written))
         for j, job in enumerate(jobs):
-            for _, key, offset in job.checkpoints:
+            for _, (target, state) in zip(job.checkpoints, placed):
                 if j not in refused:
-                    self.prefix_cache.store_layer(key, offset, layer, marks[row])
-                row += 1
+                    self.prefix_cache.commit(target, state)
         if self.persistence is not None:
             self.persistence.note_change()
 
