@@ -159,7 +159,7 @@ def run_triton(
     intra = IntraOutputs.alloc(x)
     carry = torch.empty(max(plan.num_carry, 1), x.HV, K, V, dtype=torch.float32, device=x.device)
     wy = WyOutputs.alloc(x, NT)
-    launch = state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize, checkpoint=st.ckpt_addrs is not None)
+    launch = state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize)
     fused = fuse_output(cfg, n_multi * x.HV)
     v_new = None if fused else torch.empty_like(wy.u)
     if not fused and h is None:  # scratch states for the output stage, [NT, HV, K, V]
@@ -170,7 +170,7 @@ def run_triton(
         launch_wy(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
 
     def sequential(c0: int, c1: int, s0: int, s1: int) -> None:
-        launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch)
+        launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch)
         if v_new is not None:
             launch_output(x, plan.chunks[c0:c1], wy.qg, st, v_new, intra.aqk, o, cfg)
 
