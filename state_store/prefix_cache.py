@@ -9,7 +9,8 @@ nothing that happens to a slot later changes it.
 Two tiers, each with a byte budget: entries live on the pool's device; when the device
 tier is over budget its least recently used entries move to pinned host memory (the host
 tier, when it has a budget) or are dropped, and the host tier drops its least recently
-used entries when over its own budget. An entry's bytes are those of its whole ``[L, ...]``
+used entries when over its own budget; a host-tier entry that is hit can move back up
+(`promote`). An entry's bytes are those of its whole ``[L, ...]``
 tensor, allocated when its first layer arrives. Use (a store into it, a match) makes an
 entry the most recent. An entry being restored is pinned: no eviction moves or drops it.
 
@@ -386,6 +387,29 @@ class PrefixCache:
             if best is not None:
                 with self._lock:
                     best[1].pins -= 1
+
+    def promote(self, key: str) -> bool:
+        """Move the host-tier entry ``key`` up to the device tier (a hit made it the most
+        recent), the device tier's least recently used entries moving down to make room.
+        The copy up is made first, so the device holds one entry over its budget for that
+        long and the host tier has the promoted entry's room for what moves down. Whether it
+        moved: not when there is no such host-tier entry, it is being restored, or no room
+        can be made (every device entry in the way pinned)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.tier != HOST or entry.pins or entry.nbytes > self._budget[DEVICE]:
+                return False
+            host = entry.state
+            entry.state, entry.tier = self._new_tensor(DEVICE), DEVICE
+            entry.state.copy_(host)
+            entry.pins += 1  # not the one to move back down
+            try:
+                if self._make_room(DEVICE, 0):
+                    return True
+                entry.state, entry.tier = host, HOST
+                return False
+            finally:
+                entry.pins -= 1
 
     def info(self, key: str) -> Optional[PrefixInfo]:
         """The entry ``key``'s info (not a use), or None when there is none."""

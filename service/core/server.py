@@ -35,14 +35,14 @@ import logging
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 import kernels
 from kernels.problem import packed_problem
 from state_store import (
-    CheckpointTarget, Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, SlotInfo, SlotOrdering,
+    HOST, CheckpointTarget, Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, SlotInfo, SlotOrdering,
     SnapshotError, StatePool, UnknownSlot, key_problem,
 )
 
@@ -108,6 +108,7 @@ class ServerCore:
         self.persistence = (Persistence(self.pool, settings.snapshot_path, prefix_cache=self.prefix_cache)
                             if settings.snapshot_path else None)
         self._snapshot_task: Optional[asyncio.Task[None]] = None
+        self._background: set[asyncio.Task[None]] = set()  # `_in_background`'s tasks
         self._checkpoint_hooks: list[Callable[[], None]] = []
         self._not_ready: Optional[str] = "warming the kernels"  # why `check_ready` refuses; None once ready
         self.ordering = SlotOrdering()
@@ -182,6 +183,8 @@ class ServerCore:
             self._snapshot_task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._snapshot_task
+        if self._background:
+            await asyncio.gather(*self._background)
         await self.batcher.close()
         if self.persistence is not None:
             await self.checkpoint(force=True)
@@ -624,23 +627,37 @@ class ServerCore:
         for i, key in enumerate(prefix):
             if (why := key_problem(key)) is not None:
                 raise InvalidRequest(why, field=f"prefix[{i}]")
-        slots, match = await self.worker.run(self._alloc_prefix, list(prefix), count)
+        slots, match, tier = await self.worker.run(self._alloc_prefix, list(prefix), count)
         if match.matched:
             self.metrics.prefix_hits.inc()
             self.metrics.prefix_hit_tokens.inc(match.tokens * count)
         else:
             self.metrics.prefix_misses.inc()
+        if tier == HOST and match.key is not None:  # after this answer, not before it
+            self._in_background(self.worker.run(self.prefix_cache.promote, match.key), f"promoting {match.key!r}")
         return slots, match
 
-    def _alloc_prefix(self, prefix: list[str], count: int) -> tuple[list[str], PrefixMatch]:
+    def _alloc_prefix(self, prefix: list[str], count: int) -> tuple[list[str], PrefixMatch, Optional[str]]:
+        """`alloc_prefix`'s body: the slots, the match and the tier it was restored from."""
         with self.prefix_cache.restoring(prefix) as held:
             if held.state is None:
-                return self._alloc(count), held.match
+                return self._alloc(count), held.match, None
             # the entry's copy writes every layer of the rows: no zero fill before it
             slots = self.pool.alloc_copies(held.state, count, [held.match.tokens] * self.geometry.num_layers)
             if self.persistence is not None:
                 self.persistence.note_change()
-            return slots, held.match
+            return slots, held.match, held.tier
+
+    def _in_background(self, work: Awaitable[object], what: str) -> None:
+        """Run ``work`` as a task of the serving loop that `close` waits for; a failure is logged."""
+        async def run() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("%s failed", what)
+        task = asyncio.get_running_loop().create_task(run(), name=f"kda-{what}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def prefix_peek(self, prefix: Sequence[str]) -> PrefixMatch:
         """What `alloc_prefix` would match among ``prefix`` now (read inline; not a use)."""

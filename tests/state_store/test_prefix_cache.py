@@ -183,6 +183,38 @@ def test_demotion_to_the_host_tier_and_restore_from_it():
     assert (stats["device"].entries, stats["host"].entries, stats["host"].bytes) == (1, 1, ENTRY)
 
 
+def test_a_host_tier_hit_moves_up_and_the_least_recent_moves_down():
+    clock = FakeClock()
+    cache = _cache(2, host_entries=1, clock=clock)
+    for seed, key in enumerate("abc", start=1):  # "a" moves down
+        cache.publish(key, 64, _state(seed))
+        clock.advance(1)
+    with cache.restoring(["a"]) as held:  # a hit: "a" is the most recent, "b" the least
+        assert held.tier == "host"
+        assert not cache.promote("a")  # not while it is being restored
+    assert cache.promote("a")
+    assert [cache.info(k).tier for k in "abc"] == ["device", "host", "device"]
+    assert cache.evictions() == {"device": 2, "host": 0}  # "a", then "b" moved down; nothing dropped
+    for seed, key in enumerate("abc", start=1):
+        with cache.restoring([key]) as held:
+            assert_bit_equal(held.state, _state(seed))
+    stats = cache.stats()
+    assert (stats["device"].bytes, stats["host"].bytes) == (2 * ENTRY, ENTRY)
+    assert not cache.promote("a") and not cache.promote("missing")  # on the device already; none
+
+
+def test_no_promotion_when_every_device_entry_is_pinned():
+    cache = _cache(1, host_entries=1)
+    cache.publish("a", 64, _state(1))
+    cache.publish("b", 64, _state(2))  # "a" moves down
+    with cache.restoring(["b"]):
+        assert not cache.promote("a")
+    assert (cache.info("a").tier, cache.info("b").tier) == ("host", "device")
+    with cache.restoring(["a"]) as held:
+        assert_bit_equal(held.state, _state(1))
+    assert cache.stats()["device"].bytes == ENTRY
+
+
 def test_a_pinned_entry_is_not_evicted_while_restored():
     cache = _cache(1)
     cache.publish("a", 64, _state(1))
