@@ -219,34 +219,50 @@ class PrefixCache:
         ``layer``, for the launch to write the states into directly (`CheckpointTarget`).
         In place: a present device entry at that offset whose layer is not stored, not
         being restored; else a new device entry when room can be made for it (room is made
-        now: least recently used entries move down or go, as for a store; the new entry's
-        bytes count against the budget until it is committed or released). Anything else
-        (a stored layer rewritten, a host-tier or pinned entry, no room, a key named twice)
-        gets no place. Nothing placed is visible: `commit` stores it once the launch
-        succeeded, and `release` must follow in every case (it frees what was not committed,
-        so a launch rolled back stores nothing)."""
+        now, once for all of them: least recently used entries move down or go, as for a
+        store; the new entries' bytes count against the budget until committed or
+        released; the first ones in order get the room there is). Anything else (a stored
+        layer rewritten, a host-tier or pinned entry, no room, a key named twice) gets no
+        place. Nothing placed is visible: `commit` stores it once the launch succeeded, and
+        `release` must follow in every case (it frees what was not committed, so a launch
+        rolled back stores nothing)."""
         if not 0 <= layer < self._geometry.num_layers:
             raise ValueError(f"layer {layer} out of range: the pool has {self._geometry.num_layers} layers")
         with self._lock:
             placed: list[CheckpointTarget] = []
+            fresh: list[CheckpointTarget] = []  # those wanting a new entry
+            seen: set[str] = set()
             for key, tokens in wanted:
-                repeated = any(t.key == key for t in placed)
-                placed.append(self._place(_check_key(key), _check_tokens(tokens), layer, repeated))
+                target = self._in_place(_check_key(key), _check_tokens(tokens), layer, key in seen)
+                if target is None:
+                    target = CheckpointTarget(key, tokens, layer, None)
+                    fresh.append(target)
+                placed.append(target)
+                seen.add(key)
+            for target in fresh[:self._room_for(len(fresh))]:
+                entry = Entry(target.key, target.tokens, self._new_tensor(DEVICE), [False] * self._geometry.num_layers,
+                              DEVICE, self._clock())
+                self._pending += entry.nbytes
+                target.state, target.entry, target.new = entry.state[layer], entry, True
             return placed
 
-    def _place(self, key: str, tokens: int, layer: int, repeated: bool) -> CheckpointTarget:
+    def _in_place(self, key: str, tokens: int, layer: int, repeated: bool) -> Optional[CheckpointTarget]:
+        """``key``'s target when it is not a new entry: its present entry's layer, or no
+        place (state None); None when it wants a new entry."""
         old = self._entries.get(key)
-        if repeated or (old is not None and old.tokens == tokens and (
-                old.tier != DEVICE or old.pins or old.have[layer])):
+        if not repeated and (old is None or old.tokens != tokens):
+            return None
+        if repeated or old.tier != DEVICE or old.pins or old.have[layer]:
             return CheckpointTarget(key, tokens, layer, None)
-        if old is not None and old.tokens == tokens:
-            return CheckpointTarget(key, tokens, layer, old.state[layer], old)
-        if not self._make_room(DEVICE, self.entry_bytes):
-            return CheckpointTarget(key, tokens, layer, None)
-        entry = Entry(key, tokens, self._new_tensor(DEVICE), [False] * self._geometry.num_layers, DEVICE,
-                      self._clock())
-        self._pending += entry.nbytes
-        return CheckpointTarget(key, tokens, layer, entry.state[layer], entry, new=True)
+        return CheckpointTarget(key, tokens, layer, old.state[layer], old)
+
+    def _room_for(self, count: int) -> int:
+        """How many of ``count`` new device entries fit, room made for as many as it can be."""
+        count = min(count, self._budget[DEVICE] // self.entry_bytes)
+        if count == 0 or self._make_room(DEVICE, count * self.entry_bytes):
+            return count
+        free = self._budget[DEVICE] - self._bytes(DEVICE) - self._pending
+        return max(0, min(count, free // self.entry_bytes))
 
     def commit(self, target: CheckpointTarget, written: Optional[torch.Tensor] = None) -> None:
         """Store ``target`` once its launch succeeded: its layer becomes stored (a new entry
