@@ -239,11 +239,19 @@ class PrefixCache:
                     fresh.append(target)
                 placed.append(target)
                 seen.add(key)
-            for target in fresh[:self._room_for(len(fresh))]:
-                entry = Entry(target.key, target.tokens, self._new_tensor(DEVICE), [False] * self._geometry.num_layers,
-                              DEVICE, self._clock())
-                self._pending += entry.nbytes
-                target.state, target.entry, target.new = entry.state[layer], entry, True
+            try:
+                for target in fresh[:self._room_for(len(fresh))]:
+                    try:
+                        state = self._new_tensor(DEVICE)
+                    except torch.cuda.OutOfMemoryError:
+                        break  # the rest get no place: written elsewhere, stored after the launch if there is room
+                    entry = Entry(target.key, target.tokens, state, [False] * self._geometry.num_layers, DEVICE,
+                                  self._clock())
+                    self._pending += entry.nbytes
+                    target.state, target.entry, target.new = entry.state[layer], entry, True
+            except BaseException:
+                self.release(placed)
+                raise
             return placed
 
     def _in_place(self, key: str, tokens: int, layer: int, repeated: bool) -> Optional[CheckpointTarget]:
