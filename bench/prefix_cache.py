@@ -115,6 +115,7 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         "first layer: a buffer copied into new entries (the old path)": (no_entries, lambda: copied(0)),
         "later layer: into the entries (the server's path)": (first_layer_only, lambda: into_entries(1)),
         "later layer: a buffer copied into the entries (the old path)": (first_layer_only, lambda: copied(1)),
+        "first layer: into new entries, addresses a chunk ahead": (no_entries, lambda: into_entries(0, ahead)),
         "later layer: into the entries, addresses a chunk ahead": (first_layer_only, lambda: into_entries(1, ahead)),
         "later layer: into the entries, 2 state stages (the old rule)": (first_layer_only,
                                                                          lambda: into_entries(1, two)),
@@ -136,8 +137,13 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
           f"{args.reps} interleaved:")
     for name, m in medians.items():
         print(f"  {name}: {m:.3f} ms ({100 * (m / p - 1):+.2f}% against plain)")
-    for path in ("the server's path", "the old path"):
-        first, later = (medians[n] for n in medians if path in n and not any(w in n for w in ("ahead", "stages")))
+    paths = {"the server's path": ("into new entries (the server's path)", "into the entries (the server's path)"),
+             "the old path": ("a buffer copied into new entries", "a buffer copied into the entries"),
+             "the server's path, addresses a chunk ahead": ("into new entries, addresses a chunk ahead",
+                                                            "into the entries, addresses a chunk ahead")}
+    for path, (first_name, later_name) in paths.items():
+        first = next(m for n, m in medians.items() if n.startswith("first layer: " + first_name))
+        later = next(m for n, m in medians.items() if n.startswith("later layer: " + later_name))
         prefill = (first + (args.layers - 1) * later) / args.layers
         print(f"  a {args.layers}-layer prefill, {path}: {100 * (prefill / p - 1):+.2f}% against plain "
               f"(goal <= +5%)")
