@@ -3,12 +3,19 @@
 1. Checkpoints: the server's launch (`packed_problem` + `kernels.run_problem`, serving config
    as bench/transaction.py: bf16 inputs, H = HV = 32, K = V = 128, lower-bound gate, fused
    l2norm and beta sigmoid, an fp32 pool) of 8 x 4096 tokens, plain against the same launch
-   writing a checkpoint every 1024 tokens of every sequence (32 states) into its buffer and
-   storing each into a `PrefixCache` entry, as `ServerCore._store_checkpoints` does. Goal:
-   at most 5% more (medians of CUDA-event times, interleaved).
+   writing a checkpoint every 1024 tokens of every sequence (32 states) straight into
+   `PrefixCache` entries placed for it and committed after, as `ServerCore._launch` does.
+   Goal: at most 5% more over a prefill (medians of CUDA-event times, interleaved). A
+   prefill's first layer stores every checkpoint into a new entry, its other layers into
+   the entries present: both are timed, and the --layers prefill's mean is printed. In the
+   same run, for comparison: the old path (a launch buffer copied into the entries), the
+   addresses loaded a chunk ahead (`LaunchConfig.state_ckpt_prefetch`), the state pass held
+   to 2 pipeline stages (the rule before its stages were chosen by what fits), and the
+   kernel alone.
 2. Restore: a 48-layer entry ([48, 32, 128, 128] fp32, 96 MiB) into a pool slot, as
-   `ServerCore._alloc_prefix` does (`StatePool.alloc` + `write_state` inside
-   `PrefixCache.restoring`), from the device tier (goal: <= 0.2 ms) and from the pinned host
+   `ServerCore._alloc_prefix` does (`StatePool.alloc_copies` inside `PrefixCache.restoring`:
+   the copy alone writes the row, no zero fill first), and the old way (a zeroed `alloc`,
+   then `write_state`) for comparison, from the device tier (goal: <= 0.2 ms) and from the pinned host
    tier (goal: <= the PCIe time of its bytes + 0.2 ms, the PCIe time measured as a plain
    pinned-to-device copy of the same bytes). Wall time with a synchronization, medians.
 
@@ -53,41 +60,93 @@ def wall_ms(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+Variant = tuple[Callable[[], object], Callable[[], object]]  # (untimed setup, the timed call after it)
+
+
 def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: str) -> None:
+    """A prefill's launch with checkpoints as the server runs it, on its first layer (every
+    checkpoint a new entry) and on a later one (every checkpoint into a present entry: the
+    other L - 1 launches of an L-layer prefill), against the plain launch and the old path."""
     n_seq, length = map(int, args.case.split("x"))
     c = make_case(n_seq, length, args.heads, device)
     positions = checkpoint_positions(c)
     C = len(positions)
     marks = torch.empty((C, args.heads, V, K), dtype=torch.float32, device=device)
-    geometry = StatePool(1, 1, args.heads, K, V, device=device).geometry
+    geometry = StatePool(2, 1, args.heads, K, V, device=device).geometry  # entries of two layers
     cache = PrefixCache(geometry, (C + 1) * geometry.bytes_per_slot)
+    wanted = [(f"ck.{row}", pos) for row, pos in enumerate(positions)]
+    first_layer = marks.clone()
+    base = select_config(K, V, interpret=device.type != "cuda")
 
-    def with_checkpoints(config: Optional[LaunchConfig] = None, store: bool = True) -> None:
-        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=marks, config=config)
-        for row in range(C if store else 0):
-            cache.store_layer(f"ck.{row}", positions[row], 0, marks[row])
+    def into_entries(layer: int, config: Optional[LaunchConfig] = None) -> None:
+        """The server's path (`ServerCore._launch`): targets placed, written by the launch, committed."""
+        targets = cache.place(layer, wanted)
+        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=[t.state for t in targets], config=config)
+        for target in targets:
+            cache.commit(target)
+        cache.release(targets)
 
-    variants: dict[str, Callable[[], object]] = {
-        "plain": lambda: launch(c, backend), "with checkpoints stored": with_checkpoints}
-    if args.state_stages:  # the same with the state pass's pipeline depth forced, and the parts
-        s = args.state_stages
-        forced = select_config(K, V, interpret=False).with_overrides(state_stages=s)
-        variants[f"plain, {s} state stages"] = lambda: launch(c, backend, config=forced)
-        variants[f"with checkpoints, {s} state stages"] = lambda: with_checkpoints(forced)
-        variants[f"checkpoints written, not stored, {s} state stages"] = lambda: with_checkpoints(forced, store=False)
-    for fn in variants.values():
+    def copied(layer: int) -> None:
+        """The path before 2026-12-04: a launch buffer, each row copied into its entry after."""
+        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=marks)
+        for row, (key, pos) in enumerate(wanted):
+            cache.store_layer(key, pos, layer, marks[row])
+
+    def no_entries() -> None:  # for a first-layer call: it stores new entries
+        for key, _ in wanted:
+            cache.drop(key)
+
+    def first_layer_only() -> None:  # for a later-layer call: it finds its entries with layer 0 alone
+        no_entries()
+        for row, (key, pos) in enumerate(wanted):
+            cache.store_layer(key, pos, 0, first_layer[row])
+
+    def nothing() -> None:
+        return None
+
+    def config(**kw: object) -> Optional[LaunchConfig]:
+        return base.with_overrides(**kw) if device.type == "cuda" else None
+
+    ahead, two = config(state_ckpt_prefetch=True), config(state_stages=2)
+    buffer_only = dict(checkpoint_tokens=positions, checkpoint_states=marks)
+    variants: dict[str, Variant] = {
+        "plain": (nothing, lambda: launch(c, backend)),
+        "first layer: into new entries (the server's path)": (no_entries, lambda: into_entries(0)),
+        "first layer: a buffer copied into new entries (the old path)": (no_entries, lambda: copied(0)),
+        "later layer: into the entries (the server's path)": (first_layer_only, lambda: into_entries(1)),
+        "later layer: a buffer copied into the entries (the old path)": (first_layer_only, lambda: copied(1)),
+        "first layer: into new entries, addresses a chunk ahead": (no_entries, lambda: into_entries(0, ahead)),
+        "later layer: into the entries, addresses a chunk ahead": (first_layer_only, lambda: into_entries(1, ahead)),
+        "later layer: into the entries, 2 state stages (the old rule)": (first_layer_only,
+                                                                         lambda: into_entries(1, two)),
+        "kernel only: into a buffer, not stored": (nothing, lambda: launch(c, backend, **buffer_only)),
+        "kernel only, addresses a chunk ahead": (nothing, lambda: launch(c, backend, **buffer_only, config=ahead)),
+    }
+    for setup, fn in variants.values():
         for _ in range(3):
+            setup()
             fn()
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.reps):  # interleaved
-        for name, fn in variants.items():
+        for name, (setup, fn) in variants.items():
+            setup()
             times[name].append(timed_ms(fn, device))
-    p = statistics.median(times["plain"])
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    p = medians["plain"]
     print(f"checkpoints {args.case} H{args.heads}, one every {EVERY} tokens ({C} states), medians of "
           f"{args.reps} interleaved:")
-    for name, ts in times.items():
-        m = statistics.median(ts)
-        print(f"  {name}: {m:.3f} ms ({100 * (m / p - 1):+.2f}% against plain; goal for checkpoints <= +5%)")
+    for name, m in medians.items():
+        print(f"  {name}: {m:.3f} ms ({100 * (m / p - 1):+.2f}% against plain)")
+    paths = {"the server's path": ("into new entries (the server's path)", "into the entries (the server's path)"),
+             "the old path": ("a buffer copied into new entries", "a buffer copied into the entries"),
+             "the server's path, addresses a chunk ahead": ("into new entries, addresses a chunk ahead",
+                                                            "into the entries, addresses a chunk ahead")}
+    for path, (first_name, later_name) in paths.items():
+        first = next(m for n, m in medians.items() if n.startswith("first layer: " + first_name))
+        later = next(m for n, m in medians.items() if n.startswith("later layer: " + later_name))
+        prefill = (first + (args.layers - 1) * later) / args.layers
+        print(f"  a {args.layers}-layer prefill, {path}: {100 * (prefill / p - 1):+.2f}% against plain "
+              f"(goal <= +5%)")
 
 
 def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
@@ -101,6 +160,11 @@ def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
 
     def restore(key: str) -> None:
         with cache.restoring([key]) as held:
+            (slot,) = pool.alloc_copies(held.state, 1, [1024] * args.layers)
+        pool.free(slot)
+
+    def zeroed_then_copied(key: str) -> None:
+        with cache.restoring([key]) as held:
             (slot,) = pool.alloc(1)
             pool.write_state(slot, held.state)
         pool.free(slot)
@@ -109,6 +173,8 @@ def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
     target = torch.empty(g.slot_shape, device=device)
     results = {}
     for name, fn in (("device", lambda: restore("device")), ("host", lambda: restore("host")),
+                     ("device, zeroed first", lambda: zeroed_then_copied("device")),
+                     ("host, zeroed first", lambda: zeroed_then_copied("host")),
                      ("pcie", lambda: target.copy_(pinned, non_blocking=True))):
         for _ in range(3):
             fn()
@@ -117,7 +183,8 @@ def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
     print(f"restore of a {args.layers}-layer entry ({nbytes / 2**20:.0f} MiB): device tier "
           f"{results['device']:.3f} ms (goal <= 0.2 ms); host tier {results['host']:.3f} ms against PCIe "
           f"{results['pcie']:.3f} ms ({nbytes / results['pcie'] / 1e6:.1f} GB/s): "
-          f"+{results['host'] - results['pcie']:.3f} ms (goal <= 0.2 ms)")
+          f"+{results['host'] - results['pcie']:.3f} ms (goal <= 0.2 ms); the old way (a zeroed slot, then the "
+          f"copy): device {results['device, zeroed first']:.3f} ms, host {results['host, zeroed first']:.3f} ms")
 
 
 def main() -> None:
@@ -127,9 +194,6 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--state-stages", type=int, default=0,
-                        help="GPU: also time plain, checkpointed and checkpoints-not-stored launches with the "
-                             "state pass's pipeline stages forced to this")
     args = parser.parse_args()
     device = torch.device(args.device)
     backend = kernels.default_backend(device)

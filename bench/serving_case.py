@@ -5,7 +5,7 @@ call on it (`ServerCore._launch`: a `packed_problem` run by `kernels.run_problem
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -41,10 +41,11 @@ def make_case(n_seq: int, length: int, heads: int, device: torch.device, spare_r
 
 
 def launch(c: dict, backend: str, nonfinite: Optional[torch.Tensor] = None, checkpoint_tokens: tuple[int, ...] = (),
-           checkpoint_states: Optional[torch.Tensor] = None, config: Optional[LaunchConfig] = None) -> torch.Tensor:
+           checkpoint_states: Sequence[torch.Tensor] = (), config: Optional[LaunchConfig] = None) -> torch.Tensor:
     """The server's kernel call on case ``c``, in place on its scratch pool, with the
-    non-finite flags and checkpoints given (none by default); o [T, HV, V]. ``config``: a
-    Triton launch config in place of the shape-chosen one (variants of a bench)."""
+    non-finite flags and checkpoints (their targets: a [C, HV, V, K] tensor or C states
+    [HV, V, K]) given (none by default); o [T, HV, V]. ``config``: a Triton launch config
+    in place of the shape-chosen one (variants of a bench)."""
     problem = packed_problem(
         c["q"], c["k"], c["v"], c["g"], c["beta"], bounds=c["bounds"], pool=c["pool"], indices=c["idx"],
         scale=None, A_log=c["A_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND, use_qk_l2norm=True,

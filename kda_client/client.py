@@ -50,6 +50,7 @@ from service.wire.buffers import BodyBuffer
 from service.wire.media import JSON, PROBLEM, SAFETENSORS, media_type
 from service.core.inputs import REQUIRED_TENSORS
 from service.wire.prefill import decode_prefill_response
+from service.wire.schema import PREFIX_DROPPED_HEADER
 from service.wire.safetensors_codec import safetensors_pieces
 from service.wire.state import decode_state_json, decode_state_safetensors, encode_state_json, encode_state_safetensors
 from service.wire.tensors import tensor_to_json
@@ -198,6 +199,12 @@ def _nothing(_: httpx.Headers, __: bytearray) -> None:
     return None
 
 
+def _dropped(headers: httpx.Headers, _: bytearray) -> Optional[bool]:
+    """Whether a prefix delete removed an entry (None: a server that does not say)."""
+    said = headers.get(PREFIX_DROPPED_HEADER)
+    return None if said is None else said == "true"
+
+
 def _media(encoding: Encoding) -> str:
     if encoding not in ("safetensors", "json"):
         raise ValueError(f"encoding must be 'safetensors' or 'json', got {encoding!r}")
@@ -337,8 +344,8 @@ class _Calls:
     def prefix_info(self, key: str) -> _Call[dict[str, Any]]:
         return _Call("GET", f"/prefix/{_q(key)}", _json)
 
-    def drop_prefix(self, key: str) -> _Call[None]:
-        return _Call("DELETE", f"/prefix/{_q(key)}", _nothing)
+    def drop_prefix(self, key: str) -> _Call[Optional[bool]]:
+        return _Call("DELETE", f"/prefix/{_q(key)}", _dropped)
 
     def free(self, slot: str) -> _Call[None]:
         return _Call("DELETE", f"/slots/{_q(slot)}", _nothing)
@@ -448,9 +455,10 @@ class KDAClient:
         """The prefix cache entry ``key`` (SlotNotFound, 404, when there is none)."""
         return self._run(self._calls.prefix_info(key))
 
-    def drop_prefix(self, key: str) -> None:
-        """Remove the prefix cache entry ``key`` (SlotNotFound, 404, when there is none)."""
-        self._run(self._calls.drop_prefix(key))
+    def drop_prefix(self, key: str) -> Optional[bool]:
+        """Remove the prefix cache entry ``key``; whether there was one (no entry is no
+        error; None from a server that does not say)."""
+        return self._run(self._calls.drop_prefix(key))
 
     def free(self, slot: str) -> None:
         self._run(self._calls.free(slot))
@@ -576,8 +584,8 @@ class AsyncKDAClient:
     async def prefix_info(self, key: str) -> dict[str, Any]:
         return await self._run(self._calls.prefix_info(key))
 
-    async def drop_prefix(self, key: str) -> None:
-        await self._run(self._calls.drop_prefix(key))
+    async def drop_prefix(self, key: str) -> Optional[bool]:
+        return await self._run(self._calls.drop_prefix(key))
 
     async def free(self, slot: str) -> None:
         await self._run(self._calls.free(slot))

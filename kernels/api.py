@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .backends import resolve_backend
-from .checkpoints import check_checkpoints
+from .checkpoints import Targets, check_checkpoints
 from .problem import FLOAT_INPUTS, POOL_DTYPES, PrefillProblem, head_dims_error, lower_bound_error, packed_problem
 
 POOL_REQUIRED = "KDA prefill requires an indexed initial-state pool"
@@ -123,7 +123,7 @@ def build_problem(
     state_v_first: bool,
     output_intermediate_states: bool,
     checkpoint_tokens: Optional[torch.Tensor] = None,
-    checkpoint_states: Optional[torch.Tensor] = None,
+    checkpoint_states: Optional[Targets] = None,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
     """Validate public arguments (batched layout [B, T, ...]) into a packed PrefillProblem.
@@ -227,7 +227,7 @@ def chunk_kda(
     state_v_first: bool = True,
     backend: Optional[str] = None,
     checkpoint_tokens: Optional[torch.Tensor] = None,
-    checkpoint_states: Optional[torch.Tensor] = None,
+    checkpoint_states: Optional[Targets] = None,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     **training_knobs: Any,
 ):
@@ -244,12 +244,14 @@ def chunk_kda(
     h [1, NT, HV, V, K] (fp32; [1, NT, HV, K, V] when not v-first): the state before each chunk.
 
     Checkpoints: ``checkpoint_tokens`` (int64 [C], positions in the packed token axis) and
-    ``checkpoint_states`` (the caller's output tensor [C, HV, V, K], [C, HV, K, V] when not
-    v-first, in the pool's dtype). Each position must be ``cu_seqlens[n] + 64 j`` with
-    j >= 1, at most the end of its sequence n, or exactly that end ``cu_seqlens[n + 1]``;
-    positions are distinct. Row c receives the state of its sequence after the tokens
-    before ``checkpoint_tokens[c]`` (its initial state included), written by the same
-    launch: no second pass, no per-chunk state tensor. Other rows' memory is not touched.
+    ``checkpoint_states`` (the caller's targets: one output tensor [C, HV, V, K], [C, HV, K, V]
+    when not v-first, or a sequence of C tensors [HV, V, K] / [HV, K, V] anywhere in memory
+    sharing one set of strides; the pool's dtype and device). Each position must be
+    ``cu_seqlens[n] + 64 j`` with j >= 1, at most the end of its sequence n, or exactly that
+    end ``cu_seqlens[n + 1]``; positions are distinct. Target c receives the state of its
+    sequence after the tokens before ``checkpoint_tokens[c]`` (its initial state included),
+    written by the same launch: no second pass, no per-chunk state tensor. Other memory is
+    not touched.
 
     ``cu_seqlens_cpu``: the same offsets as ``cu_seqlens`` on the host (int32/int64 [N + 1],
     as fla and SGLang pass them; ``cu_seqlens`` itself may then be omitted). With it
@@ -300,7 +302,7 @@ def kda_prefill(
     cp_context: Any = None,
     disable_recompute: bool = False,
     checkpoint_tokens: Optional[torch.Tensor] = None,
-    checkpoint_states: Optional[torch.Tensor] = None,
+    checkpoint_states: Optional[Targets] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA prefill, functional form: returns ``(o, final_state)``.
 

@@ -49,8 +49,9 @@ class PrefillProblem:
     -1 means a zero initial state and no write-back.
     A_log: [HV] or None; dt_bias: [HV, K] or None; lower_bound: float or None.
     checkpoint_tokens: packed token positions (host ints), each a chunk end of its sequence
-    (``bounds[n] + 64 j``, j >= 1, or ``bounds[n + 1]``), distinct; checkpoint_states:
-    [C, ..] in the pool's layout and dtype, receives the state after each (None: none).
+    (``bounds[n] + 64 j``, j >= 1, or ``bounds[n + 1]``), distinct; checkpoint_states: one
+    target per position, each one pool row's shape, dtype and device, all with the same
+    strides, anywhere in memory (`kernels.checkpoints`), receiving the state after it.
     nonfinite: [N + 1] int32 on the device, zeros (None: not checked): the backend sets [n]
     to 1 when sequence n's final state or its tokens of o (as stored, in their dtypes) hold
     a NaN or Inf; a backend may set [N] instead of [n] for o (which sequence is then found
@@ -75,7 +76,7 @@ class PrefillProblem:
     allow_neg_eigval: bool
     output_intermediate_states: bool
     checkpoint_tokens: tuple[int, ...] = ()
-    checkpoint_states: Optional[torch.Tensor] = None
+    checkpoint_states: tuple[torch.Tensor, ...] = ()
     nonfinite: Optional[torch.Tensor] = None
 
     @property
@@ -108,7 +109,7 @@ def packed_problem(
     state_v_first: bool = True,
     output_intermediate_states: bool = False,
     checkpoint_tokens: tuple[int, ...] = (),
-    checkpoint_states: Optional[torch.Tensor] = None,
+    checkpoint_states: Sequence[torch.Tensor] = (),
     nonfinite: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
     """The problem of packed inputs its caller has checked against the contract above
@@ -128,12 +129,12 @@ def packed_problem(
         lower_bound=None if lower_bound is None else float(lower_bound),
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
         allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
-        checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states, nonfinite=nonfinite,
+        checkpoint_tokens=checkpoint_tokens, checkpoint_states=tuple(checkpoint_states), nonfinite=nonfinite,
     )
 
 
 # A backend runs a problem: returns o [T, HV, V] in v's dtype and, when
 # output_intermediate_states, h [NT, HV, V, K] (or [NT, HV, K, V]) in fp32: the state
 # before each chunk; final states are written into pool rows in place, and the state after
-# each checkpoint position into its checkpoint_states row; the flags into nonfinite.
+# each checkpoint position into its checkpoint_states target; the flags into nonfinite.
 Backend = Callable[[PrefillProblem], tuple[torch.Tensor, Optional[torch.Tensor]]]

@@ -93,14 +93,10 @@ def _checkpoints_by_chunk(p: PrefillProblem) -> list[tuple[int, int, int]]:
 
 
 def _write_checkpoints(p: PrefillProblem, saved: dict[int, torch.Tensor]) -> None:
-    """Math-layout states [HV, K, V] by row into ``p.checkpoint_states`` (pool layout and dtype)."""
-    if not saved:
-        return
-    rows = sorted(saved)
-    block = torch.stack([saved[r] for r in rows])
-    if p.state_v_first:
-        block = block.transpose(-1, -2)
-    p.checkpoint_states.index_copy_(0, torch.tensor(rows, device=block.device), block.to(p.checkpoint_states.dtype))
+    """Math-layout states [HV, K, V] by checkpoint into their ``p.checkpoint_states``
+    targets (pool layout and dtype)."""
+    for c, state in saved.items():
+        p.checkpoint_states[c].copy_(state.transpose(-1, -2) if p.state_v_first else state)
 
 
 def recurrent_step(

@@ -43,7 +43,7 @@ from .triton_kernels.output import launch_output
 from .triton_kernels.recurrent import launch_decode
 from .triton_kernels.state import launch_state
 from .triton_kernels.wy import WyOutputs, launch_wy
-from .triton_plan import LaunchPlan, checkpoint_rows, launch_plan
+from .triton_plan import LaunchPlan, checkpoint_addresses, launch_plan
 from .triton_toolchain import configure_toolchain
 
 
@@ -79,16 +79,24 @@ def _state_strides(p: PrefillProblem, x: torch.Tensor) -> tuple[int, int, int, i
     return (s[0], s[1], s[3], s[2]) if p.state_v_first else (s[0], s[1], s[2], s[3])
 
 
+def _target_strides(p: PrefillProblem) -> tuple[int, int, int]:
+    """(head, key, value) element strides shared by the checkpoint targets (zeros: none)."""
+    if not p.checkpoint_states:
+        return 0, 0, 0
+    s = p.checkpoint_states[0].stride()
+    return (s[0], s[2], s[1]) if p.state_v_first else (s[0], s[1], s[2])
+
+
 def state_targets(p: PrefillProblem, plan: LaunchPlan, h: Optional[torch.Tensor]) -> StateTargets:
     """The pool, h (or None), checkpoints and non-finite flags of ``p`` as the state stages
     address them."""
     K, V = p.q.shape[2], p.v.shape[2]
-    ckpt = p.checkpoint_states
+    targets = p.checkpoint_states
     return StateTargets(
         pool=p.pool, indices=p.indices, pool_strides=_state_strides(p, p.pool),
         h=h, h_strides=(1, K) if p.state_v_first else (V, 1),
-        ckpt_rows=None if ckpt is None else checkpoint_rows(p.bounds, p.checkpoint_tokens, p.q.device),
-        ckpt=ckpt, ckpt_strides=(0, 0, 0, 0) if ckpt is None else _state_strides(p, ckpt), flags=p.nonfinite,
+        ckpt_addrs=checkpoint_addresses(p.bounds, p.checkpoint_tokens, targets, p.q.device) if targets else None,
+        ckpt_strides=_target_strides(p), flags=p.nonfinite,
     )
 
 
@@ -129,7 +137,7 @@ def run_triton(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run ``p``: returns o [T, HV, V] in v's dtype and, with output_intermediate_states,
     h [NT, HV, V, K] fp32 ([NT, HV, K, V] when not state_v_first). Final states go into
-    ``p.pool`` rows in place, checkpoints into ``p.checkpoint_states``. ``config``
+    ``p.pool`` rows in place, checkpoints into ``p.checkpoint_states``' targets. ``config``
     overrides the shape-chosen launch config (bench)."""
     K, V = p.q.shape[2], p.v.shape[2]
     cfg = config or select_config(K, V, os.environ.get("TRITON_INTERPRET") == "1")
@@ -153,7 +161,7 @@ def run_triton(
     intra = IntraOutputs.alloc(x)
     carry = torch.empty(max(plan.num_carry, 1), x.HV, K, V, dtype=torch.float32, device=x.device)
     wy = WyOutputs.alloc(x, NT)
-    launch = state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize, checkpoint=st.ckpt is not None)
+    launch = state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize)
     fused = fuse_output(cfg, n_multi * x.HV)
     v_new = None if fused else torch.empty_like(wy.u)
     if not fused and h is None:  # scratch states for the output stage, [NT, HV, K, V]
@@ -166,7 +174,7 @@ def run_triton(
         launch_wy(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
 
     def sequential(c0: int, c1: int, s0: int, s1: int) -> None:
-        launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch)
+        launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch)
         if v_new is not None:
             launch_output(x, plan.chunks[c0:c1], wy.qg, st, v_new, intra.aqk, o, cfg)
 

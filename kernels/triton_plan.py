@@ -119,16 +119,18 @@ def launch_plan(bounds: tuple[int, ...], piece_chunks: int, device: torch.device
     )
 
 
-def checkpoint_rows(bounds: tuple[int, ...], positions: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def checkpoint_addresses(bounds: tuple[int, ...], positions: tuple[int, ...], targets: tuple[torch.Tensor, ...],
+                         device: torch.device) -> torch.Tensor:
     """[NT] int64: for each chunk (h index, as `piece_rows` numbers them: sequences in
-    order, a 1-token sequence one chunk) the checkpoint that takes the state after it, -1
-    for none. ``positions``: packed token positions, each a chunk end of its sequence
-    (``bounds[n] + 64 j`` or ``bounds[n + 1]``; `kernels.api` checks them)."""
+    order, a 1-token sequence one chunk) the address of the target that takes the state
+    after it (``targets[c]`` for ``positions[c]``), 0 for none. ``positions``: packed token
+    positions, each a chunk end of its sequence (``bounds[n] + 64 j`` or ``bounds[n + 1]``;
+    `kernels.checkpoints` checks them)."""
     first = [0]
     for a, b in zip(bounds[:-1], bounds[1:]):
         first.append(first[-1] + -(-(b - a) // CHUNK_SIZE))
-    rows = [-1] * first[-1]
-    for c, pos in enumerate(positions):
+    addrs = [0] * first[-1]
+    for pos, target in zip(positions, targets):
         n = bisect_left(bounds, pos) - 1  # bounds[n] < pos <= bounds[n + 1]
-        rows[first[n] + (pos - bounds[n] - 1) // CHUNK_SIZE] = c
-    return torch.tensor(rows, dtype=torch.int64).to(device)
+        addrs[first[n] + (pos - bounds[n] - 1) // CHUNK_SIZE] = target.data_ptr()
+    return torch.tensor(addrs, dtype=torch.int64).to(device)

@@ -11,7 +11,7 @@ from .errors import GeometryMismatch, PoolError, PoolFull, SnapshotError, Unknow
 from .geometry import PoolGeometry
 from .ordering import SlotOrdering
 from .persistence import Persistence, RestoreReport
-from .prefix_cache import PrefixCache, PrefixInfo, PrefixMatch, TierStats, key_problem
+from .prefix_cache import HOST, CheckpointTarget, PrefixCache, PrefixInfo, PrefixMatch, TierStats, key_problem
 from .pool import StatePool
 from .records import PoolStats, SlotInfo
 
@@ -24,6 +24,8 @@ __all__ = [
     "Persistence",
     "RestoreReport",
     "PrefixCache",
+    "CheckpointTarget",
+    "HOST",
     "PrefixInfo",
     "PrefixMatch",
     "TierStats",

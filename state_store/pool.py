@@ -119,6 +119,31 @@ class StatePool:
         return [self._issue(row, [0] * self._geometry.num_layers) for row in rows]
 
     @_locked
+    def alloc_copies(self, state: torch.Tensor, count: int, tokens_per_layer: Sequence[int]) -> list[str]:
+        """Allocate ``count`` slots each holding ``state`` [L, HV, V, K] (pool dtype, any
+        device) on every layer and counting ``tokens_per_layer``, all or none: a restore.
+        The copy writes every layer of the rows, so they are not zeroed first. Shape and
+        dtype are checked first (GeometryMismatch); a copy that fails hands the rows back
+        unissued (a row's old contents never show: every allocation writes all of a row
+        before its id exists)."""
+        self._check_state(state)
+        tokens = [int(n) for n in tokens_per_layer]
+        if len(tokens) != self._geometry.num_layers or any(n < 0 for n in tokens):
+            raise ValueError(f"tokens_per_layer must be {self._geometry.num_layers} non-negative counts, got {tokens}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"count must be a positive integer, got {count!r}")
+        rows = self._take_rows(count)
+        try:
+            self._tensor[:, rows[0]].copy_(state)
+            for row in rows[1:]:  # from the pool's own copy (one transfer from a host state)
+                self._tensor[:, row].copy_(self._tensor[:, rows[0]])
+        except BaseException:
+            for row in rows:
+                heapq.heappush(self._free_rows, row)
+            raise
+        return [self._issue(row, list(tokens)) for row in rows]
+
+    @_locked
     def free(self, slot_id: str) -> None:
         """Free a slot; its row returns to the free list. UnknownSlot if it is not live."""
         self._resolve(slot_id)
@@ -176,12 +201,7 @@ class StatePool:
 
         Shape and dtype are checked first (GeometryMismatch). Token counts are left alone.
         """
-        expected = {"shape": list(self._geometry.slot_shape), "dtype": self._geometry.dtype_name}
-        if not isinstance(state, torch.Tensor):
-            raise TypeError(f"state must be a torch.Tensor, got {type(state).__name__}")
-        if tuple(state.shape) != self._geometry.slot_shape or state.dtype != self._geometry.dtype:
-            got = {"shape": list(state.shape), "dtype": str(state.dtype).removeprefix("torch.")}
-            raise GeometryMismatch(expected, got)
+        self._check_state(state)
         slot = self._touch(slot_id)
         self._tensor[:, slot.row].copy_(state)
         slot.state_lost = False
@@ -341,6 +361,15 @@ class StatePool:
         slot = self._resolve(slot_id)
         slot.last_used = self._clock()
         return slot
+
+    def _check_state(self, state: torch.Tensor) -> None:
+        """TypeError unless a tensor; GeometryMismatch unless [L, HV, V, K] in the pool dtype."""
+        expected = {"shape": list(self._geometry.slot_shape), "dtype": self._geometry.dtype_name}
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"state must be a torch.Tensor, got {type(state).__name__}")
+        if tuple(state.shape) != self._geometry.slot_shape or state.dtype != self._geometry.dtype:
+            got = {"shape": list(state.shape), "dtype": str(state.dtype).removeprefix("torch.")}
+            raise GeometryMismatch(expected, got)
 
     def _take_rows(self, count: int) -> list[int]:
         """Pop ``count`` free rows (freeing idle slots if short), or raise PoolFull."""

@@ -9,9 +9,15 @@ nothing that happens to a slot later changes it.
 Two tiers, each with a byte budget: entries live on the pool's device; when the device
 tier is over budget its least recently used entries move to pinned host memory (the host
 tier, when it has a budget) or are dropped, and the host tier drops its least recently
-used entries when over its own budget. An entry's bytes are those of its whole ``[L, ...]``
+used entries when over its own budget; a host-tier entry that is hit can move back up
+(`promote`). An entry's bytes are those of its whole ``[L, ...]``
 tensor, allocated when its first layer arrives. Use (a store into it, a match) makes an
 entry the most recent. An entry being restored is pinned: no eviction moves or drops it.
+
+A launch may write its checkpoints straight into entries (`place`, then `commit` once it
+succeeded, `release` always): a target is a layer not yet stored of a present entry, or a
+layer of a new entry that is not in the cache until committed, so a launch rolled back
+stores nothing.
 
 Keys are the caller's strings of 1..`KEY_MAX` characters; the cache never sees tokens.
 Every method holds the cache's lock; copies into slots happen outside it, under a pin.
@@ -115,6 +121,23 @@ class Restore:
     tier: Optional[str] = None
 
 
+@dataclass(eq=False)
+class CheckpointTarget:
+    """Where a launch writes one checkpoint (`PrefixCache.place`): ``state`` [HV, V, K]
+    (pool dtype, on the pool's device) is layer ``layer`` of the entry ``key`` at ``tokens``:
+    a layer of a present entry that is not stored yet, or of a new entry that nothing sees
+    until `PrefixCache.commit`. None: the cache has no such place for it (the launch writes
+    it elsewhere and `commit` copies it in, as `PrefixCache.store_layer` does)."""
+
+    key: str
+    tokens: int
+    layer: int
+    state: Optional[torch.Tensor]
+    entry: Optional[Entry] = field(default=None, repr=False)
+    new: bool = False
+    open: bool = True  # neither committed nor released yet
+
+
 @dataclass
 class _Counters:
     evictions: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
@@ -139,6 +162,7 @@ class PrefixCache:
         self._entries: "OrderedDict[str, Entry]" = OrderedDict()  # least recently used first
         self._lock = threading.RLock()
         self._counters = _Counters()
+        self._pending = 0  # bytes of new entries placed for a launch (`place`), not yet committed
 
     @property
     def geometry(self) -> PoolGeometry:
@@ -188,6 +212,101 @@ class PrefixCache:
             entry.have = [True] * self._geometry.num_layers
             return self._info(entry)
 
+    # -- checkpoints written in place by a launch -----------------------------------------
+
+    def place(self, layer: int, wanted: Sequence[tuple[str, int]]) -> list[CheckpointTarget]:
+        """Targets for a launch's checkpoints ``wanted`` (key, tokens), in order, of layer
+        ``layer``, for the launch to write the states into directly (`CheckpointTarget`).
+        In place: a present device entry at that offset whose layer is not stored, not
+        being restored; else a new device entry when room can be made for it (room is made
+        now, once for all of them: least recently used entries move down or go, as for a
+        store; the new entries' bytes count against the budget until committed or
+        released; the first ones in order get the room there is). Anything else (a stored
+        layer rewritten, a host-tier or pinned entry, no room, a key named twice) gets no
+        place. Nothing placed is visible: `commit` stores it once the launch succeeded, and
+        `release` must follow in every case (it frees what was not committed, so a launch
+        rolled back stores nothing)."""
+        if not 0 <= layer < self._geometry.num_layers:
+            raise ValueError(f"layer {layer} out of range: the pool has {self._geometry.num_layers} layers")
+        with self._lock:
+            placed: list[CheckpointTarget] = []
+            fresh: list[CheckpointTarget] = []  # those wanting a new entry
+            seen: set[str] = set()
+            for key, tokens in wanted:
+                target = self._in_place(_check_key(key), _check_tokens(tokens), layer, key in seen)
+                if target is None:
+                    target = CheckpointTarget(key, tokens, layer, None)
+                    fresh.append(target)
+                placed.append(target)
+                seen.add(key)
+            try:
+                for target in fresh[:self._room_for(len(fresh))]:
+                    try:
+                        state = self._new_tensor(DEVICE)
+                    except torch.cuda.OutOfMemoryError:
+                        break  # the rest get no place: written elsewhere, stored after the launch if there is room
+                    entry = Entry(target.key, target.tokens, state, [False] * self._geometry.num_layers, DEVICE,
+                                  self._clock())
+                    self._pending += entry.nbytes
+                    target.state, target.entry, target.new = entry.state[layer], entry, True
+            except BaseException:
+                self.release(placed)
+                raise
+            return placed
+
+    def _in_place(self, key: str, tokens: int, layer: int, repeated: bool) -> Optional[CheckpointTarget]:
+        """``key``'s target when it is not a new entry: its present entry's layer, or no
+        place (state None); None when it wants a new entry."""
+        old = self._entries.get(key)
+        if not repeated and (old is None or old.tokens != tokens):
+            return None
+        if repeated or old.tier != DEVICE or old.pins or old.have[layer]:
+            return CheckpointTarget(key, tokens, layer, None)
+        return CheckpointTarget(key, tokens, layer, old.state[layer], old)
+
+    def _room_for(self, count: int) -> int:
+        """How many of ``count`` new device entries fit, room made for as many as it can be."""
+        count = min(count, self._budget[DEVICE] // self.entry_bytes)
+        if count == 0 or self._make_room(DEVICE, count * self.entry_bytes):
+            return count
+        free = self._budget[DEVICE] - self._bytes(DEVICE) - self._pending
+        return max(0, min(count, free // self.entry_bytes))
+
+    def commit(self, target: CheckpointTarget, written: Optional[torch.Tensor] = None) -> None:
+        """Store ``target`` once its launch succeeded: its layer becomes stored (a new entry
+        enters the cache, replacing the key's entry at another offset). A target placed
+        nowhere stores ``written`` [HV, V, K], the state the launch wrote elsewhere, as
+        `store_layer` does; so does one whose entry changed since it was placed."""
+        with self._lock:
+            if not target.open:
+                raise ValueError(f"checkpoint {target.key!r} was committed or released already")
+            target.open = False
+            if target.state is None:
+                if written is None:
+                    raise ValueError(f"checkpoint {target.key!r} has no place in the cache: pass the state written")
+                self.store_layer(target.key, target.tokens, target.layer, written)
+                return
+            entry = target.entry
+            assert entry is not None
+            if target.new:
+                self._pending -= entry.nbytes
+                self._remove(target.key)
+                self._entries[target.key] = entry  # its room was made when it was placed
+            elif self._entries.get(target.key) is not entry or entry.tier != DEVICE:
+                self.store_layer(target.key, target.tokens, target.layer, target.state)
+                return
+            entry.have[target.layer] = True
+            self._touch(entry)
+
+    def release(self, targets: Sequence[CheckpointTarget]) -> None:
+        """End ``targets``' placement: the new entries of those not committed are dropped
+        (a layer written in place but not committed stays unstored, so never served)."""
+        with self._lock:
+            for target in targets:
+                if target.open and target.new and target.entry is not None:
+                    self._pending -= target.entry.nbytes
+                target.open = False
+
     def _writable(self, key: str, tokens: int) -> Optional[Entry]:
         """The entry to write ``key`` at ``tokens`` into, made the most recent: the present
         one when it is at that offset on the device and not being restored, else a new one
@@ -233,7 +352,7 @@ class PrefixCache:
         whether they fit. Pinned entries stay, so a tier full of them takes nothing."""
         if incoming > self._budget[tier]:
             return False
-        used = self._bytes(tier)
+        used = self._bytes(tier) + (self._pending if tier == DEVICE else 0)
         for entry in [e for e in self._entries.values() if e.tier == tier]:
             if used + incoming <= self._budget[tier]:
                 break
@@ -292,6 +411,29 @@ class PrefixCache:
             if best is not None:
                 with self._lock:
                     best[1].pins -= 1
+
+    def promote(self, key: str) -> bool:
+        """Move the host-tier entry ``key`` up to the device tier (a hit made it the most
+        recent), the device tier's least recently used entries moving down to make room.
+        The copy up is made first, so the device holds one entry over its budget for that
+        long and the host tier has the promoted entry's room for what moves down. Whether it
+        moved: not when there is no such host-tier entry, it is being restored, or no room
+        can be made (every device entry in the way pinned)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.tier != HOST or entry.pins or entry.nbytes > self._budget[DEVICE]:
+                return False
+            host = entry.state
+            entry.state, entry.tier = self._new_tensor(DEVICE), DEVICE
+            entry.state.copy_(host)
+            entry.pins += 1  # not the one to move back down
+            try:
+                if self._make_room(DEVICE, 0):
+                    return True
+                entry.state, entry.tier = host, HOST
+                return False
+            finally:
+                entry.pins -= 1
 
     def info(self, key: str) -> Optional[PrefixInfo]:
         """The entry ``key``'s info (not a use), or None when there is none."""

@@ -58,6 +58,10 @@ class LaunchConfig:
     # tensor-core products of the operands' high and low parts: about fp32's accuracy) or
     # "ieee" (fp32 FMAs, off the tensor cores). 16-bit inputs always take fp16/tf32 products.
     fp32_products: str = "tf32x3"
+    # The checkpointed state pass loads each chunk's checkpoint address one chunk ahead
+    # instead of right before the store's branch, which waits for that load every chunk (one
+    # block per SM at 3 stages hides little of it). Not timed on a GPU yet: `bench/prefix_cache.py`.
+    state_ckpt_prefetch: bool = False
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)
@@ -120,8 +124,7 @@ def piece_chunks(cfg: LaunchConfig, HV: int, num_seqs: int) -> int:
     return max(1, -(-target // HV)) if target > 0 else 0
 
 
-def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, operand_bytes: int,
-                 checkpoint: bool = False) -> tuple[int, int, int]:
+def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, operand_bytes: int) -> tuple[int, int, int]:
     """(BV, warps, stages) of the state pass: the config's, else 4 warps (they share an SM
     with the parallel kernels, and beat 8 warps even alone: 4.20 vs 4.36 ms on 8x4096, H200),
     BV = 64 for wide batches, 32 for narrow ones (more programs to spread over the GPU:
@@ -130,11 +133,11 @@ def state_launch(cfg: LaunchConfig, num_seq_heads: int, K: int, V: int, operand_
     per element: 2 for fp16, 4 for fp32) as fit in the 227 KB of shared memory a Hopper
     block may take (sm_90 compiles, `tests/triton/test_triton_sm90_shared_memory.py`):
     3 stages of fp16 at K <= 128 take 192-216 KB, of fp32 256-288 KB, so fp32 takes 2
-    (136-160 KB); K > 128 takes 1. With ``checkpoint`` (the state stored inside the loop
-    too) at most 2: Triton 3.9 gives that store 16 KB of scratch, and the wide 3-stage fp16
-    pass then asks for 232 KB of the 227 a block may take (Triton 3.6: 216 KB)."""
+    (136-160 KB); K > 128 takes 1. A compiled variant that asks more than a block may take
+    (the checkpointed pass adds its in-loop store's scratch: 232 KB at 3 stages in some
+    Triton versions' compiles) launches with fewer stages (`state.launch_state`)."""
     bv = cfg.state_bv or min(_pow2(V), 64 if _wide(num_seq_heads) and K <= 128 else 32)
-    stages = cfg.state_stages or (1 if K > 128 else 3 if operand_bytes <= 2 and not checkpoint else 2)
+    stages = cfg.state_stages or (1 if K > 128 else 3 if operand_bytes <= 2 else 2)
     return bv, cfg.state_warps or 4, stages
 
 

@@ -7,7 +7,7 @@ call and hands them to each stage's launcher (`intra.launch_intra`, `wy.launch_w
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -82,12 +82,12 @@ class StateTargets:
 
     pool: [S, HV, ., .] fp32 or bf16, read at and written back to ``indices`` [N] int64
     rows (-1: zeros, no write); ``pool_strides``: its (slot, head, key, value) element
-    strides. h: [NT, HV, ., .] fp32, the state before each chunk (None: not kept), with
-    ``h_strides`` (key, value) inside one state. ckpt_rows: [NT] int64, for each chunk (h
-    index) the row of ``ckpt`` that receives the state after it, -1 for none (None: no
-    checkpoints); ckpt: [C, HV, ., .] in the pool's dtype, ``ckpt_strides`` (row, head,
-    key, value). flags: [N + 1] int32, the launch's non-finite flags
-    (`kernels.problem.PrefillProblem.nonfinite`; None: not checked).
+    strides. h: [NT, HV, .., ..] fp32, the state before each chunk (None: not kept), with
+    ``h_strides`` (key, value) inside one state. ckpt_addrs: [NT] int64, for each chunk (h
+    index) the address of the [HV, ., .] state (the pool's dtype) that receives the state
+    after it, 0 for none (None: no checkpoints); ``ckpt_strides``: the (head, key, value)
+    element strides every such state shares. flags: [N + 1] int32, the launch's non-finite
+    flags (`kernels.problem.PrefillProblem.nonfinite`; None: not checked).
     """
 
     pool: torch.Tensor
@@ -95,22 +95,19 @@ class StateTargets:
     pool_strides: tuple[int, int, int, int]
     h: Optional[torch.Tensor]
     h_strides: tuple[int, int]
-    ckpt_rows: Optional[torch.Tensor]
-    ckpt: Optional[torch.Tensor]
-    ckpt_strides: tuple[int, int, int, int]
+    ckpt_addrs: Optional[torch.Tensor]
+    ckpt_strides: tuple[int, int, int]
     flags: Optional[torch.Tensor] = None
 
     def with_h(self, h: torch.Tensor, h_strides: tuple[int, int]) -> "StateTargets":
         """The same targets with per-chunk states going to ``h`` (scratch of the split output path)."""
-        return StateTargets(self.pool, self.indices, self.pool_strides, h, h_strides, self.ckpt_rows, self.ckpt,
-                            self.ckpt_strides, self.flags)
+        return replace(self, h=h, h_strides=h_strides)
 
-    def pointers(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(h, ckpt_rows, ckpt) for a kernel's arguments, ``placeholder`` where absent (the
+    def pointers(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, ckpt_addrs) for a kernel's arguments, ``placeholder`` where absent (the
         kernels' STORE_H / CHECKPOINT constexprs keep them unread)."""
         return (placeholder if self.h is None else self.h,
-                self.indices if self.ckpt_rows is None else self.ckpt_rows,
-                placeholder if self.ckpt is None else self.ckpt)
+                self.indices if self.ckpt_addrs is None else self.ckpt_addrs)
 
     def flag_pointer(self, placeholder: torch.Tensor) -> torch.Tensor:
         """The flags for a kernel's arguments, ``placeholder`` where absent (FLAG keeps it unread)."""

@@ -21,9 +21,9 @@ from .state import flag_nonfinite, store_checkpoint
 
 @triton.jit
 def recurrent_step_kernel(
-    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs, ckpt_rows, ckpt, flags,
+    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs, ckpt_addrs, flags,
     scale, lower_bound,
-    s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_row, c_head, c_k, c_v,
+    s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_head, c_k, c_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -34,7 +34,7 @@ def recurrent_step_kernel(
 
     q, k: [T, H, K]; v, o: [T, HV, V]; g: [T, HV, K]; beta: [T, HV]; pool strides as in
     the state pass; h (when STORE_H): [NT, HV, .., ..] fp32, receives the initial state;
-    ckpt_rows, ckpt (CHECKPOINT) and flags [N + 1] int32 (FLAG) as in `StateTargets`.
+    ckpt_addrs (CHECKPOINT) and flags [N + 1] int32 (FLAG) as in `StateTargets`.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -81,20 +81,21 @@ def recurrent_step_kernel(
         flag_nonfinite(flags + seq, b_o, m_v)
         flag_nonfinite(flags + seq, b_final, m_kv)
     if CHECKPOINT:
-        store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_s, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv, c_row, c_head)
+        store_checkpoint(tl.load(ckpt_addrs + i_g), i_hv, b_s, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv, c_head,
+                         pool)
 
 
 def launch_decode(x: StageInputs, decs: torch.Tensor, o: torch.Tensor, st: StateTargets, cfg: LaunchConfig) -> None:
     """One recurrent step for each single-token sequence of ``decs`` ([N1, 3],
     `kernels.triton_plan`): o [T, HV, V] at its token, its pool row (and h, checkpoints,
     non-finite flags)."""
-    h, ckpt_rows, ckpt = st.pointers(o)
+    h, ckpt_addrs = st.pointers(o)
     grid = (decs.shape[0] * triton.cdiv(x.V, cfg.rec_bv), x.HV)
     recurrent_step_kernel[grid](
-        x.q, x.k, x.v, x.g, x.beta, x.a_log, x.dt_bias, o, st.pool, st.indices, h, decs, ckpt_rows, ckpt,
+        x.q, x.k, x.v, x.g, x.beta, x.a_log, x.dt_bias, o, st.pool, st.indices, h, decs, ckpt_addrs,
         st.flag_pointer(st.indices),
         x.scale, x.lower_bound, *st.pool_strides, *st.h_strides, *st.ckpt_strides,
         H=x.H, HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=cfg.rec_bv, **x.flags,
-        STORE_H=st.h is not None, CHECKPOINT=st.ckpt is not None, FLAG=st.flags is not None,
+        STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
         num_warps=cfg.rec_warps,
     )

@@ -15,8 +15,10 @@ writes a carry row instead, by its segment-table entry. The pool is addressed th
 layouts (fp32 or bf16) are one code path. This kernel must never be autotuned: a timing
 run would advance live states.
 
-Checkpoints (CHECKPOINT): after each chunk, when ``ckpt_rows[chunk]`` names a row, the
-state after that chunk goes to that row of ``ckpt`` as well (`store_checkpoint`).
+Checkpoints (CHECKPOINT): after each chunk, when ``ckpt_addrs[chunk]`` holds an address,
+the state after that chunk goes to the [HV, ., .] state there as well, in the pool's dtype
+(`store_checkpoint`): the targets are the caller's tensors wherever they live (a cache's
+entries), one int64 address each, so nothing is copied after the launch.
 
 Non-finite flags (FLAG): the program looks for NaN and Inf values in the o tiles it
 stores (FUSE_OUT) and of the state it writes at the segment's end, as stored, and sets
@@ -27,24 +29,27 @@ inside one warp, so no barrier); the sums are flagged once, after the loop.
 """
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Callable, Hashable, Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .inputs import StageInputs, StateTargets
 from .wy import WyOutputs
 
 
 @triton.jit
-def store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, offsets, mask, c_row, c_head):
-    """Store the fp32 state tile b_h (after chunk i_g) to ``ckpt`` row ckpt_rows[i_g], head
-    i_hv, in ckpt's dtype at element ``offsets`` (b_h's shape: its key and value indices
-    times the key and value strides) where ``mask``; nothing when that row is -1."""
-    row = tl.load(ckpt_rows + i_g)
-    if row >= 0:
-        tl.store(ckpt + row * c_row + i_hv * c_head + offsets, b_h.to(ckpt.dtype.element_ty), mask=mask)
+def store_checkpoint(addr, i_hv, b_h, offsets, mask, c_head, like):
+    """Store the fp32 state tile b_h to the state at address ``addr`` (int64, an entry of
+    ckpt_addrs), head i_hv, in the element type of ``like`` (the pool) at element
+    ``offsets`` (b_h's shape: its key and value indices times the key and value strides)
+    where ``mask``; nothing when the address is 0."""
+    if addr != 0:
+        base = addr.to(tl.pointer_type(like.dtype.element_ty))
+        tl.store(base + i_hv * c_head + offsets, b_h.to(like.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -59,12 +64,12 @@ def flag_nonfinite(flag, x, mask):
 
 @triton.jit
 def chunk_state_kernel(
-    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry, ckpt_rows, ckpt, flags,
-    s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_row, c_head, c_k, c_v,
+    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry, ckpt_addrs, flags,
+    s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_head, c_k, c_v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False,
 ):
     """Grid (Ns * HV * cdiv(V, BV),). segs: [Ns, 6] int64 (sequence id, first token, end
     token, h index of its first chunk, carry row to load or -1, carry row to store or -1);
@@ -74,8 +79,10 @@ def chunk_state_kernel(
     products cast S and v_new to it); u, v_new: [T, HV, V] and gexp: [NT, HV, K] fp32; o: [T, HV, V] in v's dtype (FUSE_OUT) ; v_new written unless FUSE_OUT;
     h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state (STORE_H);
     pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64;
-    ckpt_rows [NT] int64 and ckpt (row, head, key, value strides c_*) and flags [N + 1]
-    int32 (FLAG) as in `StateTargets`.
+    ckpt_addrs [NT] int64 (head, key, value strides c_*) and flags [N + 1] int32 (FLAG) as
+    in `StateTargets`. CKPT_PREFETCH: each chunk's checkpoint address is loaded one chunk
+    ahead (carried through the loop) instead of just before its store, whose branch would
+    otherwise wait for that load (`LaunchConfig.state_ckpt_prefetch`).
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -104,12 +111,18 @@ def chunk_state_kernel(
     o_bad = tl.zeros([64], dtype=tl.float32)  # FLAG: sum over the chunks' o rows of o * 0
     m_k = o_k < K
     m_v = o_v < V
-    for i_t in range(tl.cdiv(eos - bos, 64)):
+    n_chunks = tl.cdiv(eos - bos, 64)
+    if CHECKPOINT and CKPT_PREFETCH:
+        ck_next = tl.load(ckpt_addrs + hoff)
+    for i_t in range(n_chunks):
         t0 = bos + i_t * 64
         m_t = o_t < eos - t0
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         i_g = hoff + i_t
+        if CHECKPOINT and CKPT_PREFETCH:  # this chunk's address, loaded one chunk ago; the next one's now
+            ck_addr = ck_next
+            ck_next = tl.load(ckpt_addrs + i_g + 1, mask=i_t + 1 < n_chunks, other=0)
         if STORE_H:
             p_h = h + (i_g * HV + i_hv) * (K * V) + (o_k[:, None] * s_hk + o_v[None, :] * s_hv)
             tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
@@ -136,8 +149,9 @@ def chunk_state_kernel(
         b_k = tl.load(kg + p_tk, mask=m_tk, other=0.0)
         b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PREC)
         if CHECKPOINT:
-            store_checkpoint(ckpt, ckpt_rows, i_g, i_hv, b_h, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv,
-                             c_row, c_head)
+            if not CKPT_PREFETCH:
+                ck_addr = tl.load(ckpt_addrs + i_g)
+            store_checkpoint(ck_addr, i_hv, b_h, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv, c_head, pool)
 
     if FLAG and FUSE_OUT:
         flag_nonfinite(flags + seq, o_bad, o_t < 64)
@@ -153,21 +167,49 @@ def chunk_state_kernel(
             flag_nonfinite(flags + seq, b_final, m_kv)
 
 
+log = logging.getLogger(__name__)
+_STAGES_THAT_FIT: dict[Hashable, int] = {}  # by compiled variant: the pipeline stages it launched with
+
+
+def launch_fitting(launch: Callable[[int], None], variant: Hashable, stages: int) -> int:
+    """``launch(stages)``, or with fewer pipeline stages when that many ask more shared
+    memory than a block may take: Triton raises OutOfResources as it loads the compiled
+    kernel, before the launch, so nothing has run and no pool row is touched. The count
+    that fit is kept by ``variant`` (the compiled variant's key: its later launches start
+    there) and logged once. Returns the stages it launched with."""
+    n = _STAGES_THAT_FIT.get(variant, stages)
+    while True:
+        try:
+            launch(n)
+            return n
+        except OutOfResources as e:
+            if n <= 1:
+                raise
+            log.info("state pass %s: %d pipeline stages do not fit (%s); launching it with %d", variant, n, e, n - 1)
+            n -= 1
+            _STAGES_THAT_FIT[variant] = n
+
+
 def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.Tensor, o: torch.Tensor,
                  v_new: Optional[torch.Tensor], st: StateTargets, carry: torch.Tensor,
-                 launch: tuple[int, int, int]) -> None:
+                 launch: tuple[int, int, int], prefetch: bool = False) -> None:
     """The state pass over the segment rows ``segs`` ([Ns, 6], `kernels.triton_plan`), from
     the WY factors ``wy`` and A_qk ``aqk`` [T, HV, 64]: o [T, HV, V] when ``v_new`` is None
     (fused output), else v_new [T, HV, V] fp32 and the per-chunk states ``st.h`` for the
-    output stage; final states to the pool, checkpoints to ``st.ckpt``, non-finite flags to
-    ``st.flags``. ``launch``: (BV, warps, stages) from `config.state_launch`."""
+    output stage; final states to the pool, checkpoints to ``st.ckpt_addrs``' targets,
+    non-finite flags to ``st.flags``. ``launch``: (BV, warps, stages) from `config.state_launch`
+    (fewer stages when that many do not fit: `launch_fitting`); ``prefetch``: load each
+    checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`)."""
     bv, warps, stages = launch
-    h, ckpt_rows, ckpt = st.pointers(o)
+    h, ckpt_addrs = st.pointers(o)
     fused = v_new is None
-    chunk_state_kernel[(segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)](
-        wy.w, wy.u, wy.kg, wy.gexp, wy.qg, aqk, o, o if fused else v_new, h, st.pool, st.indices, segs, carry,
-        ckpt_rows, ckpt, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides,
-        HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
-        STORE_H=st.h is not None, CHECKPOINT=st.ckpt is not None, FLAG=st.flags is not None, DOT_PREC=x.dot_prec,
-        num_warps=warps, num_stages=stages,
-    )
+    args = (wy.w, wy.u, wy.kg, wy.gexp, wy.qg, aqk, o, o if fused else v_new, h, st.pool, st.indices, segs, carry,
+            ckpt_addrs, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides)
+    consts = dict(HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
+                  STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
+                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch)
+    grid = (segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)
+    # what selects a compiled variant: constexprs, warps, pointer dtypes, strides of 1 (Triton specializes them)
+    variant = (x.device, stages, warps, tuple(consts.items()), x.mat, o.dtype, st.pool.dtype,
+               tuple(s == 1 for s in (*st.pool_strides, *st.h_strides, *st.ckpt_strides)))
+    launch_fitting(lambda n: chunk_state_kernel[grid](*args, **consts, num_warps=warps, num_stages=n), variant, stages)

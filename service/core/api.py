@@ -75,8 +75,8 @@ class CoreAPI(Protocol):
         """The prefix cache entry ``key`` (UnknownPrefix when there is none)."""
         ...
 
-    async def drop_prefix(self, key: str) -> None:
-        """Remove the prefix cache entry ``key`` (UnknownPrefix when there is none)."""
+    async def drop_prefix(self, key: str) -> bool:
+        """Remove the prefix cache entry ``key``; whether there was one (no entry is no error)."""
         ...
 
     async def prefill(self, inputs: PrefillInputs) -> PrefillResult:

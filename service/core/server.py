@@ -35,15 +35,15 @@ import logging
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 import kernels
 from kernels.problem import packed_problem
 from state_store import (
-    Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, SlotInfo, SlotOrdering, SnapshotError, StatePool,
-    UnknownSlot, key_problem,
+    HOST, CheckpointTarget, Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, SlotInfo, SlotOrdering,
+    SnapshotError, StatePool, UnknownSlot, key_problem,
 )
 
 from .batcher import Batcher
@@ -108,6 +108,7 @@ class ServerCore:
         self.persistence = (Persistence(self.pool, settings.snapshot_path, prefix_cache=self.prefix_cache)
                             if settings.snapshot_path else None)
         self._snapshot_task: Optional[asyncio.Task[None]] = None
+        self._background: set[asyncio.Task[None]] = set()  # `_in_background`'s tasks
         self._checkpoint_hooks: list[Callable[[], None]] = []
         self._not_ready: Optional[str] = "warming the kernels"  # why `check_ready` refuses; None once ready
         self.ordering = SlotOrdering()
@@ -183,6 +184,8 @@ class ServerCore:
             self._snapshot_task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._snapshot_task
+        if self._background:
+            await asyncio.gather(*self._background)
         await self.batcher.close()
         if self.persistence is not None:
             await self.checkpoint(force=True)
@@ -293,14 +296,16 @@ class ServerCore:
         self.pool.write_state(slot_id, state)
 
     def _restore(self, state: torch.Tensor, tokens_per_layer: list[int], state_lost: bool) -> str:
+        if not state_lost:  # the copy writes every layer of the row: no zero fill before it
+            (slot_id,) = self.pool.alloc_copies(state, 1, tokens_per_layer)
+            if self.persistence is not None:
+                self.persistence.note_change()
+            return slot_id
         (slot_id,) = self._alloc(1)
         try:
-            if not state_lost:
-                self._write_state(slot_id, state)
             for layer, count in enumerate(tokens_per_layer):
                 self.pool.record_tokens(slot_id, layer, count)
-            if state_lost:
-                self.pool.mark_lost([slot_id])
+            self.pool.mark_lost([slot_id])
         except BaseException:
             self._free(slot_id)
             raise
@@ -498,6 +503,18 @@ class ServerCore:
         return refused
 
     def _launch(self, jobs: list[_Job], rows: list[int]) -> list[Union[PrefillResult, BaseException]]:
+        """`_run_launch` with the jobs' checkpoints placed in the prefix cache for the launch
+        to write into (`PrefixCache.place`): committed for the jobs that stand, released in
+        every case, so a job rolled back or a failed launch stores none."""
+        layer = jobs[0].valid.inputs.params.layer
+        targets = self.prefix_cache.place(layer, [(key, offset) for job in jobs for _, key, offset in job.checkpoints])
+        try:
+            return self._run_launch(jobs, rows, targets)
+        finally:
+            self.prefix_cache.release(targets)
+
+    def _run_launch(self, jobs: list[_Job], rows: list[int],
+                    targets: list[CheckpointTarget]) -> list[Union[PrefillResult, BaseException]]:
         device = self.geometry.device
         first = jobs[0].valid
         x, gate, layer = first.inputs.params, first.gate, first.inputs.params.layer
@@ -524,8 +541,7 @@ class ServerCore:
         for job, start_t in zip(jobs, starts):
             positions.extend(start_t + pos for pos, _, _ in job.checkpoints)
         try:
-            marks = (torch.empty((len(positions), *pool_layer.shape[1:]), dtype=pool_layer.dtype, device=device)
-                     if positions else None)  # written by the launch itself (kernels.checkpoints)
+            marks = self._checkpoint_states(targets, pool_layer)  # written by the launch itself (kernels.checkpoints)
             q, k, v, g, beta = staged or [packed(name) for name in REQUIRED_TENSORS]
             A_log, dt_bias = self._device_gates.tensors(gate)
             problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
@@ -551,8 +567,8 @@ class ServerCore:
                 torch.cuda.current_stream(device).synchronize()  # or here; results complete before any response
         except Exception as e:
             raise transaction.abort(e, lambda: self.pool.mark_lost(slots)) from e
-        if marks is not None:
-            self._store_checkpoints(jobs, refused, layer, marks)
+        if targets:
+            self._store_checkpoints(jobs, refused, targets, marks)
         kernel_s = time.perf_counter() - start
         self.metrics.batch_sequences.observe(len(lengths))
         self.metrics.batch_tokens.observe(sum(lengths))
@@ -575,15 +591,24 @@ class ServerCore:
             t0, n0 = t1, n1
         return results
 
-    def _store_checkpoints(self, jobs: list[_Job], refused: Mapping[int, Exception], layer: int, marks: torch.Tensor) -> None:
-        """The launch's checkpoint states ``marks`` [C, HV, V, K] into the prefix cache, as
-        layer ``layer`` of their entries, but those of jobs rolled back (``refused``)."""
-        row = 0
+    @staticmethod
+    def _checkpoint_states(targets: Sequence[CheckpointTarget], pool_layer: torch.Tensor) -> list[torch.Tensor]:
+        """Where the launch writes each checkpoint, [HV, V, K] each: its place in the prefix
+        cache, or a row of one scratch tensor for those the cache placed nowhere."""
+        spare = [i for i, t in enumerate(targets) if t.state is None]
+        rows = iter(torch.empty((len(spare), *pool_layer.shape[1:]), dtype=pool_layer.dtype,
+                                device=pool_layer.device).unbind(0) if spare else ())
+        return [t.state if t.state is not None else next(rows) for t in targets]
+
+    def _store_checkpoints(self, jobs: list[_Job], refused: Mapping[int, Exception],
+                           targets: Sequence[CheckpointTarget], written: Sequence[torch.Tensor]) -> None:
+        """Commit the launch's checkpoints (``targets``, the states ``written`` [HV, V, K]
+        each) to the prefix cache, but those of jobs rolled back (``refused``)."""
+        placed = iter(zip(targets, written))
         for j, job in enumerate(jobs):
-            for _, key, offset in job.checkpoints:
+            for _, (target, state) in zip(job.checkpoints, placed):
                 if j not in refused:
-                    self.prefix_cache.store_layer(key, offset, layer, marks[row])
-                row += 1
+                    self.prefix_cache.commit(target, state)
         if self.persistence is not None:
             self.persistence.note_change()
 
@@ -600,27 +625,37 @@ class ServerCore:
         for i, key in enumerate(prefix):
             if (why := key_problem(key)) is not None:
                 raise InvalidRequest(why, field=f"prefix[{i}]")
-        slots, match = await self.worker.run(self._alloc_prefix, list(prefix), count)
+        slots, match, tier = await self.worker.run(self._alloc_prefix, list(prefix), count)
         if match.matched:
             self.metrics.prefix_hits.inc()
             self.metrics.prefix_hit_tokens.inc(match.tokens * count)
         else:
             self.metrics.prefix_misses.inc()
+        if tier == HOST and match.key is not None:  # after this answer, not before it
+            self._in_background(self.worker.run(self.prefix_cache.promote, match.key), f"promoting {match.key!r}")
         return slots, match
 
-    def _alloc_prefix(self, prefix: list[str], count: int) -> tuple[list[str], PrefixMatch]:
+    def _alloc_prefix(self, prefix: list[str], count: int) -> tuple[list[str], PrefixMatch, Optional[str]]:
+        """`alloc_prefix`'s body: the slots, the match and the tier it was restored from."""
         with self.prefix_cache.restoring(prefix) as held:
-            slots = self._alloc(count)
-            if held.state is not None:
-                try:
-                    for slot_id in slots:
-                        self.pool.write_state(slot_id, held.state)
-                        for layer in range(self.geometry.num_layers):
-                            self.pool.record_tokens(slot_id, layer, held.match.tokens)
-                except BaseException:
-                    self._free_all(slots)
-                    raise
-            return slots, held.match
+            if held.state is None:
+                return self._alloc(count), held.match, None
+            # the entry's copy writes every layer of the rows: no zero fill before it
+            slots = self.pool.alloc_copies(held.state, count, [held.match.tokens] * self.geometry.num_layers)
+            if self.persistence is not None:
+                self.persistence.note_change()
+            return slots, held.match, held.tier
+
+    def _in_background(self, work: Awaitable[object], what: str) -> None:
+        """Run ``work`` as a task of the serving loop that `close` waits for; a failure is logged."""
+        async def run() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("%s failed", what)
+        task = asyncio.get_running_loop().create_task(run(), name=f"kda-{what}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def prefix_peek(self, prefix: Sequence[str]) -> PrefixMatch:
         """What `alloc_prefix` would match among ``prefix`` now (read inline; not a use)."""
@@ -675,10 +710,12 @@ class ServerCore:
             raise UnknownPrefix(key)
         return info
 
-    async def drop_prefix(self, key: str) -> None:
-        """Remove the entry ``key`` (UnknownPrefix, 404, when there is none)."""
-        if key_problem(key) is not None or not await self.worker.run(self._drop_prefix, key):
-            raise UnknownPrefix(key)
+    async def drop_prefix(self, key: str) -> bool:
+        """Remove the entry ``key``; whether there was one (idempotent: no entry is no
+        error). InvalidRequest (400) for a key no entry can have."""
+        if (why := key_problem(key)) is not None:
+            raise InvalidRequest(why, field="key")
+        return await self.worker.run(self._drop_prefix, key)
 
     def _drop_prefix(self, key: str) -> bool:
         dropped = self.prefix_cache.drop(key)

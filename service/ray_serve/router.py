@@ -374,11 +374,17 @@ class ShardedCore:
             raise UnknownPrefix(key)
         return max(found, key=lambda info: info.last_used)
 
-    async def drop_prefix(self, key: str) -> None:
-        """Remove the entry ``key`` wherever it lives (UnknownPrefix when nowhere)."""
+    async def drop_prefix(self, key: str) -> bool:
+        """Remove the entry ``key`` from every shard; whether one held it (no entry is no
+        error). A shard that does not answer fails the call with its error, since the entry
+        may live there (the call is idempotent: retrying it is safe)."""
+        if (why := key_problem(key)) is not None:
+            raise InvalidRequest(why, field="key")
         replies = await self._each_shard("drop_prefix", key)
-        if all(isinstance(r, BaseException) for r in replies.values()):
-            raise UnknownPrefix(key)
+        failed = [r for r in replies.values() if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        return any(replies.values())
 
     async def prefill(self, inputs: PrefillInputs) -> PrefillResult:
         """Validate whole, then run on the shards holding the slots (see the module docstring).

@@ -266,8 +266,8 @@ class ShardServer:
         return await self.core.prefix_info(key)
 
     @_faults
-    async def drop_prefix(self, key: str) -> None:
-        await self.core.drop_prefix(key)
+    async def drop_prefix(self, key: str) -> bool:
+        return await self.core.drop_prefix(key)
 
     # -- moves -------------------------------------------------------------------------
 

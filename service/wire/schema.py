@@ -148,6 +148,11 @@ class PrefixEntryJSON(BaseModel):
     last_used: float = Field(description="unix seconds")
 
 
+# `DELETE /prefix/{key}` answers 204 whether or not an entry existed; this header of the
+# answer says which ("true": one was removed, "false": there was none).
+PREFIX_DROPPED_HEADER = "KDA-Prefix-Dropped"
+
+
 class Forked(BaseModel):
     slot: str
 

@@ -60,6 +60,10 @@ def test_bad_tensors_are_rejected() -> None:
         (good, torch.zeros(3, HV, V, K), r"shape \(2, 2, 8, 16\)"),
         (good, torch.zeros(2, HV, K, V), r"shape \(2, 2, 8, 16\)"),
         (good, torch.zeros(2, HV, V, K, dtype=torch.bfloat16), "float32"),
+        (good, [torch.zeros(HV, V, K)], r"2 tensors of shape \(2, 8, 16\)"),
+        (good, [torch.zeros(HV, V, K), torch.zeros(HV, K, V)], r"2 tensors of shape \(2, 8, 16\)"),
+        (good, [torch.zeros(HV, V, K), torch.zeros(HV, V, K, dtype=torch.bfloat16)], "float32"),
+        (good, [torch.zeros(HV, V, K), torch.zeros(HV, K, V).transpose(1, 2)], "one set of strides"),
     ]
     for tokens, states, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -73,6 +77,19 @@ def test_allowed_positions_are_accepted() -> None:
     states = torch.full((6, HV, V, K), float("nan"))
     call(tokens, states, pool)
     assert not torch.isnan(states).any()
+
+
+def test_targets_may_be_separate_tensors() -> None:
+    """A sequence of [HV, V, K] targets anywhere in memory takes the same states as the
+    rows of one [C, HV, V, K] tensor, and nothing around them changes."""
+    tokens = torch.tensor([64, 130, 131, 200], dtype=torch.int64)
+    rows = torch.full((4, HV, V, K), float("nan"))
+    call(tokens, rows, pool_of())
+    homes = [torch.full((3, HV, V, K), float("nan")) for _ in range(4)]
+    call(tokens, [h[1] for h in homes], pool_of())
+    for c, home in enumerate(homes):
+        assert torch.equal(home[1], rows[c])
+        assert torch.isnan(home[0]).all() and torch.isnan(home[2]).all()
 
 
 def test_kda_prefill_passes_checkpoints_through() -> None:

@@ -240,9 +240,10 @@ def test_prefix_entries_live_on_one_shard_and_restore_anywhere(cluster: Cluster,
     got = client.alloc(prefix=["ray.a"])
     assert shard_of(got.slots[0]) != shard_of(a)  # b lives on the other shard (moved there: its id names its first)
     assert torch.equal(client.get_state(got.slots[0]), states["ray.b"])
-    client.drop_prefix("ray.a")
+    assert client.drop_prefix("ray.a") is True
     with pytest.raises(SlotNotFound):
         client.prefix_info("ray.a")
+    assert client.drop_prefix("ray.a") is False  # idempotent: 204 again, nothing dropped
     for s in (a, b, got.slots[0]):
         client.free(s)
 

@@ -172,12 +172,72 @@ def test_a_failed_launch_restores_its_slots_in_the_server(device: str, gen: torc
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_launch_stores_no_checkpoint(device: str, gen: torch.Generator,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel writes its checkpoints straight into the prefix cache's entries, then the
+    launch fails: none is stored. A new key stays absent, an entry's layer written in place
+    stays unstored, a key's entry at another offset stays as it was; the same prefill run
+    again stores them all."""
+    from service.core.inputs import Checkpoint
+    from service.errors import UnknownPrefix
+
+    settings = Settings(device=device, num_layers=LAYERS, num_slots=6, num_heads=HV, head_dim=K, head_v_dim=V,
+                        batch_window_ms=0)
+    first = [make_sequence(64, gen) for _ in range(LAYERS)]
+    b_seq, c_seq = make_sequence(128, gen), make_sequence(64, gen)
+
+    def inputs(layer: int, slots: list[Optional[str]], seqs: list[tuple[torch.Tensor, ...]],
+               marks: list[list[tuple[int, str]]]) -> PrefillInputs:
+        tensors = {name: torch.cat([s[i] for s in seqs]) for i, name in enumerate(("q", "k", "v", "g", "beta"))}
+        return PrefillInputs.of(PrefillParams(layer=layer), slots, [s[0].shape[0] for s in seqs], tensors,
+                                checkpoints=[[Checkpoint(o, key) for o, key in m] for m in marks])
+
+    async def main() -> None:
+        core = ServerCore(settings)
+        await core.start()
+        try:
+            a, a2, b = await core.alloc(3)
+            await core.prefill(inputs(0, [a, a2], [first[0], first[0]], [[(64, "part")], [(64, "old")]]))
+            await core.prefill(inputs(1, [a2], [first[1]], [[(64, "old")]]))
+            old = (await core.prefix_state("old"))[0]
+            again = inputs(1, [b, None], [b_seq, c_seq], [[(64, "part"), (128, "old")], [(64, "fresh")]])
+            (part_entry,) = [e for e in core.prefix_cache.entries() if e.key == "part"]
+            unstored = part_entry.state[1].clone()
+            real = server_module.kernels.run_problem
+            monkeypatch.setattr(server_module.kernels, "run_problem", _failing_kernel(real))
+            with pytest.raises(LaunchFailed):
+                await core.prefill(again)
+            monkeypatch.setattr(server_module.kernels, "run_problem", real)
+            assert not torch.equal(part_entry.state[1], unstored)  # the kernel did write the entry in place
+            with pytest.raises(UnknownPrefix):
+                await core.prefix_info("fresh")
+            part = await core.prefix_info("part")
+            assert (part.layers, part.complete) == (1, False)
+            assert (await core.prefix_info("old")).tokens == 64
+            assert torch.equal((await core.prefix_state("old"))[0], old)
+
+            await core.prefill(again)  # the same prefill, launched for real, stores them all
+            assert (await core.prefix_info("part")).complete
+            assert ((await core.prefix_info("old")).tokens, (await core.prefix_info("fresh")).layers) == (128, 1)
+            restored, _ = await core.alloc_prefix(["part"])
+            state = await core.get_state(restored[0])
+            _, h0 = reference([first[0]])
+            _, h1 = reference([tuple(t[:64] for t in b_seq)])
+            assert rel(state[0], h0[0]) < TOL and rel(state[1], h1[0]) < TOL
+        finally:
+            await core.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_inputs_failing_their_deferred_check_are_refused_after_the_launch_and_change_nothing(
         device: str, gen: torch.Generator) -> None:
     """Two requests in one launch, the first with a NaN in q whose value check was deferred
     (GPU inputs: scanned on the GPU, read at the launch's one synchronization): it gets
-    its 400 naming q, its slot is bit for bit as before and counts no token; the second
-    stands. On the CPU the deferred check is built by hand (host inputs are checked before)."""
+    its 400 naming q, its slot is bit for bit as before and counts no token, its checkpoint
+    is not stored; the second stands. On the CPU the deferred check is built by hand (host
+    inputs are checked before)."""
     import dataclasses
 
     from service.core.server import _Job
@@ -204,8 +264,11 @@ def test_inputs_failing_their_deferred_check_are_refused_after_the_launch_and_ch
         else:
             valid = validate_prefill(x, core.geometry, core.gates, defer=True)  # a GPU NaN: no 400 yet
         assert (valid.deferred is not None) == (device != "cpu" or seq is bad)
-        jobs.append(_Job(valid, [slot], [], []))
+        end = seq[0].shape[0]
+        jobs.append(_Job(valid, [slot], [], [(end, "bad" if seq is bad else "good", end)]))  # a checkpoint at its end
     outcomes = core._run_batch(jobs)
+    assert core.prefix_cache.info("bad") is None  # the refused request's checkpoint was not stored ...
+    assert core.prefix_cache.info("good").layers == 1  # ... its neighbour's was
     assert isinstance(outcomes[0], InvalidRequest) and outcomes[0].field == "q" and "non-finite" in outcomes[0].detail
     assert not isinstance(outcomes[1], BaseException)
     assert torch.equal(core.pool.read_state(slots[0]).cpu(), before[0])

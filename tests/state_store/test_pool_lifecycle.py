@@ -215,6 +215,63 @@ def test_fork_copies_every_layer_and_stays_independent():
     assert pool.slot_info(b).tokens_per_layer == [0, 100, 0]
 
 
+class _CopyFails(torch.Tensor):
+    """A state of the right shape and dtype whose copy into the pool fails midway: its
+    first layer lands, then the copy raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            with torch._C.DisableTorchFunctionSubclass():
+                args[0][0].copy_(args[1][0])
+            raise RuntimeError("copy failed")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _ops(fn) -> set[str]:
+    """The aten ops ``fn()`` runs (CPU profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.name for event in prof.events()}
+
+
+def test_alloc_copies_writes_every_layer_without_a_zero_fill():
+    pool = make_pool()
+    fill_random(pool)  # every free row holds old data
+    state = random_state(pool, 6)
+    tokens = [64, 64, 64]
+    got: list[str] = []
+    ops = _ops(lambda: got.extend(pool.alloc_copies(state, 3, tokens)))
+    assert not {op for op in ops if "fill" in op or "zero" in op}, ops  # the copy alone writes the rows
+    assert len(set(pool.rows(got))) == 3
+    for slot in got:
+        assert_bit_equal(pool.read_state(slot), state)
+        assert pool.slot_info(slot).tokens_per_layer == tokens
+    assert pool.stats().allocations == 3
+    assert {op for op in _ops(lambda: pool.alloc(1)) if "fill" in op}  # a plain allocation still zeroes
+
+
+def test_alloc_copies_is_all_or_none_and_a_failed_copy_shows_no_old_state():
+    pool = make_pool()
+    fill_random(pool)
+    image = PoolImage.of(pool)
+    state = random_state(pool, 7)
+    with pytest.raises(GeometryMismatch):
+        pool.alloc_copies(state.double(), 1, [0, 0, 0])
+    with pytest.raises(ValueError):
+        pool.alloc_copies(state, 1, [0, 0])
+    with pytest.raises(PoolFull):
+        pool.alloc_copies(state, 7, [0, 0, 0])
+    image.assert_same(pool)  # refused before anything was written
+    with pytest.raises(RuntimeError, match="copy failed"):
+        pool.alloc_copies(state.clone().as_subclass(_CopyFails), 2, [1, 1, 1])
+    stats = pool.stats()
+    assert (stats.used, stats.free, stats.allocations, pool.slot_ids()) == (0, 6, 0, [])  # no slot was issued
+    assert not torch.equal(pool.tensor, image.tensor)  # the copy did land partly in a free row ...
+    for slot in pool.alloc(6):  # ... which the next allocation zeroes: no slot shows it
+        assert not pool.read_state(slot).any()
+
+
 def test_layer_view_is_a_view_and_checks_the_layer():
     pool = make_pool()
     (a,) = pool.alloc(1)

@@ -58,6 +58,97 @@ def test_longest_complete_entry_wins_and_another_offset_replaces():
         assert_bit_equal(held.state, _state(4))
 
 
+def test_checkpoints_placed_in_entries_are_seen_only_once_committed():
+    """`place` hands out a new entry's layer or a present entry's unstored layer to write
+    into; nothing shows (info, keys, bytes, matches) until `commit`."""
+    cache = _cache(4)
+    state = _state(1)
+    new, = cache.place(0, [("k", 128)])
+    assert new.state is not None and tuple(new.state.shape) == G.slot_shape[1:]
+    new.state.copy_(state[0])  # the launch writes it
+    assert cache.info("k") is None and cache.keys() == [] and cache.stats()["device"].bytes == 0
+    cache.commit(new)
+    cache.release([new])
+    assert (cache.info("k").layers, cache.info("k").tokens) == (1, 128)
+    for layer in range(1, G.num_layers):
+        with cache.restoring(["k"]) as held:
+            assert held.state is None  # still incomplete
+        target, = cache.place(layer, [("k", 128)])
+        assert target.state.data_ptr() == cache.entries()[-1].state[layer].data_ptr()  # in place: no copy
+        target.state.copy_(state[layer])
+        assert cache.info("k").layers == layer  # written, not yet stored
+        cache.commit(target)
+        cache.release([target])
+    with cache.restoring(["k"]) as held:
+        assert_bit_equal(held.state, state)
+    assert cache.stats()["device"].bytes == ENTRY
+
+
+def test_released_checkpoints_store_nothing():
+    """A launch rolled back: its new entries go, an in-place layer stays unstored (never
+    served), and a key's entry at another offset stays as it was."""
+    cache = _cache(4)
+    cache.publish("old", 64, _state(1))
+    for layer in range(G.num_layers - 1):
+        cache.store_layer("part", 64, layer, _state(2)[layer])
+    targets = cache.place(G.num_layers - 1, [("old", 128), ("part", 64), ("fresh", 64)])
+    assert all(t.state is not None for t in targets)
+    for t in targets:
+        t.state.fill_(float("nan"))  # the launch wrote them, then was rolled back
+    cache.release(targets)
+    assert cache.keys() == ["old", "part"]
+    with cache.restoring(["old"]) as held:
+        assert held.match.tokens == 64
+        assert_bit_equal(held.state, _state(1))
+    assert not cache.info("part").complete and cache.info("part").layers == G.num_layers - 1
+    assert cache.stats()["device"].bytes == 2 * ENTRY
+    with pytest.raises(ValueError, match="released"):
+        cache.commit(targets[0])
+
+
+def test_checkpoints_without_a_place_are_stored_from_what_the_launch_wrote():
+    """A stored layer rewritten, a host-tier or pinned entry and a key named twice get no
+    place; commit stores the state written elsewhere, as store_layer does."""
+    cache = _cache(3, host_entries=1)
+    for key in ("host", "f1", "f2", "f3"):  # "host" moves down
+        cache.publish(key, 64, _state(1))
+    for key in ("f1", "f2", "f3"):
+        cache.drop(key)
+    cache.publish("pinned", 64, _state(2))
+    cache.publish("stored", 64, _state(3))
+    assert cache.info("host").tier == "host"
+    with cache.restoring(["pinned"]):
+        targets = cache.place(0, [("stored", 64), ("host", 64), ("pinned", 64), ("twice", 64), ("twice", 128)])
+    assert [t.state is None for t in targets] == [True, True, True, False, True]
+    written = _state(9)[0]
+    for t in targets:
+        cache.commit(t, written if t.state is None else None)
+    cache.release(targets)
+    for key in ("stored", "host", "pinned"):
+        assert cache.info(key).complete
+        with cache.restoring([key]) as held:
+            assert_bit_equal(held.state[0], written)
+    assert cache.info("twice").tokens == 128  # named twice: the later one wins, as in order
+    with pytest.raises(ValueError, match="no place"):
+        cache.commit(cache.place(0, [("stored", 64)])[0])
+
+
+def test_placing_makes_room_within_the_budget():
+    """New entries placed count against the budget until committed or released: the
+    least recently used entries make room for them, and no more are placed than fit."""
+    cache = _cache(2)
+    cache.publish("a", 64, _state(1))
+    cache.publish("b", 64, _state(2))
+    targets = cache.place(0, [("x", 64), ("y", 64), ("z", 64)])
+    assert [t.state is not None for t in targets] == [True, True, False]
+    assert cache.keys() == [] and cache.evictions()["device"] == 2
+    for t in targets[:2]:
+        cache.commit(t)
+    cache.commit(targets[2], _state(3)[0])  # stored by store_layer: it evicts the least recent
+    cache.release(targets)
+    assert cache.keys() == ["y", "z"] and cache.stats()["device"].bytes == 2 * ENTRY
+
+
 def test_lru_order_and_the_byte_budget():
     clock = FakeClock()
     cache = _cache(2, clock=clock)
@@ -90,6 +181,38 @@ def test_demotion_to_the_host_tier_and_restore_from_it():
     assert cache.evictions() == {"device": 2, "host": 1}
     stats = cache.stats()
     assert (stats["device"].entries, stats["host"].entries, stats["host"].bytes) == (1, 1, ENTRY)
+
+
+def test_a_host_tier_hit_moves_up_and_the_least_recent_moves_down():
+    clock = FakeClock()
+    cache = _cache(2, host_entries=1, clock=clock)
+    for seed, key in enumerate("abc", start=1):  # "a" moves down
+        cache.publish(key, 64, _state(seed))
+        clock.advance(1)
+    with cache.restoring(["a"]) as held:  # a hit: "a" is the most recent, "b" the least
+        assert held.tier == "host"
+        assert not cache.promote("a")  # not while it is being restored
+    assert cache.promote("a")
+    assert [cache.info(k).tier for k in "abc"] == ["device", "host", "device"]
+    assert cache.evictions() == {"device": 2, "host": 0}  # "a", then "b" moved down; nothing dropped
+    for seed, key in enumerate("abc", start=1):
+        with cache.restoring([key]) as held:
+            assert_bit_equal(held.state, _state(seed))
+    stats = cache.stats()
+    assert (stats["device"].bytes, stats["host"].bytes) == (2 * ENTRY, ENTRY)
+    assert not cache.promote("a") and not cache.promote("missing")  # on the device already; none
+
+
+def test_no_promotion_when_every_device_entry_is_pinned():
+    cache = _cache(1, host_entries=1)
+    cache.publish("a", 64, _state(1))
+    cache.publish("b", 64, _state(2))  # "a" moves down
+    with cache.restoring(["b"]):
+        assert not cache.promote("a")
+    assert (cache.info("a").tier, cache.info("b").tier) == ("host", "device")
+    with cache.restoring(["a"]) as held:
+        assert_bit_equal(held.state, _state(1))
+    assert cache.stats()["device"].bytes == ENTRY
 
 
 def test_a_pinned_entry_is_not_evicted_while_restored():

@@ -4,7 +4,8 @@ compiled for an H100/H200 (sm_90) on this machine: no GPU needed, Triton's own p
 Run as a script (``python tests/triton/sm90_shared_memory.py [K ...]``) in a process where
 TRITON_INTERPRET is unset (the Triton tests' conftest interprets the kernels in its own
 process); prints one JSON object per launch: kernel, operand dtype, head dim, the launch
-config, and ``shared`` (bytes). A launch asking for more than the 227 KB a Hopper block
+config (``stages`` as the config gives it, ``launched_stages`` after the state pass's step
+down when that many do not fit), and ``shared`` (bytes, as launched). A launch asking for more than the 227 KB a Hopper block
 may take fails on the GPU with OutOfResources, before it runs (H200, 2026-12-01: fp32
 inputs at K = 128 asked the state pass for 256 KB with 3 pipeline stages).
 
@@ -34,8 +35,12 @@ from kernels.triton_kernels.gate import GATE_LOWER_BOUND, LOG_DECAY_FLOOR  # noq
 SM90 = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KB)
 HEADS = 32
-INT_ARGS = {"scale": "fp32", "lower_bound": "fp32", "s_slot": "i64", "s_head": "i64", "s_pk": "i64", "s_pv": "i64",
-            "s_hk": "i64", "s_hv": "i64", "c_row": "i64", "c_head": "i64", "c_k": "i64", "c_v": "i64"}
+INT_ARGS = {"scale": "fp32", "lower_bound": "fp32", "s_slot": "i64", "s_head": "i64", "s_pv": "i64", "s_hv": "i64",
+            "c_head": "i64", "c_v": "i64"}
+# Strides that are 1 in the serving layout (a V-first pool, K contiguous, as are h and the
+# checkpoint targets): Triton specializes an integer argument equal to 1 as a constant, so
+# the launches compile with these as constants.
+ONE_ARGS = ("s_pk", "s_hk", "c_k")
 
 
 def shared_bytes(fn: triton.JITFunction, pointers: dict[str, str], constants: dict, num_warps: int,
@@ -43,6 +48,7 @@ def shared_bytes(fn: triton.JITFunction, pointers: dict[str, str], constants: di
     """Compile ``fn`` for sm_90 with ``constants`` (its constexprs) and pointer element types
     ``pointers`` (others fp32, 16-byte aligned); the shared memory it asks for."""
     params = fn.arg_names
+    constants = {**{p: 1 for p in ONE_ARGS if p in params}, **constants}
     signature = {p: "constexpr" if p in constants else INT_ARGS.get(p) or "*" + pointers.get(p, "fp32")
                  for p in params}
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature[p].startswith("*")}
@@ -75,28 +81,41 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
                 HAS_DT_BIAS=True, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, BLOCK_SCAN=cfg.wy_block_scan),
            cfg.wy_warps, cfg.wy_stages)
     state_ptrs = {**io, "w": mat, "kg": mat, "qg": mat, "aqk": mat, "indices": "i64", "segs": "i64",
-                  "ckpt_rows": "i64"}
+                  "ckpt_addrs": "i64"}
     for seq_heads in (HEADS, WIDE_STATE_MIN_SEQ_HEADS):
         for fuse, ckpt in ((True, False), (True, True), (False, True)):
-            bv, warps, stages = state_launch(cfg, seq_heads, K, V, 4 if fp32_inputs else 2, checkpoint=ckpt)
+            bv, warps, stages = state_launch(cfg, seq_heads, K, V, 4 if fp32_inputs else 2)
             yield ("state", {"seq_heads": seq_heads, "fused_output": fuse, "checkpoints": ckpt}, chunk_state_kernel,
                    state_ptrs, dict(HV=HEADS, K=K, V=V, BK=bk, BV=bv, FUSE_OUT=fuse, STORE_H=not fuse,
-                                    CHECKPOINT=ckpt, DOT_PREC=dot_prec),
+                                    CHECKPOINT=ckpt, FLAG=True, DOT_PREC=dot_prec,
+                                    CKPT_PREFETCH=ckpt and cfg.state_ckpt_prefetch),
                    warps, stages)
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)
-    yield ("recurrent", {}, recurrent_step_kernel, {**io, "indices": "i64", "decs": "i64", "ckpt_rows": "i64"},
-           dict(H=HEADS, HV=HEADS, K=K, V=V, BK=bk, BV=cfg.rec_bv, **flags, STORE_H=False, CHECKPOINT=True),
+    yield ("recurrent", {}, recurrent_step_kernel, {**io, "indices": "i64", "decs": "i64", "ckpt_addrs": "i64"},
+           dict(H=HEADS, HV=HEADS, K=K, V=V, BK=bk, BV=cfg.rec_bv, **flags, STORE_H=False, CHECKPOINT=True, FLAG=True),
            cfg.rec_warps, 3)
+
+
+def fitted(fn: triton.JITFunction, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int,
+           falls_back: bool) -> tuple[int, int]:
+    """(stages, shared bytes) the launch runs with: ``num_stages``, or, for a launcher that
+    steps down when a variant does not fit (the state pass, `state.launch_fitting`), the
+    most stages up to that which fit."""
+    shared = shared_bytes(fn, pointers, constants, num_warps, num_stages)
+    while falls_back and shared > SM90_MAX_SHARED and num_stages > 1:
+        num_stages -= 1
+        shared = shared_bytes(fn, pointers, constants, num_warps, num_stages)
+    return num_stages, shared
 
 
 def main(head_dims: list[int]) -> None:
     for K in head_dims:
         for fp32_inputs in (False, True):
             for name, launch, fn, pointers, constants, warps, stages in launches(K, fp32_inputs):
+                ran, shared = fitted(fn, pointers, constants, warps, stages, falls_back=name == "state")
                 print(json.dumps(dict(kernel=name, inputs="fp32" if fp32_inputs else "bf16", K=K, **launch,
-                                      warps=warps, stages=stages,
-                                      shared=shared_bytes(fn, pointers, constants, warps, stages))), flush=True)
+                                      warps=warps, stages=stages, launched_stages=ran, shared=shared)), flush=True)
 
 
 if __name__ == "__main__":

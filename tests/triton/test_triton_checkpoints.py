@@ -24,6 +24,33 @@ def test_checkpoints_match_reference(device: str, output_path: str, gate: str) -
     check_checkpoints(Case(LENGTHS, gate=gate), device, seed=21, tol=FP32_TOL)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_checkpoints_into_scattered_targets(device: str, output_path: str, pool_dtype: torch.dtype) -> None:
+    """Each checkpoint into a tensor of its own (a cache entry's layer), by its address."""
+    tol = FP32_TOL if pool_dtype == torch.float32 else BF16_TOL
+    check_checkpoints(Case(LENGTHS, gate="lower_bound", pool_dtype=pool_dtype), device, seed=27, tol=tol,
+                      scattered=True)
+
+
+@pytest.fixture
+def prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state pass loading each checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`)."""
+    import kernels.triton_backend as backend
+
+    real = backend.select_config
+    monkeypatch.setattr(backend, "select_config",
+                        lambda K, V, interpret: real(K, V, interpret).with_overrides(state_ckpt_prefetch=True))
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
+def test_checkpoints_with_addresses_loaded_a_chunk_ahead(device: str, output_path: str, pieces: bool, prefetch: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    case = Case(LENGTHS, gate="lower_bound", intermediate=pieces)
+    if pieces:  # segments of one chunk: the address loaded ahead crosses no segment's end
+        monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", case.HV)
+    check_checkpoints(case, device, seed=29, tol=FP32_TOL, scattered=True)
+
+
 def test_checkpoints_k_first_bf16_pool(device: str) -> None:
     check_checkpoints(Case((70, 1, 129), v_first=False, K=16, V=32, pool_dtype=torch.bfloat16, gate="lower_bound"),
                       device, seed=22, tol=BF16_TOL)
@@ -40,14 +67,20 @@ def test_checkpoints_torch_backend() -> None:
     """The CPU backend takes the same checkpoints."""
     check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=24, tol=FP32_TOL, backend="torch")
     check_checkpoints(Case((70, 1, 129), v_first=False, K=16, V=32), "cpu", seed=25, tol=FP32_TOL, backend="torch")
+    check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=28, tol=FP32_TOL, backend="torch", scattered=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ahead", [False, True], ids=["addresses at the store", "addresses a chunk ahead"])
+@pytest.mark.parametrize("scattered", [False, True], ids=["one buffer", "scattered"])
 @pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
 @pytest.mark.parametrize("lengths", [(4096,), (2048, 1, 777, 300, 64)], ids=["narrow", "wide"])
-def test_checkpoints_serving_shapes(lengths: tuple[int, ...], pieces: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoints_serving_shapes(lengths: tuple[int, ...], pieces: bool, scattered: bool, ahead: bool,
+                                    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     if pieces:
         monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 7 * 32)
+    if ahead:
+        request.getfixturevalue("prefetch")
     check_checkpoints(Case(lengths, H=32, HV=32, K=128, V=128, gate="lower_bound", dtype=torch.bfloat16),
-                      "cuda", seed=26, tol=5e-3, ref_dtype=torch.float32)
+                      "cuda", seed=26, tol=5e-3, ref_dtype=torch.float32, scattered=scattered)

@@ -1,7 +1,10 @@
 """Every kernel launch of the serving setup fits the shared memory of an H100/H200 block.
 
 Compiled for sm_90 here (no GPU needed) by `sm90_shared_memory.py` in a process of its own,
-since this folder's conftest interprets the kernels. A launch over the limit fails on the
+since this folder's conftest interprets the kernels, with the serving layout's stride-1
+arguments as constants as a launch specializes them. The state pass steps down to fewer
+pipeline stages when a variant does not fit (`state.launch_fitting`); none of the serving
+launches needs to here, and the checkpointed pass gets the plain pass's stages. A launch over the limit fails on the
 GPU before it runs: the server's warm-up with fp32 inputs at K = V = 128 did, on an H200
 (2026-12-01), and /health/ready stayed 503. With CUDA the same launches also run there
 (`test_triton_gpu.py::test_fp32_inputs`).
@@ -31,3 +34,9 @@ def test_every_launch_fits_sm90_shared_memory() -> None:
     assert all(row["shared"] > 0 for row in rows)
     too_big = [row for row in rows if row["shared"] > SM90_MAX_SHARED]
     assert not too_big, f"over {SM90_MAX_SHARED} bytes: {too_big}"
+    stepped = [row for row in rows if row["launched_stages"] != row["stages"]]
+    assert not stepped, f"launches that only fit with fewer stages than their config gives: {stepped}"
+    # the checkpointed state pass runs with the stages of the plain one (it is not held to fewer)
+    state = {(r["inputs"], r["K"], r["seq_heads"], r["fused_output"], r["checkpoints"]): r["launched_stages"]
+             for r in rows if r["kernel"] == "state"}
+    assert all(n == state[key[:4] + (False,)] for key, n in state.items() if key[3] and key[4])

@@ -193,21 +193,29 @@ def reference_checkpoints(inp: Inputs, case: Case, positions: list[int],
 
 
 def check_checkpoints(case: Case, device: torch.device | str, seed: int, tol: float, backend: str = "triton",
-                      ref_dtype: torch.dtype = torch.float64) -> float:
+                      ref_dtype: torch.dtype = torch.float64, scattered: bool = False) -> float:
     """Run ``case`` with a checkpoint at every allowed position (random order) into rows
-    1..C of a NaN-poisoned [C + 2, ...] buffer; assert every named row written and within
-    ``tol`` of the reference, rows 0 and C + 1 bit-identical, and o and the final states
-    as good as without checkpoints. Returns the checkpoints' error."""
+    1..C of a NaN-poisoned [C + 2, ...] buffer (``scattered``: into the middle layer of a
+    NaN-poisoned [3, ...] tensor of its own each, as a cache's entries are, passed as C
+    separate targets); assert every target written and within ``tol`` of the reference,
+    the memory around them (rows 0 and C + 1, or the outer layers) bit-identical, and o
+    and the final states as good as without checkpoints. Returns the checkpoints' error."""
     inp = make_inputs(case, device, seed)
     positions = chunk_ends(inp.cu_seqlens.tolist(), seed)
     ref_o, ref_final, ref_ckpt = reference_checkpoints(inp, case, positions, ref_dtype)
     C = len(positions)
-    buf = torch.full((C + 2, *inp.pool.shape[1:]), float("nan"), dtype=inp.pool.dtype, device=inp.pool.device)
-    before = buf.clone()
+    row = inp.pool.shape[1:]
+    if scattered:
+        bufs = [torch.full((3, *row), float("nan"), dtype=inp.pool.dtype, device=inp.pool.device) for _ in range(C)]
+        targets, around = [b[1] for b in bufs], [b[j] for b in bufs for j in (0, 2)]
+    else:
+        buf = torch.full((C + 2, *row), float("nan"), dtype=inp.pool.dtype, device=inp.pool.device)
+        targets, around = buf[1:C + 1], [buf[0], buf[C + 1]]
+    before = [t.clone() for t in around]
     o, _ = run_triton(case, inp, backend, checkpoint_tokens=torch.tensor(positions, dtype=torch.int64, device=device),
-                      checkpoint_states=buf[1:C + 1])
-    assert same_bits(buf[0], before[0]) and same_bits(buf[C + 1], before[C + 1]), "a row outside the checkpoints changed"
-    got = buf[1:C + 1].float()
+                      checkpoint_states=targets)
+    assert all(same_bits(a, b) for a, b in zip(around, before)), "memory outside the checkpoints changed"
+    got = torch.stack(list(targets)).float()
     assert not torch.isnan(got).any(), "checkpoint rows not fully written"
     if not case.v_first:
         got = got.transpose(-1, -2)

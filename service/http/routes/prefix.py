@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from ...core.api import CoreAPI
-from ...wire.schema import PrefixEntryJSON, PublishRequest
+from ...wire.schema import PREFIX_DROPPED_HEADER, PrefixEntryJSON, PublishRequest
 from ..openapi import error_responses
 
 
@@ -37,8 +37,9 @@ def add_prefix_routes(router: APIRouter, core: CoreAPI) -> None:
     async def prefix_info(key: str) -> dict[str, Any]:
         return entry_json(await core.prefix_info(key))
 
-    @router.delete("/prefix/{key:path}", status_code=204, responses=error_responses(404),
-                   summary="Remove a prefix cache entry")
+    @router.delete("/prefix/{key:path}", status_code=204, responses=error_responses(400),
+                   summary="Remove a prefix cache entry (idempotent: 204 whether or not there was one; "
+                           f"the {PREFIX_DROPPED_HEADER} header says which)")
     async def drop_prefix(key: str) -> Response:
-        await core.drop_prefix(key)
-        return Response(status_code=204)
+        dropped = await core.drop_prefix(key)
+        return Response(status_code=204, headers={PREFIX_DROPPED_HEADER: "true" if dropped else "false"})
