@@ -59,6 +59,7 @@ CASES: list[tuple[str, tuple[int, ...], int]] = [
     ("8x1024 H96", (1024,) * 8, 96),
 ]
 DECODE = ("256x1 decode H32", (1,) * 256, 32)
+PEERS = ("fla", "FlashKDA")
 DECODE_POOL = 2048
 FP32_CASES = [("1x4096 H32 fp32", (4096,), 32), ("8x4096 H32 fp32", (4096,) * 8, 32)]
 # config variants timed with --sweep (overrides of the shape-chosen config)
@@ -110,11 +111,14 @@ def ours_fn(c: dict, pool: torch.Tensor, cfg: Optional[LaunchConfig] = None) -> 
     return lambda: run_triton(p, cfg)[0]
 
 
-def peer_fns(c: dict, pool: torch.Tensor, gather: bool) -> dict[str, Optional[Callable[[], torch.Tensor]]]:
-    """{"fla": ..., "FlashKDA": ...} on ``pool`` (decode: fla's in-place form, no FlashKDA)."""
-    if max(c["lengths"]) == 1:
-        return {"fla": peers.fla_decode(c, pool), "FlashKDA": None}
-    return {"fla": peers.fla_prefill(c, pool, gather), "FlashKDA": peers.flash_kda_prefill(c, pool, gather)}
+def peer_fns(c: dict, pool: torch.Tensor, gather: bool, names: tuple[str, ...] = PEERS
+             ) -> dict[str, Optional[Callable[[], torch.Tensor]]]:
+    """{"fla": ..., "FlashKDA": ...} on ``pool``, those of ``names`` (decode: fla's in-place
+    form, no FlashKDA)."""
+    decode = max(c["lengths"]) == 1
+    make = {"fla": lambda: peers.fla_decode(c, pool) if decode else peers.fla_prefill(c, pool, gather),
+            "FlashKDA": lambda: None if decode else peers.flash_kda_prefill(c, pool, gather)}
+    return {name: make[name]() for name in names}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -193,27 +197,27 @@ def _warm_ours(overrides: dict, fp32: bool) -> tuple[str, bool]:
         " (DIFFERS)" if differs else ""), True
 
 
-def _warm_peers() -> str:
+def _warm_peers(names: tuple[str, ...]) -> str:
     torch.cuda.init()
     t = time.time()
     with torch.inference_mode():
         for lengths, heads in (((130, 130), 32), ((1,) * 4, 32), ((130, 130), 96)):
             c = make_case(lengths, heads, seed=1)
-            for fn in peer_fns(c, c["pool"].clone(), gather=True).values():
+            for fn in peer_fns(c, c["pool"].clone(), True, names).values():
                 if fn is not None:
                     fn()
     torch.cuda.synchronize()
     return f"warm peers: {time.time() - t:.1f}s"
 
 
-def warm_up(sweep: bool, with_peers: bool, fp32: bool) -> list[str]:
+def warm_up(sweep: bool, peers: tuple[str, ...], fp32: bool) -> list[str]:
     """Compile everything in parallel worker processes first (Triton's disk cache then
     serves the timed process; fla autotunes there too, its results cached). Returns the
     names of the sweep's variants that passed their check."""
     names = list(VARIANTS) if sweep else []
     ctx = mp.get_context("spawn")
     with ctx.Pool(min(len(names) + 2, 12), maxtasksperchild=1) as pool:
-        peer_job = pool.apply_async(_warm_peers) if with_peers else None
+        peer_job = pool.apply_async(_warm_peers, (peers,)) if peers else None
         jobs = {name: pool.apply_async(_warm_ours, (VARIANTS[name], fp32)) for name in names}
         default = pool.apply_async(_warm_ours, ({}, fp32))
         passed = []
@@ -233,7 +237,7 @@ def warm_up(sweep: bool, with_peers: bool, fp32: bool) -> list[str]:
     return passed
 
 
-def accuracy(with_peers: bool, variants: list[str]) -> dict[str, float]:
+def accuracy(peers: tuple[str, ...], variants: list[str]) -> dict[str, float]:
     """Relative L2 error of o and final states vs the float32 per-token reference,
     2 x 2048 tokens, 4 heads: ours (default and each variant) and the peers'."""
     c = make_case((2048, 2048), 4, seed=3)
@@ -247,8 +251,7 @@ def accuracy(with_peers: bool, variants: list[str]) -> dict[str, float]:
     for vname in variants:
         cfg = select_config(K, V, False).with_overrides(**VARIANTS[vname])
         runs[vname] = lambda pool, cfg=cfg: ours_fn(c, pool, cfg)
-    if with_peers:
-        runs.update({name: (lambda pool, name=name: peer_fns(c, pool, gather=True)[name]) for name in ("fla", "FlashKDA")})
+    runs.update({name: (lambda pool, name=name: peer_fns(c, pool, True, peers)[name]) for name in peers})
     for name, make in runs.items():
         pool = c["pool"].clone()
         fn = make(pool)
@@ -261,7 +264,7 @@ def accuracy(with_peers: bool, variants: list[str]) -> dict[str, float]:
     return out
 
 
-def time_case(name: str, c: dict, with_peers: bool, variants: list[str]) -> dict:
+def time_case(name: str, c: dict, peers: tuple[str, ...], variants: list[str]) -> dict:
     """One case's row: our time, the variants', the peers' (both forms), the agreement of
     o and final states with each peer, and our per-stage times, bytes and bandwidths."""
     row: dict = dict(case=name, tokens=sum(c["lengths"]))
@@ -279,14 +282,14 @@ def time_case(name: str, c: dict, with_peers: bool, variants: list[str]) -> dict
                 row[f"{vname} stages"] = stage_times(ours_fn(c, c["pool"].clone(), cfg))
             except Exception as e:
                 row[vname] = f"error: {e!r}"[:120]
-        if with_peers:
+        if peers:
             for gather in (False, True):
-                for peer, fn in peer_fns(c, c["pool"].clone(), gather).items():
+                for peer, fn in peer_fns(c, c["pool"].clone(), gather, peers).items():
                     if fn is not None:
                         row[f"{peer}{' gather/scatter' if gather else ''}_ms"] = bench(fn)
-            for peer in ("fla", "FlashKDA"):
+            for peer in peers:
                 pool_p = c["pool"].clone()
-                fn = peer_fns(c, pool_p, gather=True)[peer]
+                fn = peer_fns(c, pool_p, True, peers)[peer]
                 if fn is None:
                     continue
                 o_p = fn()
@@ -339,34 +342,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time the config variants")
     ap.add_argument("--no-peers", action="store_true", help="skip fla-core and FlashKDA")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help="which peers to time, comma-separated (fla's autotuning warm-up alone takes ~190 s)")
     ap.add_argument("--fp32", action="store_true", help="add the fp32-input cases (ours and fla)")
     ap.add_argument("--json", help="write all numbers here")
     ap.add_argument("--cases", help="only these cases, by name, comma-separated (e.g. '8x4096 H32,1x8192 H96')")
     args = ap.parse_args()
-    with_peers = not args.no_peers
-    if with_peers:
+    peers = () if args.no_peers else tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    if unknown := set(peers) - set(PEERS):
+        ap.error(f"unknown peer(s) {sorted(unknown)}; the peers are {', '.join(PEERS)}")
+    if "fla" in peers:
         try:
             import fla  # noqa: F401
         except Exception as e:
             print(f"fla-core unavailable: {e!r}")
-            with_peers = False
+            peers = tuple(p for p in peers if p != "fla")
     props = torch.cuda.get_device_properties(0)
     env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
                fla=getattr(sys.modules.get("fla"), "__version__", None), flash_kda=peers.flash_kda_available() or "ok",
                toolchain=toolchain_report(torch.device("cuda")), config=asdict(select_config(K, V, False)))
     print(json.dumps(env, default=str), flush=True)
     t0 = time.time()
-    variants = warm_up(args.sweep, with_peers, args.fp32)
+    variants = warm_up(args.sweep, peers, args.fp32)
     print(f"warm-up {time.time() - t0:.0f}s", flush=True)
     rows = []
     for name, lengths, heads, dtype in case_list(args):
         c = make_case(lengths, heads, dtype=dtype, pool_rows=DECODE_POOL if max(lengths) == 1 else None)
-        row = time_case(name, c, with_peers, variants)
+        row = time_case(name, c, peers, variants)
         print(json.dumps(row), flush=True)
         rows.append(row)
         del c
         torch.cuda.empty_cache()
-    acc = accuracy(with_peers, variants)
+    acc = accuracy(peers, variants)
     print("accuracy vs float32 reference (2x2048, 4 heads):", json.dumps(acc), flush=True)
     res = compiled_resources()
     print("\n".join(res), flush=True)
