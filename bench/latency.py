@@ -398,7 +398,8 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     if not torch.cuda.is_available():
         print("bench/latency.py gpu needs a CUDA device", file=sys.stderr)
         sys.exit(2)
-    cases = [GpuCase(1, 4096), GpuCase(8, 4096), GpuCase(256, 1)]
+    cases = [c for c in (GpuCase(1, 4096), GpuCase(8, 4096), GpuCase(256, 1))
+             if args.cases is None or c.name in args.cases.split(",")]
     server = start_server(["--device", "cuda:0", "--backend", "triton", "--num-layers", "1", "--num-slots", "512",
                            "--num-heads", str(HEADS), "--head-dim", str(DIM), *args.server_arg], timeout_s=600)
     figures, records = [], []
@@ -427,6 +428,7 @@ def main() -> None:
     ap.add_argument("--burst-rounds", type=int, default=20, help="cpu: bursts of 32 concurrent requests")
     ap.add_argument("--server-arg", action="append", default=[], help="one more kda-serve flag (repeatable)")
     ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--cases", help="gpu: only these cases, comma-separated (of 1x4096, 8x4096, 256x1)")
     args = ap.parse_args()
     if args.calls < 200:
         print(f"note: {args.calls} calls per figure; the issue's figures are over >= 200")
