@@ -62,9 +62,18 @@ def prepare_inputs(p: PrefillProblem) -> _Prepared:
     return _Prepared(q=q, k=k, v=p.v.to(f32), g=g, beta=beta)
 
 
-def _read_states(p: PrefillProblem) -> torch.Tensor:
+def _every_row(p: PrefillProblem) -> bool:
+    """Whether every sequence of ``p`` reads and writes a pool row (no index -1): the
+    service's launches. Then the states are read and written without masks."""
+    return bool((p.indices >= 0).all())
+
+
+def _read_states(p: PrefillProblem, every_row: bool) -> torch.Tensor:
     """Initial states in math layout [N, HV, K, V] fp32; zeros where the index is -1."""
     idx = p.indices
+    if every_row:
+        rows = p.pool.index_select(0, idx).to(torch.float32)
+        return (rows.transpose(-1, -2) if p.state_v_first else rows).contiguous()
     live = idx >= 0
     rows = p.pool.index_select(0, idx.clamp(min=0)).to(torch.float32)
     if p.state_v_first:
@@ -72,8 +81,11 @@ def _read_states(p: PrefillProblem) -> torch.Tensor:
     return torch.where(live[:, None, None, None], rows, torch.zeros_like(rows)).contiguous()
 
 
-def _write_states(p: PrefillProblem, states: torch.Tensor) -> None:
+def _write_states(p: PrefillProblem, states: torch.Tensor, every_row: bool) -> None:
     """Write math-layout states [N, HV, K, V] back to their pool rows (index -1 skipped)."""
+    if every_row:
+        p.pool.index_copy_(0, p.indices, (states.transpose(-1, -2) if p.state_v_first else states).to(p.pool.dtype))
+        return
     live = (p.indices >= 0).nonzero().flatten()
     if live.numel() == 0:
         return
@@ -230,10 +242,13 @@ def _intra_group(
     t_fac = torch.exp(local)
     q_t, k_t = qb * t_fac, kb * t_fac
     k_end = kb * torch.exp(to_end)  # k_s decayed to the end of its sub-block
-    # ks[:, i] holds every key s up to the end of sub-block i, decayed to R_i.
+    # ks[:, i] holds every key s up to the end of sub-block i, decayed to R_i: those of each
+    # sub-block j < i through the span to the end of sub-block i - 1, in one broadcast (the
+    # spans of j >= i grow, may overflow, and are masked; the diagonal j = i is set next)
     ks = q.new_zeros(n, nb, nb, S, K)
-    for i in range(1, nb):
-        ks[:, i, :i] = k_end[:, :i] * span[:, :i, i - 1, None]
+    earlier = torch.ones(nb - 1, nb, dtype=torch.bool, device=q.device).tril()  # [i - 1, j]: j < i
+    spans = span[:, :, :-1].transpose(1, 2)  # [n, i - 1, j, K]
+    ks[:, 1:] = torch.where(earlier[:, :, None, None], k_end[:, None] * spans[:, :, :, None], 0.0)
     own = kb * torch.exp(-local)  # inf where a wild sub-block overflows: masked next
     ks.diagonal(dim1=1, dim2=2).copy_(torch.where(tame[:, :, None, None], own, 0.0).permute(0, 2, 3, 1))
     ks = ks.view(n, nb, C, K)
@@ -285,9 +300,12 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     )
     fields = _ChunkTerms.__dataclass_fields__
     step = max(1, INTRA_GROUP_ELEMENTS // (C // SUB_BLOCK * C * K))
-    for a in range(0, total, step):
-        part = _ChunkTerms(*(getattr(out, f)[a : a + step] for f in fields))
-        _intra_group(*(x[a : a + step] for x in flat), out=part)
+    if total <= step:  # one group: the whole tensors, no slices
+        _intra_group(*flat, out=out)
+    else:
+        for a in range(0, total, step):
+            part = _ChunkTerms(*(getattr(out, f)[a : a + step] for f in fields))
+            _intra_group(*(x[a : a + step] for x in flat), out=part)
     return _ChunkTerms(*(getattr(out, f).unflatten(0, (NC, HV)) for f in fields))
 
 
@@ -350,11 +368,12 @@ def chunked_pass(
 def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The torch backend: see `kernels.problem.Backend`."""
     x = prepare_inputs(p)
-    states = _read_states(p)  # [N, HV, K, V]
+    every_row = _every_row(p)
+    states = _read_states(p, every_row)  # [N, HV, K, V]
     starts, lengths = list(p.bounds[:-1]), p.lengths
     if len(lengths) == x.q.shape[0] and not p.checkpoint_tokens:  # one token per sequence: a decode step
         o, finals = recurrent_step(x, None, states)
-        _write_states(p, finals)
+        _write_states(p, finals, every_row)
         h = (states.transpose(-1, -2) if p.state_v_first else states).contiguous() \
             if p.output_intermediate_states else None
         o = o.to(p.v.dtype)
@@ -398,7 +417,7 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if lengths[n] == 1:
             saved[row] = finals[n]
 
-    _write_states(p, finals)
+    _write_states(p, finals, every_row)
     _write_checkpoints(p, saved)
     h = None
     if p.output_intermediate_states:
