@@ -155,7 +155,8 @@ class _ChunkLayout:
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
         """Token rows [T, HV, D] into zero-padded, head-major chunks [NC, HV, C, D]."""
         if self.chunk_index is None:
-            rows = x[self.token_index]
+            whole = self.token_index.start == 0 and self.token_index.stop == x.shape[0]
+            rows = x if whole else x[self.token_index]
             pad = self.num_chunks * CHUNK_SIZE - rows.shape[0]
             if pad:
                 rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
@@ -250,15 +251,17 @@ def _intra_group(
     spans = span[:, :, :-1].transpose(1, 2)  # [n, i - 1, j, K]
     ks[:, 1:] = torch.where(earlier[:, :, None, None], k_end[:, None] * spans[:, :, :, None], 0.0)
     own = kb * torch.exp(-local)  # inf where a wild sub-block overflows: masked next
-    ks.diagonal(dim1=1, dim2=2).copy_(torch.where(tame[:, :, None, None], own, 0.0).permute(0, 2, 3, 1))
+    all_tame = bool(tame.all())  # the common case: no mask, no pairwise pass
+    ks.diagonal(dim1=1, dim2=2).copy_((own if all_tame else torch.where(tame[:, :, None, None], own, 0.0))
+                                      .permute(0, 2, 3, 1))
     ks = ks.view(n, nb, C, K)
-    keys = ks.transpose(-1, -2)  # [n, nb, K, C]: products per sub-block, as batched matmuls (no einsum parsing)
-    aqk = torch.matmul(q_t, keys).reshape(n, C, C)
-    akk = torch.matmul(k_t, keys).reshape(n, C, C)
+    keys = ks.transpose(-1, -2).reshape(n * nb, K, C)  # a view: products per sub-block, as batched matmuls
+    aqk = torch.bmm(q_t.view(n * nb, S, K), keys).view(n, C, C)
+    akk = torch.bmm(k_t.view(n * nb, S, K), keys).view(n, C, C)
 
     # Wild sub-blocks (a decay beyond FACTOR_LIMIT inside one): pairwise exponents.
-    wild = (~tame).nonzero(as_tuple=True)
-    if wild[0].numel():
+    wild = None if all_tame else (~tame).nonzero(as_tuple=True)
+    if wild is not None:
         Gw = Gb[wild]  # [U, S, K]
         tri = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
         diff = (Gw[:, :, None] - Gw[:, None]).masked_fill(~tri[:, :, None], float("-inf"))
@@ -436,11 +439,12 @@ def _flag_nonfinite(p: PrefillProblem, o: torch.Tensor, finals: torch.Tensor) ->
     V] in the pool's dtype) or whose tokens of ``o`` [T, HV, V] hold a NaN or Inf (all on
     one device)."""
     bad = _nan_rows(finals)  # [N]
+    if bad.shape[0] == 1:  # one sequence: all of o is its
+        p.nonfinite[:-1] |= (bad + (o * 0).sum()) != 0
+        return
     tokens = _nan_rows(o)  # [T]
     if tokens.shape[0] == bad.shape[0]:  # one token per sequence (none is empty)
         bad = bad + tokens
-    elif bad.shape[0] == 1:
-        bad = bad + tokens.sum()
     else:
         counts = torch.cat([tokens.new_zeros(1, dtype=torch.int64), torch.cumsum(tokens.isnan(), 0)])  # [T + 1]
         bounds = torch.tensor(p.bounds, dtype=torch.int64, device=o.device)
