@@ -27,21 +27,13 @@ async def _client_gone(receive: Receive) -> bool:
     return False
 
 
-JOIN_BYTES = 64 * 1024
-"""Pieces of a body up to this size together are joined into one: a copy of a few KiB
-costs less than each further ``http.response.body`` message's trip through the middleware."""
-
-
 class PiecesResponse(Response):
-    """A response whose body is ``pieces`` sent one after another, not joined past
-    `JOIN_BYTES` (a safetensors reply: its header, then views of the result tensors' own
-    bytes)."""
+    """A response whose body is ``pieces`` sent one after another, never joined (a
+    safetensors reply: its header, then views of the result tensors' own bytes)."""
 
     def __init__(self, pieces: Sequence[memoryview], media_type: str, headers: dict[str, str]) -> None:
         self.pieces = [piece.cast("B") for piece in pieces]
         length = sum(piece.nbytes for piece in self.pieces)
-        if len(self.pieces) > 1 and length <= JOIN_BYTES:
-            self.pieces = [memoryview(b"".join(self.pieces))]
         super().__init__(b"", media_type=media_type, headers={**headers, "content-length": str(length)})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
