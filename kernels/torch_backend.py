@@ -249,7 +249,7 @@ def _intra_group(
     # sub-block j < i through the span to the end of sub-block i - 1, in one broadcast (the
     # spans of j >= i grow, may overflow, and are masked; the diagonal j = i is set next)
     ks = q.new_zeros(n, nb, nb, S, K)
-    spans = span.permute(0, 3, 1, 2)[..., :-1].triu().permute(0, 3, 2, 1)  # [n, i - 1, j, K], 0 for j >= i
+    spans = span.permute(0, 3, 1, 2)[..., :-1].triu().permute(0, 3, 2, 1).contiguous()  # [n, i - 1, j, K], 0 for j >= i
     ks[:, 1:] = k_end[:, None] * spans[:, :, :, None]
     own = kb * torch.exp(-local)  # inf where a wild sub-block overflows: masked next
     ks.diagonal(dim1=1, dim2=2).copy_((own if all_tame else torch.where(tame[:, :, None, None], own, 0.0))
