@@ -313,6 +313,20 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     return _ChunkTerms(*(getattr(out, f).unflatten(0, (NC, HV)) for f in fields))
 
 
+def _one_chunk(terms: _ChunkTerms, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_pass`'s state pass for a single chunk: (o [1, HV, C, V], the final state
+    [1, HV, K, V]) from its terms and initial state [1, HV, K, V], the same products as the
+    stepped pass without its slices and copies (``terms.u`` is completed in place)."""
+    _, HV, C2, K = terms.wq.shape
+    C, V = C2 // 2, states.shape[-1]
+    P = torch.bmm(terms.wq.view(HV, C2, K), states.view(HV, K, V)).view(1, HV, C2, V)  # w S0 and q exp(G) S0
+    u = terms.u.sub_(P[:, :, :C])
+    o = P[:, :, C:] + terms.aqk @ u
+    final = torch.baddbmm((terms.decay[..., None] * states).flatten(0, 1), terms.kd.transpose(-1, -2).flatten(0, 1),
+                          u.flatten(0, 1)).view_as(states)
+    return o, final
+
+
 def chunked_pass(
     x: _Prepared, starts: list[int], lengths: list[int], states: torch.Tensor, keep_intermediate: bool,
     after: Optional[dict[int, list[tuple[int, int]]]] = None,
@@ -332,6 +346,9 @@ def chunked_pass(
     beta = layout.to_chunks(x.beta[..., None]).squeeze(-1)
     terms = _intra_chunk(q, k, v, g, beta)
 
+    if layout.num_chunks == 1 and not keep_intermediate and not after:
+        o, finals = _one_chunk(terms, states)
+        return layout.token_index, layout.from_chunks(o), finals, None, {}
     in_order = layout.order == sorted(layout.order)
     order = None if in_order else torch.tensor(layout.order, device=states.device)
     S = states.clone() if order is None else states.index_select(0, order)  # sorted by chunk count, descending
