@@ -5,7 +5,10 @@ on any device and in float32, bfloat16 or float16; results come back as CPU tens
 viewing the response buffer (no copy). Errors raise `KDAError` subclasses carrying the
 server's problem details; network failures raise httpx's exceptions.
 
-`KDAClient` sends ``http://`` requests through `kda_client.transport.StdlibTransport`:
+`KDAClient` sends small ``http://`` requests (bodies up to 64 KiB: one-token to
+few-hundred-token prefills, slot calls) through `kda_client.small.SmallExchange`, one
+``send()`` and a hand-parsed response on a kept-alive socket, without httpx's request
+and response machinery; larger ones through `kda_client.transport.StdlibTransport`:
 the body goes to the socket as views of the tensors' own bytes and the response is read
 into one buffer of its Content-Length (httpx's default transport copies each byte about
 three times more). `AsyncKDAClient` keeps httpx's default asyncio transport: an asyncio
@@ -37,11 +40,14 @@ import threading
 import urllib.parse
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Generic, Iterator, Literal, Optional, Sequence, TypeVar, Union
+from typing import (
+    Any, AsyncIterator, Callable, Generic, Iterator, Literal, Mapping, Optional, Sequence, TypeVar, Union,
+)
 
 import httpx
 import torch
 
+from .small import MAX_BODY, SmallExchange
 from .transport import StdlibTransport
 from .shm import (
     SHM_JSON, Arena, CudaArena, Geometry, Placed, Registration, ShmArena, is_unknown_region, split_sequences,
@@ -67,6 +73,8 @@ SequenceInput = tuple[Optional[str], torch.Tensor, torch.Tensor, torch.Tensor, t
 _T = TypeVar("_T")
 Body = Union[bytes, bytearray, list[memoryview]]
 """A request body: one buffer, or pieces sent back to back without joining them."""
+Headers = Mapping[str, str]
+"""A response's headers, looked up by lower-case name: httpx's, or `SmallExchange`'s."""
 
 
 def _body_size(body: Body) -> int:
@@ -114,7 +122,7 @@ class ServerError(KDAError):
     """500 and other server-side failures."""
 
 
-def _raise_for(status: int, headers: httpx.Headers, body: bytearray) -> None:
+def _raise_for(status: int, headers: Headers, body: bytearray) -> None:
     if status < 400:
         return
     try:
@@ -171,7 +179,7 @@ class PrefixAlloc:
 class _Call(Generic[_T]):
     method: str
     path: str
-    parse: Callable[[httpx.Headers, bytearray], _T]
+    parse: Callable[[Headers, bytearray], _T]
     body: Optional[Body] = None
     content_type: Optional[str] = None
     accept: Optional[str] = None
@@ -191,11 +199,11 @@ def _q(slot: str) -> str:
     return urllib.parse.quote(slot, safe="")
 
 
-def _json(_: httpx.Headers, body: bytearray) -> Any:
+def _json(_: Headers, body: bytearray) -> Any:
     return json.loads(body)
 
 
-def _nothing(_: httpx.Headers, __: bytearray) -> None:
+def _nothing(_: Headers, __: bytearray) -> None:
     return None
 
 
@@ -211,7 +219,7 @@ def _media(encoding: Encoding) -> str:
     return SAFETENSORS if encoding == "safetensors" else JSON
 
 
-def _server_timing(headers: httpx.Headers) -> dict[str, float]:
+def _server_timing(headers: Headers) -> dict[str, float]:
     """``Server-Timing: kernel;dur=1.5, encode;dur=0.2`` -> {"kernel": 1.5, "encode": 0.2}."""
     phases = {}
     for metric in headers.get("server-timing", "").split(","):
@@ -224,7 +232,7 @@ def _server_timing(headers: httpx.Headers) -> dict[str, float]:
     return phases
 
 
-def _read_state(headers: httpx.Headers, body: bytearray) -> torch.Tensor:
+def _read_state(headers: Headers, body: bytearray) -> torch.Tensor:
     if media_type(headers.get("content-type")) == JSON:
         return decode_state_json(body)
     return decode_state_safetensors(body)  # an export: its geometry metadata is not needed here
@@ -273,7 +281,7 @@ class _ShmPrefill:
         """Copy the inputs in and build the request (after the region is large enough)."""
         body = arena.fill(self.tensors, self.places, self.options)
 
-        def parse(headers: httpx.Headers, data: bytearray) -> PrefillOutput:
+        def parse(headers: Headers, data: bytearray) -> PrefillOutput:
             doc = json.loads(data)
             o = arena.result(doc, "o")
             assert o is not None
@@ -316,7 +324,7 @@ def _prefill_call(
         doc = {**options, **{name: tensor_to_json(t) for name, t in {**tensors, **extra}.items()}}
         body = json.dumps(doc, separators=(",", ":")).encode("ascii")
 
-    def parse(headers: httpx.Headers, data: bytearray) -> PrefillOutput:
+    def parse(headers: Headers, data: bytearray) -> PrefillOutput:
         got_slots, o, final = decode_prefill_response(data, media_type(headers.get("content-type")) or media)
         return PrefillOutput(got_slots, lengths, o, final, _server_timing(headers))
 
@@ -333,7 +341,7 @@ class _Calls:
         return _Call("POST", "/slots", lambda h, b: _json(h, b)["slots"], json.dumps({"count": count}).encode())
 
     def alloc_prefix(self, count: int, prefix: Sequence[str]) -> _Call[PrefixAlloc]:
-        def parse(h: httpx.Headers, b: bytearray) -> PrefixAlloc:
+        def parse(h: Headers, b: bytearray) -> PrefixAlloc:
             doc = _json(h, b)
             return PrefixAlloc(doc["slots"], **doc["prefix"])
         return _Call("POST", "/slots", parse, json.dumps({"count": count, "prefix": list(prefix)}).encode())
@@ -426,8 +434,19 @@ class KDAClient:
         self._arena_lock = threading.Lock()  # one region: one shared memory prefill at a time
         self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_client_headers(api_key),
                                   mounts={"http://": StdlibTransport()})
+        url = self._http.base_url
+        self._small = (SmallExchange(url.host, url.port or 80, url.netloc.decode("ascii"),
+                                     url.raw_path.decode("ascii").partition("?")[0], _client_headers(api_key), timeout)
+                       if url.scheme == "http" else None)
 
     def _run(self, call: _Call[_T]) -> _T:
+        """``call``'s request and its parsed answer (KDAError for an error status). Small
+        requests over http:// take `SmallExchange`, the rest httpx."""
+        if self._small is not None and (call.body is None or _body_size(call.body) <= MAX_BODY):
+            body = () if call.body is None else call.body if isinstance(call.body, list) else (call.body,)
+            answer = self._small.request(call.method, call.path, call.headers(), body)
+            _raise_for(answer.status, answer.headers, answer.body)
+            return call.parse(answer.headers, answer.body)
         content = None if call.body is None else _chunks(call.body)
         with self._http.stream(call.method, call.path, content=content, headers=call.headers()) as r:
             length = r.headers.get("content-length")
@@ -542,6 +561,8 @@ class KDAClient:
                 with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
                     self._run(self._calls.unregister_region(self._arena, name))
         finally:
+            if self._small is not None:
+                self._small.close()
             self._http.close()
 
     def __enter__(self) -> "KDAClient":

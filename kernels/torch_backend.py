@@ -62,9 +62,18 @@ def prepare_inputs(p: PrefillProblem) -> _Prepared:
     return _Prepared(q=q, k=k, v=p.v.to(f32), g=g, beta=beta)
 
 
-def _read_states(p: PrefillProblem) -> torch.Tensor:
+def _every_row(p: PrefillProblem) -> bool:
+    """Whether every sequence of ``p`` reads and writes a pool row (no index -1): the
+    service's launches. Then the states are read and written without masks."""
+    return bool((p.indices >= 0).all())
+
+
+def _read_states(p: PrefillProblem, every_row: bool) -> torch.Tensor:
     """Initial states in math layout [N, HV, K, V] fp32; zeros where the index is -1."""
     idx = p.indices
+    if every_row:
+        rows = p.pool.index_select(0, idx).to(torch.float32)
+        return (rows.transpose(-1, -2) if p.state_v_first else rows).contiguous()
     live = idx >= 0
     rows = p.pool.index_select(0, idx.clamp(min=0)).to(torch.float32)
     if p.state_v_first:
@@ -72,8 +81,11 @@ def _read_states(p: PrefillProblem) -> torch.Tensor:
     return torch.where(live[:, None, None, None], rows, torch.zeros_like(rows)).contiguous()
 
 
-def _write_states(p: PrefillProblem, states: torch.Tensor) -> None:
+def _write_states(p: PrefillProblem, states: torch.Tensor, every_row: bool) -> None:
     """Write math-layout states [N, HV, K, V] back to their pool rows (index -1 skipped)."""
+    if every_row:
+        p.pool.index_copy_(0, p.indices, (states.transpose(-1, -2) if p.state_v_first else states).to(p.pool.dtype))
+        return
     live = (p.indices >= 0).nonzero().flatten()
     if live.numel() == 0:
         return
@@ -139,7 +151,8 @@ class _ChunkLayout:
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
         """Token rows [T, HV, D] into zero-padded, head-major chunks [NC, HV, C, D]."""
         if self.chunk_index is None:
-            rows = x[self.token_index]
+            whole = self.token_index.start == 0 and self.token_index.stop == x.shape[0]
+            rows = x if whole else x[self.token_index]
             pad = self.num_chunks * CHUNK_SIZE - rows.shape[0]
             if pad:
                 rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
@@ -218,7 +231,9 @@ def _intra_group(
     to_end = (ends[:, :, None] - Gb).float()  # G_end(i) - G_s, s in sub-block i
     # A sub-block is tame when every |G - R_i| inside it is within FACTOR_LIMIT: then
     # exp(G_t - G_s) = exp(G_t - R_i) * exp(R_i - G_s) holds in fp32 for t, s in it.
-    tame = local.abs().amax(dim=(-1, -2)) <= FACTOR_LIMIT  # [n, nb]
+    spread = local.abs()
+    all_tame = spread.max().item() <= FACTOR_LIMIT  # the common case: no mask, no pairwise pass
+    tame = None if all_tame else spread.amax(dim=(-1, -2)) <= FACTOR_LIMIT  # [n, nb]
     # Decays between sub-block boundaries, all <= 1: exp(ends_j - ends_i) for j >= i.
     span = torch.exp((ends[:, None, :, :] - ends[:, :, None, :]).float())  # [n, nb(i), nb(j), K]
 
@@ -226,19 +241,23 @@ def _intra_group(
     t_fac = torch.exp(local)
     q_t, k_t = qb * t_fac, kb * t_fac
     k_end = kb * torch.exp(to_end)  # k_s decayed to the end of its sub-block
-    # ks[:, i] holds every key s up to the end of sub-block i, decayed to R_i.
+    # ks[:, i] holds every key s up to the end of sub-block i, decayed to R_i: those of each
+    # sub-block j < i through the span to the end of sub-block i - 1, in one broadcast (the
+    # spans of j >= i grow, may overflow, and are masked; the diagonal j = i is set next)
     ks = q.new_zeros(n, nb, nb, S, K)
-    for i in range(1, nb):
-        ks[:, i, :i] = k_end[:, :i] * span[:, :i, i - 1, None]
+    spans = span.permute(0, 3, 1, 2)[..., :-1].triu().permute(0, 3, 2, 1).contiguous()  # [n, i - 1, j, K], 0 for j >= i
+    ks[:, 1:] = k_end[:, None] * spans[:, :, :, None]
     own = kb * torch.exp(-local)  # inf where a wild sub-block overflows: masked next
-    ks.diagonal(dim1=1, dim2=2).copy_(torch.where(tame[:, :, None, None], own, 0.0).permute(0, 2, 3, 1))
+    ks.diagonal(dim1=1, dim2=2).copy_((own if all_tame else torch.where(tame[:, :, None, None], own, 0.0))
+                                      .permute(0, 2, 3, 1))
     ks = ks.view(n, nb, C, K)
-    aqk = torch.einsum("nisk,nick->nisc", q_t, ks).reshape(n, C, C)
-    akk = torch.einsum("nisk,nick->nisc", k_t, ks).reshape(n, C, C)
+    keys = ks.transpose(-1, -2).reshape(n * nb, K, C)  # a view: products per sub-block, as batched matmuls
+    aqk = torch.bmm(q_t.view(n * nb, S, K), keys).view(n, C, C)
+    akk = torch.bmm(k_t.view(n * nb, S, K), keys).view(n, C, C)
 
     # Wild sub-blocks (a decay beyond FACTOR_LIMIT inside one): pairwise exponents.
-    wild = (~tame).nonzero(as_tuple=True)
-    if wild[0].numel():
+    wild = None if all_tame else (~tame).nonzero(as_tuple=True)
+    if wild is not None:
         Gw = Gb[wild]  # [U, S, K]
         tri = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
         diff = (Gw[:, :, None] - Gw[:, None]).masked_fill(~tri[:, :, None], float("-inf"))
@@ -249,10 +268,11 @@ def _intra_group(
 
     # exp(G_t) = exp(R_i) * exp(G_t - R_i) and exp(G_last - G_s) = exp(G_last - ends_i) *
     # exp(ends_i - G_s): products of factors <= 1, so no extra exp and no overflow.
-    eG = (t_fac * torch.exp(R.float())[:, :, None]).view(n, C, K)
+    decay_r = torch.exp(R.float())  # [n, nb, K]; R[:, 1] is ends[:, 0]
+    eG = (t_fac * decay_r[:, :, None]).view(n, C, K)
     torch.mul(eG, q, out=out.wq[:, C:])
     torch.mul(k_end, span[:, :, -1, None], out=out.kd.view(n, nb, S, K))
-    out.decay.copy_(span[:, 0, -1] * torch.exp(ends[:, 0].float()))
+    torch.mul(span[:, 0, -1], decay_r[:, 1], out=out.decay)
     torch.tril(aqk, out=out.aqk)
     # I + strict lower part of beta_t A_kk[t, s]: the solve reads only that triangle (its
     # unit diagonal implied), so the rest of the product is never masked
@@ -280,10 +300,27 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     )
     fields = _ChunkTerms.__dataclass_fields__
     step = max(1, INTRA_GROUP_ELEMENTS // (C // SUB_BLOCK * C * K))
-    for a in range(0, total, step):
-        part = _ChunkTerms(*(getattr(out, f)[a : a + step] for f in fields))
-        _intra_group(*(x[a : a + step] for x in flat), out=part)
+    if total <= step:  # one group: the whole tensors, no slices
+        _intra_group(*flat, out=out)
+    else:
+        for a in range(0, total, step):
+            part = _ChunkTerms(*(getattr(out, f)[a : a + step] for f in fields))
+            _intra_group(*(x[a : a + step] for x in flat), out=part)
     return _ChunkTerms(*(getattr(out, f).unflatten(0, (NC, HV)) for f in fields))
+
+
+def _one_chunk(terms: _ChunkTerms, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_pass`'s state pass for a single chunk: (o [1, HV, C, V], the final state
+    [1, HV, K, V]) from its terms and initial state [1, HV, K, V], the same products as the
+    stepped pass without its slices and copies (``terms.u`` is completed in place)."""
+    _, HV, C2, K = terms.wq.shape
+    C, V = C2 // 2, states.shape[-1]
+    P = torch.bmm(terms.wq.view(HV, C2, K), states.view(HV, K, V)).view(1, HV, C2, V)  # w S0 and q exp(G) S0
+    u = terms.u.sub_(P[:, :, :C])
+    o = P[:, :, C:] + terms.aqk @ u
+    final = torch.baddbmm((terms.decay[..., None] * states).flatten(0, 1), terms.kd.transpose(-1, -2).flatten(0, 1),
+                          u.flatten(0, 1)).view_as(states)
+    return o, final
 
 
 def chunked_pass(
@@ -305,6 +342,9 @@ def chunked_pass(
     beta = layout.to_chunks(x.beta[..., None]).squeeze(-1)
     terms = _intra_chunk(q, k, v, g, beta)
 
+    if layout.num_chunks == 1 and not keep_intermediate and not after:
+        o, finals = _one_chunk(terms, states)
+        return layout.token_index, layout.from_chunks(o), finals, None, {}
     in_order = layout.order == sorted(layout.order)
     order = None if in_order else torch.tensor(layout.order, device=states.device)
     S = states.clone() if order is None else states.index_select(0, order)  # sorted by chunk count, descending
@@ -345,11 +385,12 @@ def chunked_pass(
 def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The torch backend: see `kernels.problem.Backend`."""
     x = prepare_inputs(p)
-    states = _read_states(p)  # [N, HV, K, V]
+    every_row = _every_row(p)
+    states = _read_states(p, every_row)  # [N, HV, K, V]
     starts, lengths = list(p.bounds[:-1]), p.lengths
     if len(lengths) == x.q.shape[0] and not p.checkpoint_tokens:  # one token per sequence: a decode step
         o, finals = recurrent_step(x, None, states)
-        _write_states(p, finals)
+        _write_states(p, finals, every_row)
         h = (states.transpose(-1, -2) if p.state_v_first else states).contiguous() \
             if p.output_intermediate_states else None
         o = o.to(p.v.dtype)
@@ -393,7 +434,7 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if lengths[n] == 1:
             saved[row] = finals[n]
 
-    _write_states(p, finals)
+    _write_states(p, finals, every_row)
     _write_checkpoints(p, saved)
     h = None
     if p.output_intermediate_states:
@@ -412,11 +453,12 @@ def _flag_nonfinite(p: PrefillProblem, o: torch.Tensor, finals: torch.Tensor) ->
     V] in the pool's dtype) or whose tokens of ``o`` [T, HV, V] hold a NaN or Inf (all on
     one device)."""
     bad = _nan_rows(finals)  # [N]
+    if bad.shape[0] == 1:  # one sequence: all of o is its
+        p.nonfinite[:-1] |= (bad + (o * 0).sum()) != 0
+        return
     tokens = _nan_rows(o)  # [T]
     if tokens.shape[0] == bad.shape[0]:  # one token per sequence (none is empty)
         bad = bad + tokens
-    elif bad.shape[0] == 1:
-        bad = bad + tokens.sum()
     else:
         counts = torch.cat([tokens.new_zeros(1, dtype=torch.int64), torch.cumsum(tokens.isnan(), 0)])  # [T + 1]
         bounds = torch.tensor(p.bounds, dtype=torch.int64, device=o.device)

@@ -170,8 +170,11 @@ class BodyLimitMiddleware:
                 return await receive()
             left = deadline - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), max(min(self.timeout_s, left), 0.0))
-            except asyncio.TimeoutError:
+                if left <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(min(self.timeout_s, left)):  # no task per read, as wait_for makes
+                    message = await receive()
+            except TimeoutError:
                 if left <= self.timeout_s:
                     detail = (f"the request body did not arrive within {self.deadline_s:g} s ({received} bytes "
                               "received; --body-deadline-s)")
