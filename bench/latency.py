@@ -18,7 +18,8 @@ q/k l2norm, beta sigmoid). Cases 1x4096, 8x4096 and a decode step 256x1, each on
 slots, and ``GET /health/live`` on the same client (the HTTP round trip every call includes):
 
 - CUDA IPC: the inputs already lie in a registered CUDA region of this process, the request
-  names them in place (the engine's call); goals 1x4096 <= kernel + 0.3 ms and <= 1.0 ms,
+  names them in place (the engine's call, sent as `KDAClient` sends small requests:
+  `kda_client.small.SmallExchange`, one kept-alive connection); goals 1x4096 <= kernel + 0.3 ms and <= 1.0 ms,
   8x4096 <= kernel + 0.5 ms, decode <= 0.5 ms;
 - POSIX shared memory from a CPU client: the inputs lie in a registered /dev/shm region;
   goal 1x4096 <= kernel + DMA + 0.3 ms, DMA being a pinned host -> device copy of the input
@@ -45,7 +46,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
 import torch
@@ -55,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.server_process import Server, start_server  # noqa: E402
 from kda_client.client import AsyncKDAClient, KDAClient, _server_timing  # noqa: E402
+from kda_client.small import SmallExchange  # noqa: E402
 from kda_client.transport import StdlibTransport  # noqa: E402
 
 PHASES = ("decode", "validate", "kernel", "encode")
@@ -276,16 +278,19 @@ def _as_ipc_case(case: GpuCase) -> Any:
     return Case(case.sequences, case.length, torch.bfloat16)
 
 
-def _timed_posts(http: httpx.Client, body: bytes, calls: int, warmup: int) -> tuple[list[float], list[dict[str, float]]]:
+def _timed_posts(small: SmallExchange, body: bytes, calls: int, warmup: int
+                 ) -> tuple[list[float], list[dict[str, float]]]:
+    """POST /prefill of the shared memory document ``body`` through `KDAClient`'s path for
+    small requests (`SmallExchange`, one kept-alive connection), as an engine's call goes."""
     from service.shm.prefill import SHM_JSON
 
     walls, timings = [], []
     for i in range(warmup + calls):
         t0 = time.perf_counter()
-        r = http.post("/prefill", content=body, headers={"content-type": SHM_JSON})
+        r = small.request("POST", "/prefill", {"content-type": SHM_JSON}, [body])
         wall = time.perf_counter() - t0
-        if r.status_code != 200:
-            raise RuntimeError(f"/prefill answered {r.status_code}: {r.text}")
+        if r.status != 200:
+            raise RuntimeError(f"/prefill answered {r.status}: {bytes(r.body)!r}")
         if i >= warmup:
             walls.append(wall)
             timings.append(_server_timing(r.headers))
@@ -307,7 +312,7 @@ def _dma_ms(in_bytes: int, out_bytes: int, calls: int) -> float:
     return statistics.median(walls) * 1e3
 
 
-def gpu_case(http: httpx.Client, case: GpuCase, index: int, args: argparse.Namespace
+def gpu_case(http: httpx.Client, small: SmallExchange, case: GpuCase, index: int, args: argparse.Namespace
              ) -> tuple[list[Figure], list[dict[str, Any]]]:
     """One case: CUDA IPC, POSIX shared memory, and the kernel paths, on the same inputs."""
     from bench.cuda_ipc import fill_inputs, make_layout, register
@@ -325,7 +330,7 @@ def gpu_case(http: httpx.Client, case: GpuCase, index: int, args: argparse.Names
     name = f"kda-latency-{os.getpid()}-{index}"
     base = register(http, name, memory)
     try:
-        walls, timings = _timed_posts(http, _doc(case, layout, name, base, slots), args.calls, args.warmup)
+        walls, timings = _timed_posts(small, _doc(case, layout, name, base, slots), args.calls, args.warmup)
     finally:
         http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
     ipc = figure(f"{case.name} CUDA IPC end to end", walls, timings)
@@ -343,7 +348,7 @@ def gpu_case(http: httpx.Client, case: GpuCase, index: int, args: argparse.Names
         if r.status_code not in (200, 201):
             raise RuntimeError(f"POST /shm/regions: {r.status_code} {r.text}")
         try:
-            walls, timings = _timed_posts(http, _doc(case, layout, shm_name, 0, slots), args.calls, args.warmup)
+            walls, timings = _timed_posts(small, _doc(case, layout, shm_name, 0, slots), args.calls, args.warmup)
         finally:
             http.delete(f"/shm/regions/{shm_name}")
     finally:
@@ -379,17 +384,17 @@ def gpu_case(http: httpx.Client, case: GpuCase, index: int, args: argparse.Names
     return figures, records
 
 
-def trivial_request(http: httpx.Client, calls: int, warmup: int) -> Figure:
-    """``GET /health/live`` on the same client and server: the HTTP round trip alone, which
-    every prefill's end-to-end figure includes."""
+def trivial_request(small: SmallExchange, calls: int, warmup: int) -> Figure:
+    """``GET /health/live`` on the same client path and server: the HTTP round trip alone,
+    which every prefill's end-to-end figure includes."""
     walls = []
     for i in range(warmup + calls):
         t0 = time.perf_counter()
-        if http.get("/health/live").status_code != 200:
+        if small.request("GET", "/health/live", {}).status != 200:
             raise RuntimeError("/health/live did not answer 200")
         if i >= warmup:
             walls.append(time.perf_counter() - t0)
-    return figure("GET /health/live (the same client)", walls)
+    return figure("GET /health/live (the same client path)", walls)
 
 
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -405,9 +410,11 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     figures, records = [], []
     try:
         with http_client(server.url) as http:
-            figures.append(trivial_request(http, args.calls, args.warmup))
+            url = http.base_url
+            small = SmallExchange(url.host, url.port, url.netloc.decode("ascii"), "", {}, 600)
+            figures.append(trivial_request(small, args.calls, args.warmup))
             for i, case in enumerate(cases):
-                f, r = gpu_case(http, case, i, args)
+                f, r = gpu_case(http, small, case, i, args)
                 figures += f
                 records += r
                 print(f"{case.name}: done", flush=True)
