@@ -38,7 +38,7 @@ def flags_after(case: Case, device: str, poison: Optional[tuple[str, int]], back
         inp.q[0], inp.k[0], inp.v[0], inp.g[0], inp.beta[0], bounds=bounds, pool=inp.pool, indices=inp.indices,
         scale=None, A_log=inp.gate_kwargs.get("A_log"), dt_bias=inp.gate_kwargs.get("dt_bias"),
         lower_bound=inp.gate_kwargs.get("lower_bound"), use_qk_l2norm=case.l2norm,
-        use_beta_sigmoid=case.sigmoid, allow_neg_eigval=case.neg_eigval, cu_seqlens=inp.cu_seqlens,
+        use_beta_sigmoid=case.sigmoid, allow_neg_eigval=case.neg_eigval,
         state_v_first=case.v_first, nonfinite=flags,
     )
     run_problem(problem, backend)
