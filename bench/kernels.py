@@ -210,11 +210,10 @@ def _warm_peers(names: tuple[str, ...]) -> str:
     return f"warm peers: {time.time() - t:.1f}s"
 
 
-def warm_up(sweep: bool, peers: tuple[str, ...], fp32: bool) -> list[str]:
+def warm_up(names: list[str], peers: tuple[str, ...], fp32: bool) -> list[str]:
     """Compile everything in parallel worker processes first (Triton's disk cache then
     serves the timed process; fla autotunes there too, its results cached). Returns the
-    names of the sweep's variants that passed their check."""
-    names = list(VARIANTS) if sweep else []
+    names of the sweep's variants ``names`` that passed their check."""
     ctx = mp.get_context("spawn")
     with ctx.Pool(min(len(names) + 2, 12), maxtasksperchild=1) as pool:
         peer_job = pool.apply_async(_warm_peers, (peers,)) if peers else None
@@ -341,6 +340,7 @@ def print_tables(rows: list[dict], variants: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time the config variants")
+    ap.add_argument("--variants", help="with --sweep: only these variants, by name, comma-separated")
     ap.add_argument("--no-peers", action="store_true", help="skip fla-core and FlashKDA")
     ap.add_argument("--peers", default=",".join(PEERS),
                     help="which peers to time, comma-separated (fla's autotuning warm-up alone takes ~190 s)")
@@ -363,7 +363,11 @@ def main() -> None:
                toolchain=toolchain_report(torch.device("cuda")), config=asdict(select_config(K, V, False)))
     print(json.dumps(env, default=str), flush=True)
     t0 = time.time()
-    variants = warm_up(args.sweep, peers, args.fp32)
+    swept = [] if not args.sweep else list(VARIANTS) if args.variants is None else [
+        v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := set(swept) - set(VARIANTS):
+        ap.error(f"unknown variant(s) {sorted(unknown)}; the variants are {', '.join(VARIANTS)}")
+    variants = warm_up(swept, peers, args.fp32)
     print(f"warm-up {time.time() - t0:.0f}s", flush=True)
     rows = []
     for name, lengths, heads, dtype in case_list(args):
