@@ -71,6 +71,7 @@ VARIANTS: dict[str, dict] = {
     # the bounded gate's WY kernel (`wy_bounded`): the serving config's WY stage
     "bounded WY": dict(bounded_wy=True),  # 16-wide key slices, 128 registers: 4 programs an SM
     "bounded WY, no register cap": dict(bounded_wy=True, bounded_wy_maxnreg=0),  # 3 an SM
+    "bounded WY, 96 registers": dict(bounded_wy=True, bounded_wy_maxnreg=96),  # 5 an SM, spills outside the loop
     "bounded WY, 32-wide slices, 168 registers": dict(bounded_wy=True, bounded_wy_bk=32, bounded_wy_bv=64,
                                                       bounded_wy_maxnreg=168),  # 3 an SM, fewer instructions
     "bounded intra + bounded WY": dict(bounded_intra=True, bounded_wy=True),
