@@ -207,9 +207,9 @@ def _nothing(_: Headers, __: bytearray) -> None:
     return None
 
 
-def _dropped(headers: httpx.Headers, _: bytearray) -> Optional[bool]:
+def _dropped(headers: Headers, _: bytearray) -> Optional[bool]:
     """Whether a prefix delete removed an entry (None: a server that does not say)."""
-    said = headers.get(PREFIX_DROPPED_HEADER)
+    said = headers.get(PREFIX_DROPPED_HEADER.lower())
     return None if said is None else said == "true"
 
 
