@@ -7,7 +7,7 @@
 #   run(command="bash bench/h200.sh kernel-sweep:540", carry=[".whl", ".peers"])
 # or, when a session can afford one machine start only (it costs 2-4 minutes of the 30), one
 # call for everything a change needs, the most important steps first:
-#   run(command="bash bench/h200.sh gpu-tests:220 kernel-paths:70 prefix-cache:70 kernel-ab:120 latency:90",
+#   run(command="bash bench/h200.sh gpu-tests:220 kernel-paths:80 prefix-cache:75 kernel-ab:110 latency:80",
 #       carry=[".whl", ".srvwhl", ".peers"])
 # .whl holds fla-core 0.6.0 and einops, .srvwhl the server's wheels (fastapi, starlette,
 # pydantic, pydantic-core, uvicorn, httptools, ...), all cp312, downloaded as
@@ -36,7 +36,7 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     case $name in
     gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store tests/reliability tests/kserve tests/client --ignore=tests/reliability/test_fuzz.py ;;
     # the kernel paths' interpreter tests, compiled: on CUDA their `device` fixture is the GPU
-    kernel-paths) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_nonfinite.py tests/triton/test_triton_checkpoints.py tests/triton/test_triton_state_stages.py tests/triton/test_triton_vectors.py tests/triton/test_triton_extremes.py tests/triton/test_triton_intra_bounded.py ;;
+    kernel-paths) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_nonfinite.py tests/triton/test_triton_checkpoints.py tests/triton/test_triton_state_stages.py tests/triton/test_triton_vectors.py tests/triton/test_triton_extremes.py tests/triton/test_triton_intra_bounded.py tests/triton/test_triton_wy_bounded.py ;;
     # the service's GPU paths only (shared memory, staging, validation), and the POSIX shared
     # memory tests unfiltered: their server is on the GPU there
     service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store || rc=1
@@ -56,7 +56,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
         --server-arg=--cuda-ipc-zero-copy --json "$OUT/latency_zero_copy.json" ;;
     # issue 18's candidates (--sweep) against the default and FlashKDA in one run (no fla: its warm-up is ~190 s)
     kernel-ab) run_step "$name" "$limit" python3 bench/kernels.py --sweep --peers FlashKDA \
-        --cases '8x4096 H32,256x128 H32,1x65536 H32,1x4096 H32,1x8192 H96,256x1 decode H32' --json "$OUT/kernel_ab.json" ;;
+        --variants 'bounded intra,bounded WY,bounded intra + bounded WY' \
+        --cases '8x4096 H32,256x128 H32,1x65536 H32,1x4096 H32' --json "$OUT/kernel_ab.json" ;;
     # the transactional launch's row copies and finite check against the kernel, 8x4096 H32 (goal < 3%)
     transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;
     # prefix cache: checkpoints every 1024 tokens at 8x4096 H32 (goal <= 5%), 48-layer restores (docs/PREFIX_CACHE.md)
