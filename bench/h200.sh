@@ -37,6 +37,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store tests/reliability tests/kserve tests/client --ignore=tests/reliability/test_fuzz.py ;;
     # the kernel paths' interpreter tests, compiled: on CUDA their `device` fixture is the GPU
     kernel-paths) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_nonfinite.py tests/triton/test_triton_checkpoints.py tests/triton/test_triton_state_stages.py tests/triton/test_triton_vectors.py tests/triton/test_triton_extremes.py tests/triton/test_triton_intra_bounded.py tests/triton/test_triton_wy_bounded.py ;;
+    # the service's input checks and the kernels' non-finite flags, compiled (a short kernel-paths)
+    kernel-checks) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_extremes.py tests/triton/test_triton_nonfinite.py ;;
     # the service's GPU paths only (shared memory, staging, validation), and the POSIX shared
     # memory tests unfiltered: their server is on the GPU there
     service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store || rc=1
@@ -62,6 +64,6 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;
     # prefix cache: checkpoints every 1024 tokens at 8x4096 H32 (goal <= 5%), 48-layer restores (docs/PREFIX_CACHE.md)
     prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-ab, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, latency, latency-zero-copy, kernel-paths)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, latency, latency-zero-copy, kernel-paths)"; exit 2 ;;
     esac
 done

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench import kernel_peers as peers  # noqa: E402
+from bench import kernel_peers  # noqa: E402
 from bench.stage_bytes import stage_bytes  # noqa: E402
 from kernels.api import build_problem  # noqa: E402
 from kernels.problem import PrefillProblem  # noqa: E402
@@ -50,7 +50,7 @@ from kernels.triton_kernels import LaunchConfig, select_config  # noqa: E402
 from kernels.triton_toolchain import toolchain_report  # noqa: E402
 
 K, V = 128, 128
-LOWER_BOUND = peers.LOWER_BOUND
+LOWER_BOUND = kernel_peers.LOWER_BOUND
 # (name, sequence lengths, heads): the issue tables' cases
 CASES: list[tuple[str, tuple[int, ...], int]] = [
     ("1x4096 H32", (4096,), 32), ("1x16384 H32", (16384,), 32), ("1x65536 H32", (65536,), 32),
@@ -124,8 +124,8 @@ def peer_fns(c: dict, pool: torch.Tensor, gather: bool, names: tuple[str, ...] =
     """{"fla": ..., "FlashKDA": ...} on ``pool``, those of ``names`` (decode: fla's in-place
     form, no FlashKDA)."""
     decode = max(c["lengths"]) == 1
-    make = {"fla": lambda: peers.fla_decode(c, pool) if decode else peers.fla_prefill(c, pool, gather),
-            "FlashKDA": lambda: None if decode else peers.flash_kda_prefill(c, pool, gather)}
+    make = {"fla": lambda: kernel_peers.fla_decode(c, pool) if decode else kernel_peers.fla_prefill(c, pool, gather),
+            "FlashKDA": lambda: None if decode else kernel_peers.flash_kda_prefill(c, pool, gather)}
     return {name: make[name]() for name in names}
 
 
@@ -367,7 +367,7 @@ def main() -> None:
             peers = tuple(p for p in peers if p != "fla")
     props = torch.cuda.get_device_properties(0)
     env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-               fla=getattr(sys.modules.get("fla"), "__version__", None), flash_kda=peers.flash_kda_available() or "ok",
+               fla=getattr(sys.modules.get("fla"), "__version__", None), flash_kda=kernel_peers.flash_kda_available() or "ok",
                toolchain=toolchain_report(torch.device("cuda")), config=asdict(select_config(K, V, False)))
     print(json.dumps(env, default=str), flush=True)
     t0 = time.time()

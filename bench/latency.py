@@ -287,7 +287,7 @@ def _timed_posts(small: SmallExchange, body: bytes, calls: int, warmup: int
     walls, timings = [], []
     for i in range(warmup + calls):
         t0 = time.perf_counter()
-        r = small.request("POST", "/prefill", {"content-type": SHM_JSON}, [body])
+        r = small.request("POST", "/prefill", {"content-type": SHM_JSON, "content-length": str(len(body))}, [body])
         wall = time.perf_counter() - t0
         if r.status != 200:
             raise RuntimeError(f"/prefill answered {r.status}: {bytes(r.body)!r}")
