@@ -58,7 +58,7 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
         --server-arg=--cuda-ipc-zero-copy --json "$OUT/latency_zero_copy.json" ;;
     # issue 18's candidates (--sweep) against the default and FlashKDA in one run (no fla: its warm-up is ~190 s)
     kernel-ab) run_step "$name" "$limit" python3 bench/kernels.py --sweep --peers FlashKDA \
-        --variants 'bounded intra,bounded WY,bounded intra + bounded WY' \
+        --variants 'previous intra,bounded WY' \
         --cases '8x4096 H32,256x128 H32,1x65536 H32,1x4096 H32' --json "$OUT/kernel_ab.json" ;;
     # the transactional launch's row copies and finite check against the kernel, 8x4096 H32 (goal < 3%)
     transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;

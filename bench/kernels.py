@@ -65,8 +65,8 @@ FP32_CASES = [("1x4096 H32 fp32", (4096,), 32), ("8x4096 H32 fp32", (4096,) * 8,
 # config variants timed with --sweep (overrides of the shape-chosen config)
 VARIANTS: dict[str, dict] = {
     "decode BV 64": dict(rec_bv=64),
-    # the bounded gate's intra kernel (`intra_bounded`): the serving config's intra stage
-    "bounded intra": dict(bounded_intra=True),
+    # the bounded gate's intra kernel (`intra_bounded`) is the default: the kernel before it, and its caps
+    "previous intra": dict(bounded_intra=False),
     "bounded intra, no register cap": dict(bounded_intra=True, bounded_intra_maxnreg=0),
     "bounded intra, 128 registers": dict(bounded_intra=True, bounded_intra_maxnreg=128),  # 4 programs an SM, spills
     # the bounded gate's WY kernel (`wy_bounded`): the serving config's WY stage
@@ -75,7 +75,6 @@ VARIANTS: dict[str, dict] = {
     "bounded WY, 96 registers": dict(bounded_wy=True, bounded_wy_maxnreg=96),  # 5 an SM, spills outside the loop
     "bounded WY, 32-wide slices, 168 registers": dict(bounded_wy=True, bounded_wy_bk=32, bounded_wy_bv=64,
                                                       bounded_wy_maxnreg=168),  # 3 an SM, fewer instructions
-    "bounded intra + bounded WY": dict(bounded_intra=True, bounded_wy=True),
 }
 STAGE_OF = {"chunk_intra_kernel": "intra", "chunk_intra_bounded_kernel": "intra", "chunk_wy_kernel": "wy",
             "chunk_wy_bounded_kernel": "wy",

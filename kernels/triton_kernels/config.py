@@ -101,9 +101,13 @@ FP16_SOLVE = True
 # o and final states within 1e-3 of the previous path's.
 SOLVE_DIAG16 = True
 FACTORED_A = True
-# The bounded gate's intra kernel (`LaunchConfig.bounded_intra`, `intra_bounded`): off until
-# an H200 run shows it faster.
-BOUNDED_INTRA = False
+# The bounded gate's intra kernel (`LaunchConfig.bounded_intra`, `intra_bounded`). H200, H=32,
+# K=V=128, bf16, same run as FlashKDA (2026-12-04, `bench/kernels.py --sweep`): intra 1.315 ->
+# 0.964 ms at 8x4096, so 8x4096 3.247 -> 2.914 ms, 256x128 3.843 -> 3.481, 1x65536 6.536 -> 6.026,
+# 1x4096 0.463 -> 0.425; o and final states as accurate against the fp32 reference (1.8e-3 /
+# 4.5e-4) and within 1e-3 of the previous kernel's; its GPU tests 14/14 and test_triton_gpu's
+# 11/11 passed compiled with it on.
+BOUNDED_INTRA = True
 # The bounded gate's WY kernel (`LaunchConfig.bounded_wy`, `wy_bounded`): off until an H200
 # run shows it faster.
 BOUNDED_WY = False
