@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, NoReturn, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Mapping, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -272,15 +272,31 @@ class ShardedCore:
         capacity = sum(s.capacity for s in statuses.values() if isinstance(s, ShardStatus))
         if not 1 <= count <= capacity:
             raise InvalidRequest(f"count must be in 1..{capacity} (the pool's slots), got {count}", field="count")
-        plan = await self._plan(count)
-        replies = await asyncio.gather(*(self.shards[s].call("alloc", n) for s, n in plan.items()),
-                                       return_exceptions=True)
-        ids = [slot_id for reply in replies if isinstance(reply, list) for slot_id in reply]
-        failures = [reply for reply in replies if isinstance(reply, BaseException)]
-        if failures:
+        async def place(plan: dict[str, int]) -> list[Union[list[str], BaseException]]:
+            return await asyncio.gather(*(self.shards[s].call("alloc", n) for s, n in plan.items()),
+                                        return_exceptions=True)
+
+        return await self._placed_slots(count, place)
+
+    async def _placed_slots(self, count: int,
+                            place: Callable[[dict[str, int]], Awaitable[Sequence[object]]]) -> list[str]:
+        """The slots ``place(plan)`` makes on a placement plan of ``count`` (its replies: a
+        slot id, a list of them, or a failure each), all or none. The plan comes from cached
+        figures (`_free_slots`), so a shard can prove fuller than they said: when every
+        failure is PoolFull, what was made is freed and the figures are read anew for one
+        more plan, before PoolFull reaches the caller."""
+        fresh = False
+        while True:
+            replies = await place(await self._plan(count))
+            ids = [r for reply in replies for r in (reply if isinstance(reply, list) else [reply]) if isinstance(r, str)]
+            failures = [r.fault.error() if isinstance(r, TakeFailed) else r for r in replies
+                        if isinstance(r, (BaseException, TakeFailed))]
+            if not failures:
+                return ids
             await self._free_quietly(ids)
-            raise failures[0]
-        return ids
+            if fresh or not all(isinstance(f, PoolFull) for f in failures):
+                raise failures[0]
+            fresh, self._free_at = True, float("-inf")  # the figures were stale: read them anew
 
     async def free(self, slot_id: str) -> None:
         """Free the slot (``slot_id``: the id its client holds) on the shard that holds it."""
@@ -348,15 +364,12 @@ class ShardedCore:
         assert match.key is not None
         state, tokens = await self.shards[shard].call("prefix_state", match.key)
         cargo = SlotCargo(state, [tokens] * self.geometry.num_layers, False)
-        plan = await self._plan(count)
-        replies = await asyncio.gather(*(self.shards[s].call("put", cargo) for s, n in plan.items() for _ in range(n)),
-                                       return_exceptions=True)
-        ids = [r for r in replies if isinstance(r, str)]
-        failures = [r for r in replies if isinstance(r, BaseException) or isinstance(r, TakeFailed)]
-        if failures:
-            await self._free_quietly(ids)
-            raise failures[0] if isinstance(failures[0], BaseException) else failures[0].fault.error()
-        return ids, PrefixMatch(match.matched, match.key, tokens)
+
+        async def place(plan: dict[str, int]) -> list[object]:
+            return await asyncio.gather(*(self.shards[s].call("put", cargo) for s, n in plan.items() for _ in range(n)),
+                                        return_exceptions=True)
+
+        return await self._placed_slots(count, place), PrefixMatch(match.matched, match.key, tokens)
 
     async def publish(self, slot_id: str, key: str) -> PrefixInfo:
         """The slot's state as the entry ``key`` on the slot's shard; an entry of that key on
