@@ -64,6 +64,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;
     # prefix cache: checkpoints every 1024 tokens at 8x4096 H32 (goal <= 5%), 48-layer restores (docs/PREFIX_CACHE.md)
     prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, latency, latency-zero-copy, kernel-paths)"; exit 2 ;;
+    # where a checkpointed launch's extra time sits: per-kernel device times, prebuilt problems, state-pass variants
+    prefix-where) run_step "$name" "$limit" python3 bench/prefix_cache.py --where --reps 20 ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, latency, latency-zero-copy, kernel-paths)"; exit 2 ;;
     esac
 done

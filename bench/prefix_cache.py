@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from bench.serving_case import K, V, launch, make_case  # noqa: E402
+from bench.serving_case import K, V, launch, make_case, problem_of  # noqa: E402
 from bench.serving_case import event_ms as timed_ms  # noqa: E402
 from kernels.triton_kernels import LaunchConfig, select_config  # noqa: E402
 from state_store import PrefixCache, StatePool  # noqa: E402
@@ -149,6 +149,57 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
               f"(goal <= +5%)")
 
 
+def bench_where(args: argparse.Namespace, device: torch.device) -> None:
+    """Where a checkpointed launch's extra time sits: each Triton kernel's device time per
+    call (torch profiler) and the launch's event time on a problem built once (no host
+    building in the timed call), plain against checkpointed (into one buffer), for the
+    state-pass launch variants that could carry the checkpoints (the default, the
+    addresses a chunk ahead, 8 warps, BV = 32), each also without checkpoints; then the
+    registers and spills of every compiled state-pass variant."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels.triton_backend import run_triton
+    from kernels.triton_kernels import chunk_state_kernel
+
+    n_seq, length = map(int, args.case.split("x"))
+    c = make_case(n_seq, length, args.heads, device)
+    positions = checkpoint_positions(c)
+    marks = torch.empty((len(positions), args.heads, V, K), dtype=torch.float32, device=device)
+    plain = problem_of(c)
+    ckpt = problem_of(c, checkpoint_tokens=positions, checkpoint_states=marks)
+    base = select_config(K, V, interpret=False)
+    configs = {"default": base, "addresses a chunk ahead": base.with_overrides(state_ckpt_prefetch=True),
+               "8 warps": base.with_overrides(state_warps=8), "BV 32": base.with_overrides(state_bv=32)}
+    print(f"where the checkpoints' cost sits, {args.case} H{args.heads} ({len(positions)} states), per call:")
+    for cname, cfg in configs.items():
+        for pname, prob in (("plain", plain), ("checkpoints", ckpt)):
+            def call() -> None:
+                run_triton(prob, cfg)
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    call()
+                torch.cuda.synchronize(device)
+            per: dict[str, float] = {}
+            for e in prof.key_averages():
+                t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+                if t > 0:
+                    per[e.key] = per.get(e.key, 0.0) + t / 10 / 1000.0
+            kern = ", ".join(f"{k.replace('chunk_', '').replace('_kernel', '')} {v:.3f}"
+                             for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:4])
+            event = statistics.median(timed_ms(call, device) for _ in range(args.reps))
+            print(f"  {cname}, {pname}: event {event:.3f} ms; device: {kern}", flush=True)
+    for dev_cache in (getattr(chunk_state_kernel, "device_caches", None) or {}).values():
+        compiled_kernels = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+        for compiled in compiled_kernels.values():
+            md = compiled.metadata
+            print(f"  compiled state pass: regs {getattr(compiled, 'n_regs', '?')}, spills "
+                  f"{getattr(compiled, 'n_spills', '?')}, warps {getattr(md, 'num_warps', '?')}, stages "
+                  f"{getattr(md, 'num_stages', '?')}, shared {getattr(md, 'shared', '?')}")
+
+
 def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
     pool = StatePool(args.layers, 4, args.heads, K, V, device=device)
     g = pool.geometry
@@ -194,10 +245,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--where", action="store_true",
+                        help="only where the checkpoints' cost sits: per-kernel device times, prebuilt problems")
     args = parser.parse_args()
     device = torch.device(args.device)
     backend = kernels.default_backend(device)
     torch.manual_seed(0)
+    if args.where:
+        bench_where(args, device)
+        return
     bench_checkpoints(args, device, backend)
     bench_restore(args, device)
 

@@ -40,18 +40,24 @@ def make_case(n_seq: int, length: int, heads: int, device: torch.device, spare_r
     )
 
 
-def launch(c: dict, backend: str, nonfinite: Optional[torch.Tensor] = None, checkpoint_tokens: tuple[int, ...] = (),
-           checkpoint_states: Sequence[torch.Tensor] = (), config: Optional[LaunchConfig] = None) -> torch.Tensor:
-    """The server's kernel call on case ``c``, in place on its scratch pool, with the
+def problem_of(c: dict, nonfinite: Optional[torch.Tensor] = None, checkpoint_tokens: tuple[int, ...] = (),
+               checkpoint_states: Sequence[torch.Tensor] = ()) -> kernels.PrefillProblem:
+    """The server's problem for case ``c`` (in place on its scratch pool), with the
     non-finite flags and checkpoints (their targets: a [C, HV, V, K] tensor or C states
-    [HV, V, K]) given (none by default); o [T, HV, V]. ``config``: a Triton launch config
-    in place of the shape-chosen one (variants of a bench)."""
-    problem = packed_problem(
+    [HV, V, K]) given (none by default)."""
+    return packed_problem(
         c["q"], c["k"], c["v"], c["g"], c["beta"], bounds=c["bounds"], pool=c["pool"], indices=c["idx"],
         scale=None, A_log=c["A_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND, use_qk_l2norm=True,
         use_beta_sigmoid=True, allow_neg_eigval=False, nonfinite=nonfinite,
         checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states,
     )
+
+
+def launch(c: dict, backend: str, nonfinite: Optional[torch.Tensor] = None, checkpoint_tokens: tuple[int, ...] = (),
+           checkpoint_states: Sequence[torch.Tensor] = (), config: Optional[LaunchConfig] = None) -> torch.Tensor:
+    """The server's kernel call on case ``c`` (`problem_of`, built in the call); o [T, HV, V].
+    ``config``: a Triton launch config in place of the shape-chosen one (variants of a bench)."""
+    problem = problem_of(c, nonfinite, checkpoint_tokens, checkpoint_states)
     if config is not None:
         return run_triton(problem, config)[0]
     return kernels.run_problem(problem, backend)[0]

@@ -81,8 +81,7 @@ def recurrent_step_kernel(
         flag_nonfinite(flags + seq, b_o, m_v)
         flag_nonfinite(flags + seq, b_final, m_kv)
     if CHECKPOINT:
-        store_checkpoint(tl.load(ckpt_addrs + i_g), i_hv, b_s, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv, c_head,
-                         pool)
+        store_checkpoint(tl.load(ckpt_addrs + i_g), i_hv, b_s, o_k, o_v, K, V, c_k, c_v, c_head, pool)
 
 
 def launch_decode(x: StageInputs, decs: torch.Tensor, o: torch.Tensor, st: StateTargets, cfg: LaunchConfig) -> None:

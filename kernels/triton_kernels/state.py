@@ -42,14 +42,23 @@ from .wy import WyOutputs
 
 
 @triton.jit
-def store_checkpoint(addr, i_hv, b_h, offsets, mask, c_head, like):
-    """Store the fp32 state tile b_h to the state at address ``addr`` (int64, an entry of
-    ckpt_addrs), head i_hv, in the element type of ``like`` (the pool) at element
-    ``offsets`` (b_h's shape: its key and value indices times the key and value strides)
-    where ``mask``; nothing when the address is 0."""
+def store_checkpoint(addr, i_hv, b_h, o_k, o_v, K: tl.constexpr, V: tl.constexpr, c_k, c_v, c_head, like):
+    """Store the fp32 state tile b_h ([BK, BV]: key indices ``o_k``, value indices ``o_v``)
+    to the state at address ``addr`` (int64, an entry of ckpt_addrs), head i_hv, key and
+    value strides c_k, c_v, in the element type of ``like`` (the pool); nothing when the
+    address is 0.
+
+    The tile's offsets and mask are built here from ``o_k`` plus ``addr >> 63`` (0: user
+    addresses are below 2**63, but the compiler cannot know it): the [BK, BV] offsets then
+    depend on a value loaded in the loop, so they are computed inside the branch instead of
+    being hoisted out of the chunk loop, where they held 64 registers a thread for the whole
+    loop and made the checkpointed state pass spill (sm_90 compiles, Triton 3.6)."""
     if addr != 0:
         base = addr.to(tl.pointer_type(like.dtype.element_ty))
-        tl.store(base + i_hv * c_head + offsets, b_h.to(like.dtype.element_ty), mask=mask)
+        o_kz = o_k + (addr >> 63).to(tl.int32)
+        mask = (o_kz < K)[:, None] & (o_v < V)[None, :]
+        tl.store(base + i_hv * c_head + (o_kz[:, None] * c_k + o_v[None, :] * c_v),
+                 b_h.to(like.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -127,31 +136,33 @@ def chunk_state_kernel(
             p_h = h + (i_g * HV + i_hv) * (K * V) + (o_k[:, None] * s_hk + o_v[None, :] * s_hv)
             tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
 
-        # one 64-bit scalar base per tile, int32 in-tile offsets
-        p_tk = (t0 * HV + i_hv) * K + (o_t[:, None] * (HV * K) + o_k[None, :])
-        p_tv = (t0 * HV + i_hv) * V + (o_t[:, None] * (HV * V) + o_v[None, :])
-        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
-        b_v = tl.load(u + p_tv, mask=m_tv, other=0.0)
+        # one 64-bit scalar base pointer per tile (advanced each chunk), int32 in-tile offsets
+        in_tk = o_t[:, None] * (HV * K) + o_k[None, :]
+        in_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+        tk = (t0 * HV + i_hv) * K
+        tv = (t0 * HV + i_hv) * V
+        b_w = tl.load(w + tk + in_tk, mask=m_tk, other=0.0)
+        b_v = tl.load(u + tv + in_tv, mask=m_tv, other=0.0)
         b_v -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
         if FUSE_OUT:
-            b_q = tl.load(qg + p_tk, mask=m_tk, other=0.0)
-            p_ta = (t0 * HV + i_hv) * 64 + (o_t[:, None] * (HV * 64) + o_t[None, :])
-            b_a = tl.load(aqk + p_ta, mask=m_t[:, None], other=0.0)
+            b_q = tl.load(qg + tk + in_tk, mask=m_tk, other=0.0)
+            b_a = tl.load(aqk + (t0 * HV + i_hv) * 64 + (o_t[:, None] * (HV * 64) + o_t[None, :]), mask=m_t[:, None],
+                          other=0.0)
             b_o = tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PREC)
             b_o = tl.dot(b_a, b_v.to(b_a.dtype), b_o, input_precision=DOT_PREC).to(o.dtype.element_ty)
-            tl.store(o + p_tv, b_o, mask=m_tv)
+            tl.store(o + tv + in_tv, b_o, mask=m_tv)
             if FLAG:  # masked rows and columns of b_o are zeros (their operands load as 0)
                 o_bad += tl.sum(b_o.to(tl.float32) * 0.0, axis=1)
         else:
-            tl.store(v_new + p_tv, b_v, mask=m_tv)
+            tl.store(v_new + tv + in_tv, b_v, mask=m_tv)
 
         b_gl = tl.load(gexp + (i_g * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(kg + p_tk, mask=m_tk, other=0.0)
+        b_k = tl.load(kg + tk + in_tk, mask=m_tk, other=0.0)
         b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PREC)
         if CHECKPOINT:
             if not CKPT_PREFETCH:
                 ck_addr = tl.load(ckpt_addrs + i_g)
-            store_checkpoint(ck_addr, i_hv, b_h, o_k[:, None] * c_k + o_v[None, :] * c_v, m_kv, c_head, pool)
+            store_checkpoint(ck_addr, i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head, pool)
 
     if FLAG and FUSE_OUT:
         flag_nonfinite(flags + seq, o_bad, o_t < 64)
