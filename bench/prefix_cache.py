@@ -60,6 +60,16 @@ def wall_ms(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def host_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """The host time of one call (until it returns, its GPU work queued), after the device is idle."""
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    elapsed = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize(device)
+    return elapsed
+
+
 Variant = tuple[Callable[[], object], Callable[[], object]]  # (untimed setup, the timed call after it)
 
 
@@ -153,9 +163,10 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
     """Where a checkpointed launch's extra time sits: each Triton kernel's device time per
     call (torch profiler) and the launch's event time on a problem built once (no host
     building in the timed call), plain against checkpointed (into one buffer), for the
-    state-pass launch variants that could carry the checkpoints (the default, the
-    addresses a chunk ahead, 8 warps, BV = 32), each also without checkpoints; then the
-    registers and spills of every compiled state-pass variant."""
+    state-pass launch variants that could carry the checkpoints (the default: stores from
+    the registers; tl.store; the addresses a chunk ahead; 2 pipeline stages), each also
+    without checkpoints, and the host time of a call (until it returns, the launches queued);
+    then the registers and spills of every compiled state-pass variant."""
     from torch.profiler import ProfilerActivity, profile
 
     from kernels.triton_backend import run_triton
@@ -168,8 +179,9 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
     plain = problem_of(c)
     ckpt = problem_of(c, checkpoint_tokens=positions, checkpoint_states=marks)
     base = select_config(K, V, interpret=False)
-    configs = {"default": base, "addresses a chunk ahead": base.with_overrides(state_ckpt_prefetch=True),
-               "8 warps": base.with_overrides(state_warps=8), "BV 32": base.with_overrides(state_bv=32)}
+    configs = {"default (stores from registers)": base, "tl.store": base.with_overrides(state_ckpt_asm=False),
+               "from registers, addresses a chunk ahead": base.with_overrides(state_ckpt_prefetch=True),
+               "from registers, 2 stages": base.with_overrides(state_stages=2)}
     print(f"where the checkpoints' cost sits, {args.case} H{args.heads} ({len(positions)} states), per call:")
     for cname, cfg in configs.items():
         for pname, prob in (("plain", plain), ("checkpoints", ckpt)):
@@ -190,7 +202,14 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
             kern = ", ".join(f"{k.replace('chunk_', '').replace('_kernel', '')} {v:.3f}"
                              for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:4])
             event = statistics.median(timed_ms(call, device) for _ in range(args.reps))
-            print(f"  {cname}, {pname}: event {event:.3f} ms; device: {kern}", flush=True)
+            host = statistics.median(host_ms(call, device) for _ in range(args.reps))
+            print(f"  {cname}, {pname}: event {event:.3f} ms, host {host:.3f} ms; device: {kern}", flush=True)
+    from kernels.triton_plan import checkpoint_addresses
+
+    targets = tuple(marks.unbind(0))
+    table = statistics.median(host_ms(lambda: checkpoint_addresses(tuple(c["bounds"]), positions, targets, device),
+                                      device) for _ in range(args.reps))
+    print(f"  host time of the checkpoint address table alone: {table:.3f} ms")
     for dev_cache in (getattr(chunk_state_kernel, "device_caches", None) or {}).values():
         compiled_kernels = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
         for compiled in compiled_kernels.values():

@@ -42,23 +42,36 @@ from .wy import WyOutputs
 
 
 @triton.jit
-def store_checkpoint(addr, i_hv, b_h, o_k, o_v, K: tl.constexpr, V: tl.constexpr, c_k, c_v, c_head, like):
+def store_checkpoint(addr, i_hv, b_h, o_k, o_v, K: tl.constexpr, V: tl.constexpr, c_k, c_v, c_head, like,
+                     ASM_STORE: tl.constexpr = False):
     """Store the fp32 state tile b_h ([BK, BV]: key indices ``o_k``, value indices ``o_v``)
     to the state at address ``addr`` (int64, an entry of ckpt_addrs), head i_hv, key and
     value strides c_k, c_v, in the element type of ``like`` (the pool); nothing when the
     address is 0.
 
-    The tile's offsets and mask are built here from ``o_k`` plus ``addr >> 63`` (0: user
-    addresses are below 2**63, but the compiler cannot know it): the [BK, BV] offsets then
-    depend on a value loaded in the loop, so they are computed inside the branch instead of
-    being hoisted out of the chunk loop, where they held 64 registers a thread for the whole
-    loop and made the checkpointed state pass spill (sm_90 compiles, Triton 3.6)."""
+    ASM_STORE (compiled GPUs; the interpreter has no inline assembly): each thread stores
+    the elements it holds with a predicated ``st.global`` (`_store_in_place`), so the tile
+    keeps the layout the state's products left it in; a ``tl.store`` makes Triton first
+    move the tile into a coalescing layout through shared memory, in rounds with barriers
+    (the state pass's shared memory is full with its pipeline stages)."""
     if addr != 0:
         base = addr.to(tl.pointer_type(like.dtype.element_ty))
-        o_kz = o_k + (addr >> 63).to(tl.int32)
+        o_kz = o_k + (addr >> 63).to(tl.int32)  # 0, but loaded: the offsets are built here, not hoisted
         mask = (o_kz < K)[:, None] & (o_v < V)[None, :]
-        tl.store(base + i_hv * c_head + (o_kz[:, None] * c_k + o_v[None, :] * c_v),
-                 b_h.to(like.dtype.element_ty), mask=mask)
+        ptrs = base + i_hv * c_head + (o_kz[:, None] * c_k + o_v[None, :] * c_v)
+        if ASM_STORE:
+            _store_in_place(ptrs, b_h, mask)
+        else:
+            tl.store(ptrs, b_h.to(like.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_in_place(ptrs, x, mask):
+    """``tl.store(ptrs, x, mask)`` for fp32 ``x``, element by element from whatever layout x
+    has (inline PTX: a predicated st.global.b32 per element)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [ptrs, x.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -78,7 +91,7 @@ def chunk_state_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
-    DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False, CKPT_ASM: tl.constexpr = False,
 ):
     """Grid (Ns * HV * cdiv(V, BV),). segs: [Ns, 6] int64 (sequence id, first token, end
     token, h index of its first chunk, carry row to load or -1, carry row to store or -1);
@@ -162,7 +175,7 @@ def chunk_state_kernel(
         if CHECKPOINT:
             if not CKPT_PREFETCH:
                 ck_addr = tl.load(ckpt_addrs + i_g)
-            store_checkpoint(ck_addr, i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head, pool)
+            store_checkpoint(ck_addr, i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head, pool, CKPT_ASM)
 
     if FLAG and FUSE_OUT:
         flag_nonfinite(flags + seq, o_bad, o_t < 64)
@@ -203,14 +216,16 @@ def launch_fitting(launch: Callable[[int], None], variant: Hashable, stages: int
 
 def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.Tensor, o: torch.Tensor,
                  v_new: Optional[torch.Tensor], st: StateTargets, carry: torch.Tensor,
-                 launch: tuple[int, int, int], prefetch: bool = False) -> None:
+                 launch: tuple[int, int, int], prefetch: bool = False, asm_store: bool = True) -> None:
     """The state pass over the segment rows ``segs`` ([Ns, 6], `kernels.triton_plan`), from
     the WY factors ``wy`` and A_qk ``aqk`` [T, HV, 64]: o [T, HV, V] when ``v_new`` is None
     (fused output), else v_new [T, HV, V] fp32 and the per-chunk states ``st.h`` for the
     output stage; final states to the pool, checkpoints to ``st.ckpt_addrs``' targets,
     non-finite flags to ``st.flags``. ``launch``: (BV, warps, stages) from `config.state_launch`
     (fewer stages when that many do not fit: `launch_fitting`); ``prefetch``: load each
-    checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`)."""
+    checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`); ``asm_store``: store
+    checkpoints from the registers (`store_checkpoint`; compiled, fp32 pools only:
+    `LaunchConfig.state_ckpt_asm`)."""
     bv, warps, stages = launch
     h, ckpt_addrs = st.pointers(o)
     fused = v_new is None
@@ -218,7 +233,9 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
             ckpt_addrs, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides)
     consts = dict(HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
                   STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
-                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch)
+                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch,
+                  CKPT_ASM=asm_store and st.ckpt_addrs is not None and x.device.type == "cuda"
+                  and st.pool.dtype == torch.float32)
     grid = (segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)
     # what selects a compiled variant: constexprs, warps, pointer dtypes, strides of 1 (Triton specializes them)
     variant = (x.device, stages, warps, tuple(consts.items()), x.mat, o.dtype, st.pool.dtype,

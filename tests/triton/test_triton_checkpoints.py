@@ -32,14 +32,19 @@ def test_checkpoints_into_scattered_targets(device: str, output_path: str, pool_
                       scattered=True)
 
 
-@pytest.fixture
-def prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The state pass loading each checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`)."""
+def override_config(monkeypatch: pytest.MonkeyPatch, **overrides: object) -> None:
+    """Run the Triton backend with its shape-chosen launch config changed by ``overrides``."""
     import kernels.triton_backend as backend
 
     real = backend.select_config
     monkeypatch.setattr(backend, "select_config",
-                        lambda K, V, interpret: real(K, V, interpret).with_overrides(state_ckpt_prefetch=True))
+                        lambda K, V, interpret: real(K, V, interpret).with_overrides(**overrides))
+
+
+@pytest.fixture
+def prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state pass loading each checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`)."""
+    override_config(monkeypatch, state_ckpt_prefetch=True)
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
@@ -70,17 +75,22 @@ def test_checkpoints_torch_backend() -> None:
     check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=28, tol=FP32_TOL, backend="torch", scattered=True)
 
 
+STORE_VARIANTS = {"stores from registers": {}, "addresses a chunk ahead": dict(state_ckpt_prefetch=True),
+                  "tl.store": dict(state_ckpt_asm=False)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("ahead", [False, True], ids=["addresses at the store", "addresses a chunk ahead"])
+@pytest.mark.parametrize("store", list(STORE_VARIANTS))
 @pytest.mark.parametrize("scattered", [False, True], ids=["one buffer", "scattered"])
 @pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
 @pytest.mark.parametrize("lengths", [(4096,), (2048, 1, 777, 300, 64)], ids=["narrow", "wide"])
-def test_checkpoints_serving_shapes(lengths: tuple[int, ...], pieces: bool, scattered: bool, ahead: bool,
-                                    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+def test_checkpoints_serving_shapes(lengths: tuple[int, ...], pieces: bool, scattered: bool, store: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """At serving shapes, each way the state pass can store its checkpoints (the default
+    stores an fp32 pool's from the registers, `LaunchConfig.state_ckpt_asm`)."""
     if pieces:
         monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 7 * 32)
-    if ahead:
-        request.getfixturevalue("prefetch")
+    override_config(monkeypatch, **STORE_VARIANTS[store])
     check_checkpoints(Case(lengths, H=32, HV=32, K=128, V=128, gate="lower_bound", dtype=torch.bfloat16),
                       "cuda", seed=26, tol=5e-3, ref_dtype=torch.float32, scattered=scattered)
