@@ -133,8 +133,7 @@ def checkpoint_addresses(bounds: tuple[int, ...], positions: tuple[int, ...], ta
     for pos, target in zip(positions, targets):
         n = bisect_left(bounds, pos) - 1  # bounds[n] < pos <= bounds[n + 1]
         addrs[first[n] + (pos - bounds[n] - 1) // CHUNK_SIZE] = target.data_ptr()
-    host = torch.tensor(addrs, dtype=torch.int64)
     if device.type != "cuda":
-        return host.to(device)
+        return torch.tensor(addrs, dtype=torch.int64, device=device)
     # pinned and asynchronous: a copy from pageable memory would wait for the stream's queued work
-    return host.pin_memory().to(device, non_blocking=True)
+    return torch.tensor(addrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
