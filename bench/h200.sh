@@ -44,6 +44,10 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store || rc=1
         python3 -m pytest -q tests/transport/test_transport_shm.py || rc=1; exit $rc' ;;
     kernels) run_step "$name" "$limit" python3 bench/kernels.py --json "$OUT/kernels.json" ;;
+    # every case against FlashKDA alone (fla's autotuning warm-up, ~190 s, left out)
+    kernels-flashkda) run_step "$name" "$limit" python3 bench/kernels.py --peers FlashKDA --json "$OUT/kernels_flashkda.json" ;;
+    # the checkpoint tests, all of them compiled (their device fixture is the GPU) and the GPU-only ones
+    checkpoint-tests) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_checkpoints.py ;;
     kernel-sweep) run_step "$name" "$limit" python3 bench/kernels.py --sweep --json "$OUT/kernel_sweep.json" ;;
     # the stage-1 candidates' tests, unfiltered: on CUDA their `device` fixture is the GPU. One
     # process per file: a kernel that faults kills the CUDA context for every later test.
@@ -66,6 +70,6 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
     # where a checkpointed launch's extra time sits: per-kernel device times, prebuilt problems, state-pass variants
     prefix-where) run_step "$name" "$limit" python3 bench/prefix_cache.py --where --reps 20 ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, latency, latency-zero-copy, kernel-paths)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, latency, latency-zero-copy, kernel-paths)"; exit 2 ;;
     esac
 done

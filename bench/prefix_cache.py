@@ -117,7 +117,7 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     def config(**kw: object) -> Optional[LaunchConfig]:
         return base.with_overrides(**kw) if device.type == "cuda" else None
 
-    ahead, two = config(state_ckpt_prefetch=True), config(state_stages=2)
+    ahead, two, split = config(state_ckpt_prefetch=True), config(state_stages=2), config(state_ckpt_split=True)
     buffer_only = dict(checkpoint_tokens=positions, checkpoint_states=marks)
     variants: dict[str, Variant] = {
         "plain": (nothing, lambda: launch(c, backend)),
@@ -127,10 +127,13 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         "later layer: a buffer copied into the entries (the old path)": (first_layer_only, lambda: copied(1)),
         "first layer: into new entries, addresses a chunk ahead": (no_entries, lambda: into_entries(0, ahead)),
         "later layer: into the entries, addresses a chunk ahead": (first_layer_only, lambda: into_entries(1, ahead)),
+        "first layer: into new entries, after runs of chunks": (no_entries, lambda: into_entries(0, split)),
+        "later layer: into the entries, after runs of chunks": (first_layer_only, lambda: into_entries(1, split)),
         "later layer: into the entries, 2 state stages (the old rule)": (first_layer_only,
                                                                          lambda: into_entries(1, two)),
         "kernel only: into a buffer, not stored": (nothing, lambda: launch(c, backend, **buffer_only)),
         "kernel only, addresses a chunk ahead": (nothing, lambda: launch(c, backend, **buffer_only, config=ahead)),
+        "kernel only, after runs of chunks": (nothing, lambda: launch(c, backend, **buffer_only, config=split)),
     }
     for setup, fn in variants.values():
         for _ in range(3):
@@ -150,7 +153,9 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     paths = {"the server's path": ("into new entries (the server's path)", "into the entries (the server's path)"),
              "the old path": ("a buffer copied into new entries", "a buffer copied into the entries"),
              "the server's path, addresses a chunk ahead": ("into new entries, addresses a chunk ahead",
-                                                            "into the entries, addresses a chunk ahead")}
+                                                            "into the entries, addresses a chunk ahead"),
+             "the server's path, after runs of chunks": ("into new entries, after runs of chunks",
+                                                         "into the entries, after runs of chunks")}
     for path, (first_name, later_name) in paths.items():
         first = next(m for n, m in medians.items() if n.startswith("first layer: " + first_name))
         later = next(m for n, m in medians.items() if n.startswith("later layer: " + later_name))
@@ -163,8 +168,8 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
     """Where a checkpointed launch's extra time sits: each Triton kernel's device time per
     call (torch profiler) and the launch's event time on a problem built once (no host
     building in the timed call), plain against checkpointed (into one buffer), for the
-    state-pass launch variants that could carry the checkpoints (the default: stores from
-    the registers; tl.store; the addresses a chunk ahead; 2 pipeline stages), each also
+    state-pass launch variants that could carry the checkpoints (the default: stored in the
+    chunk loop; after runs of chunks up to each; the addresses a chunk ahead), each also
     without checkpoints, and the host time of a call (until it returns, the launches queued);
     then the registers and spills of every compiled state-pass variant."""
     from torch.profiler import ProfilerActivity, profile
@@ -179,9 +184,8 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
     plain = problem_of(c)
     ckpt = problem_of(c, checkpoint_tokens=positions, checkpoint_states=marks)
     base = select_config(K, V, interpret=False)
-    configs = {"default (stores from registers)": base, "tl.store": base.with_overrides(state_ckpt_asm=False),
-               "from registers, addresses a chunk ahead": base.with_overrides(state_ckpt_prefetch=True),
-               "from registers, 2 stages": base.with_overrides(state_stages=2)}
+    configs = {"default": base, "after runs of chunks": base.with_overrides(state_ckpt_split=True),
+               "addresses a chunk ahead": base.with_overrides(state_ckpt_prefetch=True)}
     print(f"where the checkpoints' cost sits, {args.case} H{args.heads} ({len(positions)} states), per call:")
     for cname, cfg in configs.items():
         for pname, prob in (("plain", plain), ("checkpoints", ckpt)):

@@ -69,13 +69,12 @@ class LaunchConfig:
     # instead of right before the store's branch, which waits for that load every chunk (one
     # block per SM at 3 stages hides little of it). Not timed on a GPU yet: `bench/prefix_cache.py`.
     state_ckpt_prefetch: bool = False
-    # The state pass stores a checkpoint (fp32 pools, compiled) with one predicated
-    # st.global per element from the registers the state's products left it in
-    # (`state._store_in_place`), not through tl.store, for which Triton first moves the tile
-    # to a coalescing layout through shared memory, in rounds with barriers: on the H200
-    # (2026-12-04, 8x4096 H32, 32 checkpoints) that made the state pass 0.826 ms against
-    # 0.665 without checkpoints.
-    state_ckpt_asm: bool = True
+    # The checkpointed state pass runs its chunk loop in runs that end at each checkpoint and
+    # stores the checkpoint after a run's loop: inside the loop, tl.store moves the [K, BV]
+    # fp32 tile to a coalescing layout through the shared memory the pipeline stages leave
+    # (rounds with barriers; H200 2026-12-04, 8x4096 H32, 32 checkpoints: state pass 0.826 ms
+    # against 0.665 plain), after it the stages' memory is free. `bench/prefix_cache.py --where`.
+    state_ckpt_split: bool = False
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)

@@ -42,36 +42,19 @@ from .wy import WyOutputs
 
 
 @triton.jit
-def store_checkpoint(addr, i_hv, b_h, o_k, o_v, K: tl.constexpr, V: tl.constexpr, c_k, c_v, c_head, like,
-                     ASM_STORE: tl.constexpr = False):
+def store_checkpoint(addr, i_hv, b_h, o_k, o_v, K: tl.constexpr, V: tl.constexpr, c_k, c_v, c_head, like):
     """Store the fp32 state tile b_h ([BK, BV]: key indices ``o_k``, value indices ``o_v``)
-    to the state at address ``addr`` (int64, an entry of ckpt_addrs), head i_hv, key and
+    to the state at address ``addr`` (int64, from the checkpoint table), head i_hv, key and
     value strides c_k, c_v, in the element type of ``like`` (the pool); nothing when the
-    address is 0.
-
-    ASM_STORE (compiled GPUs; the interpreter has no inline assembly): each thread stores
-    the elements it holds with a predicated ``st.global`` (`_store_in_place`), so the tile
-    keeps the layout the state's products left it in; a ``tl.store`` makes Triton first
-    move the tile into a coalescing layout through shared memory, in rounds with barriers
-    (the state pass's shared memory is full with its pipeline stages)."""
+    address is 0. The tile's offsets and mask are built from ``o_k + (addr >> 63)`` (0: user
+    addresses lie below 2**63, which the compiler cannot know), so inside a loop they are
+    computed in the branch instead of being hoisted to hold registers for the whole loop."""
     if addr != 0:
         base = addr.to(tl.pointer_type(like.dtype.element_ty))
-        o_kz = o_k + (addr >> 63).to(tl.int32)  # 0, but loaded: the offsets are built here, not hoisted
+        o_kz = o_k + (addr >> 63).to(tl.int32)
         mask = (o_kz < K)[:, None] & (o_v < V)[None, :]
-        ptrs = base + i_hv * c_head + (o_kz[:, None] * c_k + o_v[None, :] * c_v)
-        if ASM_STORE:
-            _store_in_place(ptrs, b_h, mask)
-        else:
-            tl.store(ptrs, b_h.to(like.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _store_in_place(ptrs, x, mask):
-    """``tl.store(ptrs, x, mask)`` for fp32 ``x``, element by element from whatever layout x
-    has (inline PTX: a predicated st.global.b32 per element)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptrs, x.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(base + i_hv * c_head + (o_kz[:, None] * c_k + o_v[None, :] * c_v), b_h.to(like.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
@@ -84,6 +67,63 @@ def flag_nonfinite(flag, x, mask):
     tl.atomic_max(flag + bad.to(tl.int32) * 0, 1, mask=bad, sem="relaxed")
 
 
+RUN_SCAN = tl.constexpr(64)  # chunks a run's end is looked for in at once (a run without a checkpoint ends there)
+
+
+@triton.jit
+def run_end(addrs, i_t, n_chunks):
+    """The end (exclusive) of the run of chunks from i_t: just after the first chunk in
+    [i_t, min(i_t + RUN_SCAN, n_chunks)) whose checkpoint address in ``addrs`` (int64, the
+    segment's entries) is not 0, else that range's end. One vector load per run."""
+    o_r = tl.arange(0, RUN_SCAN)
+    in_run = i_t + o_r < n_chunks
+    a = tl.load(addrs + i_t + o_r, mask=in_run, other=0)
+    first = tl.min(tl.where((a != 0) & in_run, o_r, RUN_SCAN), axis=0)
+    return tl.minimum(i_t + first + 1, tl.minimum(i_t + RUN_SCAN, n_chunks))
+
+
+@triton.jit
+def chunk_step(b_h, o_bad, i_t, bos, eos, hoff, i_hv, w, u, kg, gexp, qg, aqk, o, v_new, h,
+               o_t, o_k, o_v, m_k, m_v, m_kv, s_hk, s_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, FLAG: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One chunk i_t of a segment [bos, eos) (h index of its first chunk ``hoff``) for value
+    head i_hv and the V block ``o_v``: stores h (STORE_H), o (FUSE_OUT) or v_new, and returns
+    the state after the chunk and the o rows' running NaN sum (FLAG)."""
+    t0 = bos + i_t * 64
+    m_t = o_t < eos - t0
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    i_g = hoff + i_t
+    if STORE_H:
+        p_h = h + (i_g * HV + i_hv) * (K * V) + (o_k[:, None] * s_hk + o_v[None, :] * s_hv)
+        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
+
+    # one 64-bit scalar base pointer per tile (advanced each chunk), int32 in-tile offsets
+    in_tk = o_t[:, None] * (HV * K) + o_k[None, :]
+    in_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+    tk = (t0 * HV + i_hv) * K
+    tv = (t0 * HV + i_hv) * V
+    b_w = tl.load(w + tk + in_tk, mask=m_tk, other=0.0)
+    b_v = tl.load(u + tv + in_tv, mask=m_tv, other=0.0)
+    b_v -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
+    if FUSE_OUT:
+        b_q = tl.load(qg + tk + in_tk, mask=m_tk, other=0.0)
+        b_a = tl.load(aqk + (t0 * HV + i_hv) * 64 + (o_t[:, None] * (HV * 64) + o_t[None, :]), mask=m_t[:, None],
+                      other=0.0)
+        b_o = tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PREC)
+        b_o = tl.dot(b_a, b_v.to(b_a.dtype), b_o, input_precision=DOT_PREC).to(o.dtype.element_ty)
+        tl.store(o + tv + in_tv, b_o, mask=m_tv)
+        if FLAG:  # masked rows and columns of b_o are zeros (their operands load as 0)
+            o_bad += tl.sum(b_o.to(tl.float32) * 0.0, axis=1)
+    else:
+        tl.store(v_new + tv + in_tv, b_v, mask=m_tv)
+
+    b_gl = tl.load(gexp + (i_g * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+    b_k = tl.load(kg + tk + in_tk, mask=m_tk, other=0.0)
+    b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PREC)
+    return b_h, o_bad
+
+
 @triton.jit
 def chunk_state_kernel(
     w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry, ckpt_addrs, flags,
@@ -91,7 +131,7 @@ def chunk_state_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
-    DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False, CKPT_ASM: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False, CKPT_SPLIT: tl.constexpr = False,
 ):
     """Grid (Ns * HV * cdiv(V, BV),). segs: [Ns, 6] int64 (sequence id, first token, end
     token, h index of its first chunk, carry row to load or -1, carry row to store or -1);
@@ -102,7 +142,9 @@ def chunk_state_kernel(
     h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state (STORE_H);
     pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64;
     ckpt_addrs [NT] int64 (head, key, value strides c_*) and flags [N + 1] int32 (FLAG) as
-    in `StateTargets`. CKPT_PREFETCH: each chunk's checkpoint address is loaded one chunk
+    in `StateTargets`. CKPT_SPLIT: the chunk loop goes in runs that end at each checkpoint
+    (`run_end`), the checkpoint stored after a run's loop instead of inside it
+    (`LaunchConfig.state_ckpt_split`). CKPT_PREFETCH: each chunk's checkpoint address is loaded one chunk
     ahead (carried through the loop) instead of just before its store, whose branch would
     otherwise wait for that load (`LaunchConfig.state_ckpt_prefetch`).
     """
@@ -134,48 +176,31 @@ def chunk_state_kernel(
     m_k = o_k < K
     m_v = o_v < V
     n_chunks = tl.cdiv(eos - bos, 64)
-    if CHECKPOINT and CKPT_PREFETCH:
-        ck_next = tl.load(ckpt_addrs + hoff)
-    for i_t in range(n_chunks):
-        t0 = bos + i_t * 64
-        m_t = o_t < eos - t0
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        i_g = hoff + i_t
-        if CHECKPOINT and CKPT_PREFETCH:  # this chunk's address, loaded one chunk ago; the next one's now
-            ck_addr = ck_next
-            ck_next = tl.load(ckpt_addrs + i_g + 1, mask=i_t + 1 < n_chunks, other=0)
-        if STORE_H:
-            p_h = h + (i_g * HV + i_hv) * (K * V) + (o_k[:, None] * s_hk + o_v[None, :] * s_hv)
-            tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
-
-        # one 64-bit scalar base pointer per tile (advanced each chunk), int32 in-tile offsets
-        in_tk = o_t[:, None] * (HV * K) + o_k[None, :]
-        in_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-        tk = (t0 * HV + i_hv) * K
-        tv = (t0 * HV + i_hv) * V
-        b_w = tl.load(w + tk + in_tk, mask=m_tk, other=0.0)
-        b_v = tl.load(u + tv + in_tv, mask=m_tv, other=0.0)
-        b_v -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
-        if FUSE_OUT:
-            b_q = tl.load(qg + tk + in_tk, mask=m_tk, other=0.0)
-            b_a = tl.load(aqk + (t0 * HV + i_hv) * 64 + (o_t[:, None] * (HV * 64) + o_t[None, :]), mask=m_t[:, None],
-                          other=0.0)
-            b_o = tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PREC)
-            b_o = tl.dot(b_a, b_v.to(b_a.dtype), b_o, input_precision=DOT_PREC).to(o.dtype.element_ty)
-            tl.store(o + tv + in_tv, b_o, mask=m_tv)
-            if FLAG:  # masked rows and columns of b_o are zeros (their operands load as 0)
-                o_bad += tl.sum(b_o.to(tl.float32) * 0.0, axis=1)
-        else:
-            tl.store(v_new + tv + in_tv, b_v, mask=m_tv)
-
-        b_gl = tl.load(gexp + (i_g * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(kg + tk + in_tk, mask=m_tk, other=0.0)
-        b_h = b_h * b_gl[:, None] + tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PREC)
-        if CHECKPOINT:
-            if not CKPT_PREFETCH:
-                ck_addr = tl.load(ckpt_addrs + i_g)
-            store_checkpoint(ck_addr, i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head, pool, CKPT_ASM)
+    if CHECKPOINT and CKPT_SPLIT:  # runs of chunks up to each checkpoint; its store after the run's loop
+        i_t = n_chunks * 0
+        while i_t < n_chunks:
+            stop = run_end(ckpt_addrs + hoff, i_t, n_chunks)
+            for j in range(i_t, stop):
+                b_h, o_bad = chunk_step(b_h, o_bad, j, bos, eos, hoff, i_hv, w, u, kg, gexp, qg, aqk, o, v_new, h,
+                                        o_t, o_k, o_v, m_k, m_v, m_kv, s_hk, s_hv, HV, K, V, FUSE_OUT, STORE_H, FLAG,
+                                        DOT_PREC)
+            store_checkpoint(tl.load(ckpt_addrs + hoff + stop - 1), i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head,
+                             pool)
+            i_t = stop
+    else:
+        if CHECKPOINT and CKPT_PREFETCH:
+            ck_next = tl.load(ckpt_addrs + hoff)
+        for i_t in range(n_chunks):
+            if CHECKPOINT and CKPT_PREFETCH:  # this chunk's address, loaded one chunk ago; the next one's now
+                ck_addr = ck_next
+                ck_next = tl.load(ckpt_addrs + hoff + i_t + 1, mask=i_t + 1 < n_chunks, other=0)
+            b_h, o_bad = chunk_step(b_h, o_bad, i_t, bos, eos, hoff, i_hv, w, u, kg, gexp, qg, aqk, o, v_new, h,
+                                    o_t, o_k, o_v, m_k, m_v, m_kv, s_hk, s_hv, HV, K, V, FUSE_OUT, STORE_H, FLAG,
+                                    DOT_PREC)
+            if CHECKPOINT:
+                if not CKPT_PREFETCH:
+                    ck_addr = tl.load(ckpt_addrs + hoff + i_t)
+                store_checkpoint(ck_addr, i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head, pool)
 
     if FLAG and FUSE_OUT:
         flag_nonfinite(flags + seq, o_bad, o_t < 64)
@@ -216,16 +241,15 @@ def launch_fitting(launch: Callable[[int], None], variant: Hashable, stages: int
 
 def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.Tensor, o: torch.Tensor,
                  v_new: Optional[torch.Tensor], st: StateTargets, carry: torch.Tensor,
-                 launch: tuple[int, int, int], prefetch: bool = False, asm_store: bool = True) -> None:
+                 launch: tuple[int, int, int], prefetch: bool = False, split: bool = False) -> None:
     """The state pass over the segment rows ``segs`` ([Ns, 6], `kernels.triton_plan`), from
     the WY factors ``wy`` and A_qk ``aqk`` [T, HV, 64]: o [T, HV, V] when ``v_new`` is None
     (fused output), else v_new [T, HV, V] fp32 and the per-chunk states ``st.h`` for the
     output stage; final states to the pool, checkpoints to ``st.ckpt_addrs``' targets,
     non-finite flags to ``st.flags``. ``launch``: (BV, warps, stages) from `config.state_launch`
     (fewer stages when that many do not fit: `launch_fitting`); ``prefetch``: load each
-    checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`); ``asm_store``: store
-    checkpoints from the registers (`store_checkpoint`; compiled, fp32 pools only:
-    `LaunchConfig.state_ckpt_asm`)."""
+    checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`); ``split``: store
+    each checkpoint after a loop over the chunks up to it (`LaunchConfig.state_ckpt_split`)."""
     bv, warps, stages = launch
     h, ckpt_addrs = st.pointers(o)
     fused = v_new is None
@@ -233,9 +257,7 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
             ckpt_addrs, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides)
     consts = dict(HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
                   STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
-                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch,
-                  CKPT_ASM=asm_store and st.ckpt_addrs is not None and x.device.type == "cuda"
-                  and st.pool.dtype == torch.float32)
+                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch, CKPT_SPLIT=split)
     grid = (segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)
     # what selects a compiled variant: constexprs, warps, pointer dtypes, strides of 1 (Triton specializes them)
     variant = (x.device, stages, warps, tuple(consts.items()), x.mat, o.dtype, st.pool.dtype,

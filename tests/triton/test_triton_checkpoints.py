@@ -56,6 +56,34 @@ def test_checkpoints_with_addresses_loaded_a_chunk_ahead(device: str, output_pat
     check_checkpoints(case, device, seed=29, tol=FP32_TOL, scattered=True)
 
 
+@pytest.mark.parametrize("every", [1, 3], ids=["every position", "one in three"])
+@pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
+def test_checkpoints_after_runs_of_chunks(device: str, output_path: str, pieces: bool, every: int,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state pass looping over the chunks up to each checkpoint and storing it after the
+    loop (`LaunchConfig.state_ckpt_split`); with pieces, runs end at segment ends too."""
+    override_config(monkeypatch, state_ckpt_split=True)
+    case = Case(LENGTHS, gate="lower_bound", intermediate=pieces)
+    if pieces:
+        monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 2 * case.HV)
+    check_checkpoints(case, device, seed=31, tol=FP32_TOL, scattered=True, every=every)
+
+
+def test_checkpoints_after_runs_longer_than_a_scan(device: str, output_path: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs without a checkpoint end every RUN_SCAN chunks (`state.run_end`): with a scan of
+    2 chunks (interpreted: the constant is read at each call) most runs end without one."""
+    if device != "cpu":
+        pytest.skip("a compiled kernel keeps its RUN_SCAN; the GPU test below runs runs longer than it")
+    import triton.language as tl
+
+    from kernels.triton_kernels import state
+
+    monkeypatch.setattr(state, "RUN_SCAN", tl.constexpr(2))
+    override_config(monkeypatch, state_ckpt_split=True)
+    check_checkpoints(Case((300, 1, 200), gate="lower_bound"), device, seed=33, tol=FP32_TOL, every=4)
+
+
 def test_checkpoints_k_first_bf16_pool(device: str) -> None:
     check_checkpoints(Case((70, 1, 129), v_first=False, K=16, V=32, pool_dtype=torch.bfloat16, gate="lower_bound"),
                       device, seed=22, tol=BF16_TOL)
@@ -75,8 +103,8 @@ def test_checkpoints_torch_backend() -> None:
     check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=28, tol=FP32_TOL, backend="torch", scattered=True)
 
 
-STORE_VARIANTS = {"stores from registers": {}, "addresses a chunk ahead": dict(state_ckpt_prefetch=True),
-                  "tl.store": dict(state_ckpt_asm=False)}
+STORE_VARIANTS = {"in the loop": {}, "addresses a chunk ahead": dict(state_ckpt_prefetch=True),
+                  "after runs of chunks": dict(state_ckpt_split=True)}
 
 
 @pytest.mark.gpu
@@ -87,10 +115,22 @@ STORE_VARIANTS = {"stores from registers": {}, "addresses a chunk ahead": dict(s
 @pytest.mark.parametrize("lengths", [(4096,), (2048, 1, 777, 300, 64)], ids=["narrow", "wide"])
 def test_checkpoints_serving_shapes(lengths: tuple[int, ...], pieces: bool, scattered: bool, store: str,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """At serving shapes, each way the state pass can store its checkpoints (the default
-    stores an fp32 pool's from the registers, `LaunchConfig.state_ckpt_asm`)."""
+    """At serving shapes, each way the state pass can store its checkpoints: at every
+    allowed position into one buffer, at one in five into scattered targets (as cache
+    entries, a few per sequence)."""
     if pieces:
         monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 7 * 32)
     override_config(monkeypatch, **STORE_VARIANTS[store])
     check_checkpoints(Case(lengths, H=32, HV=32, K=128, V=128, gate="lower_bound", dtype=torch.bfloat16),
-                      "cuda", seed=26, tol=5e-3, ref_dtype=torch.float32, scattered=scattered)
+                      "cuda", seed=26, tol=5e-3, ref_dtype=torch.float32, scattered=scattered,
+                      every=5 if scattered else 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_checkpoints_after_runs_longer_than_a_scan_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of more than RUN_SCAN (64) chunks between checkpoints, compiled: one 9000-token
+    sequence (141 chunks) with a few checkpoints, into scattered targets."""
+    override_config(monkeypatch, state_ckpt_split=True)
+    check_checkpoints(Case((9000, 130), H=32, HV=32, K=128, V=128, gate="lower_bound", dtype=torch.bfloat16),
+                      "cuda", seed=34, tol=5e-3, ref_dtype=torch.float32, scattered=True, every=40)

@@ -166,12 +166,13 @@ def run_triton(case: Case, inp: Inputs, backend: str = "triton", **checkpoints: 
     return res if case.intermediate else (res, None)
 
 
-def chunk_ends(bounds: list[int], seed: int) -> list[int]:
+def chunk_ends(bounds: list[int], seed: int, every: int = 1) -> list[int]:
     """Every checkpoint position the contract allows (each sequence's 64-token multiples
-    and its end), in a seeded random order."""
+    and its end), in a seeded random order; with ``every`` > 1, a seeded random one in
+    ``every`` of them (at least one), so runs of several chunks lie between checkpoints."""
     ends = sorted({t for a, b in zip(bounds[:-1], bounds[1:]) for t in [*range(a + CHUNK_SIZE, b, CHUNK_SIZE), b]})
     order = torch.randperm(len(ends), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [ends[i] for i in order]
+    return [ends[i] for i in order[:max(1, len(ends) // every)]]
 
 
 def reference_checkpoints(inp: Inputs, case: Case, positions: list[int],
@@ -193,15 +194,16 @@ def reference_checkpoints(inp: Inputs, case: Case, positions: list[int],
 
 
 def check_checkpoints(case: Case, device: torch.device | str, seed: int, tol: float, backend: str = "triton",
-                      ref_dtype: torch.dtype = torch.float64, scattered: bool = False) -> float:
-    """Run ``case`` with a checkpoint at every allowed position (random order) into rows
+                      ref_dtype: torch.dtype = torch.float64, scattered: bool = False, every: int = 1) -> float:
+    """Run ``case`` with a checkpoint at every allowed position (random order; one in
+    ``every`` of them, `chunk_ends`) into rows
     1..C of a NaN-poisoned [C + 2, ...] buffer (``scattered``: into the middle layer of a
     NaN-poisoned [3, ...] tensor of its own each, as a cache's entries are, passed as C
     separate targets); assert every target written and within ``tol`` of the reference,
     the memory around them (rows 0 and C + 1, or the outer layers) bit-identical, and o
     and the final states as good as without checkpoints. Returns the checkpoints' error."""
     inp = make_inputs(case, device, seed)
-    positions = chunk_ends(inp.cu_seqlens.tolist(), seed)
+    positions = chunk_ends(inp.cu_seqlens.tolist(), seed, every)
     ref_o, ref_final, ref_ckpt = reference_checkpoints(inp, case, positions, ref_dtype)
     C = len(positions)
     row = inp.pool.shape[1:]
