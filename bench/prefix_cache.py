@@ -9,9 +9,9 @@
    prefill's first layer stores every checkpoint into a new entry, its other layers into
    the entries present: both are timed, and the --layers prefill's mean is printed. In the
    same run, for comparison: the old path (a launch buffer copied into the entries), the
-   addresses loaded a chunk ahead (`LaunchConfig.state_ckpt_prefetch`), the state pass held
-   to 2 pipeline stages (the rule before its stages were chosen by what fits), and the
-   kernel alone.
+   addresses loaded right before each store instead of a chunk ahead
+   (`LaunchConfig.state_ckpt_prefetch` off), the state pass held to 2 pipeline stages (the
+   rule before its stages were chosen by what fits), and the kernel alone.
 2. Restore: a 48-layer entry ([48, 32, 128, 128] fp32, 96 MiB) into a pool slot, as
    `ServerCore._alloc_prefix` does (`StatePool.alloc_copies` inside `PrefixCache.restoring`:
    the copy alone writes the row, no zero fill first), and the old way (a zeroed `alloc`,
@@ -117,7 +117,7 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     def config(**kw: object) -> Optional[LaunchConfig]:
         return base.with_overrides(**kw) if device.type == "cuda" else None
 
-    ahead, two, split = config(state_ckpt_prefetch=True), config(state_stages=2), config(state_ckpt_split=True)
+    at_store, two = config(state_ckpt_prefetch=False), config(state_stages=2)
     buffer_only = dict(checkpoint_tokens=positions, checkpoint_states=marks)
     variants: dict[str, Variant] = {
         "plain": (nothing, lambda: launch(c, backend)),
@@ -125,15 +125,12 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         "first layer: a buffer copied into new entries (the old path)": (no_entries, lambda: copied(0)),
         "later layer: into the entries (the server's path)": (first_layer_only, lambda: into_entries(1)),
         "later layer: a buffer copied into the entries (the old path)": (first_layer_only, lambda: copied(1)),
-        "first layer: into new entries, addresses a chunk ahead": (no_entries, lambda: into_entries(0, ahead)),
-        "later layer: into the entries, addresses a chunk ahead": (first_layer_only, lambda: into_entries(1, ahead)),
-        "first layer: into new entries, after runs of chunks": (no_entries, lambda: into_entries(0, split)),
-        "later layer: into the entries, after runs of chunks": (first_layer_only, lambda: into_entries(1, split)),
+        "first layer: into new entries, addresses at the store": (no_entries, lambda: into_entries(0, at_store)),
+        "later layer: into the entries, addresses at the store": (first_layer_only, lambda: into_entries(1, at_store)),
         "later layer: into the entries, 2 state stages (the old rule)": (first_layer_only,
                                                                          lambda: into_entries(1, two)),
         "kernel only: into a buffer, not stored": (nothing, lambda: launch(c, backend, **buffer_only)),
-        "kernel only, addresses a chunk ahead": (nothing, lambda: launch(c, backend, **buffer_only, config=ahead)),
-        "kernel only, after runs of chunks": (nothing, lambda: launch(c, backend, **buffer_only, config=split)),
+        "kernel only, addresses at the store": (nothing, lambda: launch(c, backend, **buffer_only, config=at_store)),
     }
     for setup, fn in variants.values():
         for _ in range(3):
@@ -152,10 +149,8 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         print(f"  {name}: {m:.3f} ms ({100 * (m / p - 1):+.2f}% against plain)")
     paths = {"the server's path": ("into new entries (the server's path)", "into the entries (the server's path)"),
              "the old path": ("a buffer copied into new entries", "a buffer copied into the entries"),
-             "the server's path, addresses a chunk ahead": ("into new entries, addresses a chunk ahead",
-                                                            "into the entries, addresses a chunk ahead"),
-             "the server's path, after runs of chunks": ("into new entries, after runs of chunks",
-                                                         "into the entries, after runs of chunks")}
+             "the server's path, addresses at the store": ("into new entries, addresses at the store",
+                                                           "into the entries, addresses at the store")}
     for path, (first_name, later_name) in paths.items():
         first = next(m for n, m in medians.items() if n.startswith("first layer: " + first_name))
         later = next(m for n, m in medians.items() if n.startswith("later layer: " + later_name))
@@ -168,8 +163,8 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
     """Where a checkpointed launch's extra time sits: each Triton kernel's device time per
     call (torch profiler) and the launch's event time on a problem built once (no host
     building in the timed call), plain against checkpointed (into one buffer), for the
-    state-pass launch variants that could carry the checkpoints (the default: stored in the
-    chunk loop; after runs of chunks up to each; the addresses a chunk ahead), each also
+    state-pass launch variants (the default: each address loaded a chunk ahead; loaded at
+    the store), each also
     without checkpoints, and the host time of a call (until it returns, the launches queued);
     then the registers and spills of every compiled state-pass variant."""
     from torch.profiler import ProfilerActivity, profile
@@ -184,8 +179,8 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
     plain = problem_of(c)
     ckpt = problem_of(c, checkpoint_tokens=positions, checkpoint_states=marks)
     base = select_config(K, V, interpret=False)
-    configs = {"default": base, "after runs of chunks": base.with_overrides(state_ckpt_split=True),
-               "addresses a chunk ahead": base.with_overrides(state_ckpt_prefetch=True)}
+    configs = {"default (addresses a chunk ahead)": base,
+               "addresses at the store": base.with_overrides(state_ckpt_prefetch=False)}
     print(f"where the checkpoints' cost sits, {args.case} H{args.heads} ({len(positions)} states), per call:")
     for cname, cfg in configs.items():
         for pname, prob in (("plain", plain), ("checkpoints", ckpt)):

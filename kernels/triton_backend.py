@@ -177,8 +177,7 @@ def run_triton(
         wy_stage(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
 
     def sequential(c0: int, c1: int, s0: int, s1: int) -> None:
-        launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch,
-                     cfg.state_ckpt_split)
+        launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch)
         if v_new is not None:
             launch_output(x, plan.chunks[c0:c1], wy.qg, st, v_new, intra.aqk, o, cfg)
 

@@ -66,15 +66,12 @@ class LaunchConfig:
     # "ieee" (fp32 FMAs, off the tensor cores). 16-bit inputs always take fp16/tf32 products.
     fp32_products: str = "tf32x3"
     # The checkpointed state pass loads each chunk's checkpoint address one chunk ahead
-    # instead of right before the store's branch, which waits for that load every chunk (one
-    # block per SM at 3 stages hides little of it). Not timed on a GPU yet: `bench/prefix_cache.py`.
-    state_ckpt_prefetch: bool = False
-    # The checkpointed state pass runs its chunk loop in runs that end at each checkpoint and
-    # stores the checkpoint after a run's loop: inside the loop, tl.store moves the [K, BV]
-    # fp32 tile to a coalescing layout through the shared memory the pipeline stages leave
-    # (rounds with barriers; H200 2026-12-04, 8x4096 H32, 32 checkpoints: state pass 0.826 ms
-    # against 0.665 plain), after it the stages' memory is free. `bench/prefix_cache.py --where`.
-    state_ckpt_split: bool = False
+    # instead of right before the store's branch, which waits for that load every chunk. H200,
+    # 8x4096 H32, 32 checkpoints (2026-12-04, three runs): the state kernel 0.813-0.820 ms
+    # against 0.826-0.835 (plain 0.663-0.669); the server's path +10.5 to +12.0% against +12.9
+    # to +14.1%. Other ways to store them lost there: from the registers by inline PTX (0.902),
+    # after a loop over the chunks up to each (0.865), 8 warps (0.880), BV 32 (1.056).
+    state_ckpt_prefetch: bool = True
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)

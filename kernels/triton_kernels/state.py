@@ -67,21 +67,6 @@ def flag_nonfinite(flag, x, mask):
     tl.atomic_max(flag + bad.to(tl.int32) * 0, 1, mask=bad, sem="relaxed")
 
 
-RUN_SCAN = tl.constexpr(64)  # chunks a run's end is looked for in at once (a run without a checkpoint ends there)
-
-
-@triton.jit
-def run_end(addrs, i_t, n_chunks):
-    """The end (exclusive) of the run of chunks from i_t: just after the first chunk in
-    [i_t, min(i_t + RUN_SCAN, n_chunks)) whose checkpoint address in ``addrs`` (int64, the
-    segment's entries) is not 0, else that range's end. One vector load per run."""
-    o_r = tl.arange(0, RUN_SCAN)
-    in_run = i_t + o_r < n_chunks
-    a = tl.load(addrs + i_t + o_r, mask=in_run, other=0)
-    first = tl.min(tl.where((a != 0) & in_run, o_r, RUN_SCAN), axis=0)
-    return tl.minimum(i_t + first + 1, tl.minimum(i_t + RUN_SCAN, n_chunks))
-
-
 @triton.jit
 def chunk_step(b_h, o_bad, i_t, bos, eos, hoff, i_hv, w, u, kg, gexp, qg, aqk, o, v_new, h,
                o_t, o_k, o_v, m_k, m_v, m_kv, s_hk, s_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -131,7 +116,7 @@ def chunk_state_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
-    DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False, CKPT_SPLIT: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False,
 ):
     """Grid (Ns * HV * cdiv(V, BV),). segs: [Ns, 6] int64 (sequence id, first token, end
     token, h index of its first chunk, carry row to load or -1, carry row to store or -1);
@@ -142,9 +127,7 @@ def chunk_state_kernel(
     h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state (STORE_H);
     pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64;
     ckpt_addrs [NT] int64 (head, key, value strides c_*) and flags [N + 1] int32 (FLAG) as
-    in `StateTargets`. CKPT_SPLIT: the chunk loop goes in runs that end at each checkpoint
-    (`run_end`), the checkpoint stored after a run's loop instead of inside it
-    (`LaunchConfig.state_ckpt_split`). CKPT_PREFETCH: each chunk's checkpoint address is loaded one chunk
+    in `StateTargets`. CKPT_PREFETCH: each chunk's checkpoint address is loaded one chunk
     ahead (carried through the loop) instead of just before its store, whose branch would
     otherwise wait for that load (`LaunchConfig.state_ckpt_prefetch`).
     """
@@ -176,31 +159,19 @@ def chunk_state_kernel(
     m_k = o_k < K
     m_v = o_v < V
     n_chunks = tl.cdiv(eos - bos, 64)
-    if CHECKPOINT and CKPT_SPLIT:  # runs of chunks up to each checkpoint; its store after the run's loop
-        i_t = n_chunks * 0
-        while i_t < n_chunks:
-            stop = run_end(ckpt_addrs + hoff, i_t, n_chunks)
-            for j in range(i_t, stop):
-                b_h, o_bad = chunk_step(b_h, o_bad, j, bos, eos, hoff, i_hv, w, u, kg, gexp, qg, aqk, o, v_new, h,
-                                        o_t, o_k, o_v, m_k, m_v, m_kv, s_hk, s_hv, HV, K, V, FUSE_OUT, STORE_H, FLAG,
-                                        DOT_PREC)
-            store_checkpoint(tl.load(ckpt_addrs + hoff + stop - 1), i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head,
-                             pool)
-            i_t = stop
-    else:
-        if CHECKPOINT and CKPT_PREFETCH:
-            ck_next = tl.load(ckpt_addrs + hoff)
-        for i_t in range(n_chunks):
-            if CHECKPOINT and CKPT_PREFETCH:  # this chunk's address, loaded one chunk ago; the next one's now
-                ck_addr = ck_next
-                ck_next = tl.load(ckpt_addrs + hoff + i_t + 1, mask=i_t + 1 < n_chunks, other=0)
-            b_h, o_bad = chunk_step(b_h, o_bad, i_t, bos, eos, hoff, i_hv, w, u, kg, gexp, qg, aqk, o, v_new, h,
-                                    o_t, o_k, o_v, m_k, m_v, m_kv, s_hk, s_hv, HV, K, V, FUSE_OUT, STORE_H, FLAG,
-                                    DOT_PREC)
-            if CHECKPOINT:
-                if not CKPT_PREFETCH:
-                    ck_addr = tl.load(ckpt_addrs + hoff + i_t)
-                store_checkpoint(ck_addr, i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head, pool)
+    if CHECKPOINT and CKPT_PREFETCH:
+        ck_next = tl.load(ckpt_addrs + hoff)
+    for i_t in range(n_chunks):
+        if CHECKPOINT and CKPT_PREFETCH:  # this chunk's address, loaded one chunk ago; the next one's now
+            ck_addr = ck_next
+            ck_next = tl.load(ckpt_addrs + hoff + i_t + 1, mask=i_t + 1 < n_chunks, other=0)
+        b_h, o_bad = chunk_step(b_h, o_bad, i_t, bos, eos, hoff, i_hv, w, u, kg, gexp, qg, aqk, o, v_new, h,
+                                o_t, o_k, o_v, m_k, m_v, m_kv, s_hk, s_hv, HV, K, V, FUSE_OUT, STORE_H, FLAG,
+                                DOT_PREC)
+        if CHECKPOINT:
+            if not CKPT_PREFETCH:
+                ck_addr = tl.load(ckpt_addrs + hoff + i_t)
+            store_checkpoint(ck_addr, i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head, pool)
 
     if FLAG and FUSE_OUT:
         flag_nonfinite(flags + seq, o_bad, o_t < 64)
@@ -241,15 +212,14 @@ def launch_fitting(launch: Callable[[int], None], variant: Hashable, stages: int
 
 def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.Tensor, o: torch.Tensor,
                  v_new: Optional[torch.Tensor], st: StateTargets, carry: torch.Tensor,
-                 launch: tuple[int, int, int], prefetch: bool = False, split: bool = False) -> None:
+                 launch: tuple[int, int, int], prefetch: bool = True) -> None:
     """The state pass over the segment rows ``segs`` ([Ns, 6], `kernels.triton_plan`), from
     the WY factors ``wy`` and A_qk ``aqk`` [T, HV, 64]: o [T, HV, V] when ``v_new`` is None
     (fused output), else v_new [T, HV, V] fp32 and the per-chunk states ``st.h`` for the
     output stage; final states to the pool, checkpoints to ``st.ckpt_addrs``' targets,
     non-finite flags to ``st.flags``. ``launch``: (BV, warps, stages) from `config.state_launch`
     (fewer stages when that many do not fit: `launch_fitting`); ``prefetch``: load each
-    checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`); ``split``: store
-    each checkpoint after a loop over the chunks up to it (`LaunchConfig.state_ckpt_split`)."""
+    checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`)."""
     bv, warps, stages = launch
     h, ckpt_addrs = st.pointers(o)
     fused = v_new is None
@@ -257,7 +227,7 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
             ckpt_addrs, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides)
     consts = dict(HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
                   STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
-                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch, CKPT_SPLIT=split)
+                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch)
     grid = (segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)
     # what selects a compiled variant: constexprs, warps, pointer dtypes, strides of 1 (Triton specializes them)
     variant = (x.device, stages, warps, tuple(consts.items()), x.mat, o.dtype, st.pool.dtype,

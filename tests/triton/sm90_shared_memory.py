@@ -88,8 +88,7 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
             yield ("state", {"seq_heads": seq_heads, "fused_output": fuse, "checkpoints": ckpt}, chunk_state_kernel,
                    state_ptrs, dict(HV=HEADS, K=K, V=V, BK=bk, BV=bv, FUSE_OUT=fuse, STORE_H=not fuse,
                                     CHECKPOINT=ckpt, FLAG=True, DOT_PREC=dot_prec,
-                                    CKPT_PREFETCH=ckpt and cfg.state_ckpt_prefetch,
-                                    CKPT_SPLIT=ckpt and cfg.state_ckpt_split),
+                                    CKPT_PREFETCH=ckpt and cfg.state_ckpt_prefetch),
                    warps, stages)
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)

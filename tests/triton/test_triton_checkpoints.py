@@ -42,46 +42,19 @@ def override_config(monkeypatch: pytest.MonkeyPatch, **overrides: object) -> Non
 
 
 @pytest.fixture
-def prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The state pass loading each checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`)."""
-    override_config(monkeypatch, state_ckpt_prefetch=True)
+def at_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state pass loading each checkpoint address right before its store, not a chunk
+    ahead (`LaunchConfig.state_ckpt_prefetch` off)."""
+    override_config(monkeypatch, state_ckpt_prefetch=False)
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
-def test_checkpoints_with_addresses_loaded_a_chunk_ahead(device: str, output_path: str, pieces: bool, prefetch: None,
+def test_checkpoints_with_addresses_loaded_at_the_store(device: str, output_path: str, pieces: bool, at_the_store: None,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     case = Case(LENGTHS, gate="lower_bound", intermediate=pieces)
-    if pieces:  # segments of one chunk: the address loaded ahead crosses no segment's end
+    if pieces:  # segments of one chunk
         monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", case.HV)
     check_checkpoints(case, device, seed=29, tol=FP32_TOL, scattered=True)
-
-
-@pytest.mark.parametrize("every", [1, 3], ids=["every position", "one in three"])
-@pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
-def test_checkpoints_after_runs_of_chunks(device: str, output_path: str, pieces: bool, every: int,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The state pass looping over the chunks up to each checkpoint and storing it after the
-    loop (`LaunchConfig.state_ckpt_split`); with pieces, runs end at segment ends too."""
-    override_config(monkeypatch, state_ckpt_split=True)
-    case = Case(LENGTHS, gate="lower_bound", intermediate=pieces)
-    if pieces:
-        monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 2 * case.HV)
-    check_checkpoints(case, device, seed=31, tol=FP32_TOL, scattered=True, every=every)
-
-
-def test_checkpoints_after_runs_longer_than_a_scan(device: str, output_path: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs without a checkpoint end every RUN_SCAN chunks (`state.run_end`): with a scan of
-    2 chunks (interpreted: the constant is read at each call) most runs end without one."""
-    if device != "cpu":
-        pytest.skip("a compiled kernel keeps its RUN_SCAN; the GPU test below runs runs longer than it")
-    import triton.language as tl
-
-    from kernels.triton_kernels import state
-
-    monkeypatch.setattr(state, "RUN_SCAN", tl.constexpr(2))
-    override_config(monkeypatch, state_ckpt_split=True)
-    check_checkpoints(Case((300, 1, 200), gate="lower_bound"), device, seed=33, tol=FP32_TOL, every=4)
 
 
 def test_checkpoints_k_first_bf16_pool(device: str) -> None:
@@ -103,8 +76,7 @@ def test_checkpoints_torch_backend() -> None:
     check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=28, tol=FP32_TOL, backend="torch", scattered=True)
 
 
-STORE_VARIANTS = {"in the loop": {}, "addresses a chunk ahead": dict(state_ckpt_prefetch=True),
-                  "after runs of chunks": dict(state_ckpt_split=True)}
+STORE_VARIANTS = {"addresses a chunk ahead": {}, "addresses at the store": dict(state_ckpt_prefetch=False)}
 
 
 @pytest.mark.gpu
@@ -125,12 +97,3 @@ def test_checkpoints_serving_shapes(lengths: tuple[int, ...], pieces: bool, scat
                       "cuda", seed=26, tol=5e-3, ref_dtype=torch.float32, scattered=scattered,
                       every=5 if scattered else 1)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_checkpoints_after_runs_longer_than_a_scan_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs of more than RUN_SCAN (64) chunks between checkpoints, compiled: one 9000-token
-    sequence (141 chunks) with a few checkpoints, into scattered targets."""
-    override_config(monkeypatch, state_ckpt_split=True)
-    check_checkpoints(Case((9000, 130), H=32, HV=32, K=128, V=128, gate="lower_bound", dtype=torch.bfloat16),
-                      "cuda", seed=34, tol=5e-3, ref_dtype=torch.float32, scattered=True, every=40)
