@@ -165,7 +165,7 @@ def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: S
         regions[t.shm.region].check(t.shm.offset, want, f"{name}.shm")
     g = core.geometry
     o_dtype = JSON_DTYPES[request.v.dtype]
-    T, N = sum(s.length for s in request.sequences), len(request.sequences)
+    T, N = sum(s["length"] for s in request.sequences), len(request.sequences)
     _room(regions, request.outputs.o, max(T, 0) * g.num_heads * g.head_v_dim * o_dtype.itemsize, "outputs.o")
     final = request.outputs.final_state if request.return_final_state else None
     if request.return_final_state:

@@ -31,8 +31,8 @@ def prefill_inputs_of(options: PrefillOptions, tensors: Mapping[str, torch.Tenso
     """The prefill a request document (JSON, safetensors metadata, shared memory) asks for,
     over ``tensors`` by name (`PrefillInputs.of`)."""
     params = PrefillParams(**{name: getattr(options, name) for name in PARAM_NAMES})
-    checkpoints = [[Checkpoint(c.offset, c.key) for c in s.checkpoints] for s in options.sequences]
-    return PrefillInputs.of(params, [s.slot for s in options.sequences], [s.length for s in options.sequences],
+    checkpoints = [[Checkpoint(c["offset"], c["key"]) for c in s.get("checkpoints", ())] for s in options.sequences]
+    return PrefillInputs.of(params, [s["slot"] for s in options.sequences], [s["length"] for s in options.sequences],
                             tensors, device_outputs, checkpoints if any(checkpoints) else None)
 
 

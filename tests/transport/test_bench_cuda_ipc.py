@@ -45,7 +45,7 @@ def test_doc_is_a_valid_shm_request() -> None:
     case = Case(2, 100, torch.bfloat16)
     layout = make_layout(case)
     parsed = parse_shm_request(dumps(prefill_doc(case, layout, "kda-cuda", base=4096)))
-    assert [s.slot for s in parsed.sequences] == [None, None] and [s.length for s in parsed.sequences] == [100, 100]
+    assert [s["slot"] for s in parsed.sequences] == [None, None] and [s["length"] for s in parsed.sequences] == [100, 100]
     assert parsed.lower_bound == -5.0 and parsed.use_qk_l2norm and parsed.use_beta_sigmoid
     assert parsed.q.shm.offset == 4096 + layout.inputs["q"].offset and parsed.q.dtype == "bfloat16"
     assert parsed.A_log is not None and parsed.A_log.dtype == "float32"
