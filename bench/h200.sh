@@ -36,7 +36,7 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     case $name in
     gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store tests/reliability tests/kserve tests/client --ignore=tests/reliability/test_fuzz.py ;;
     # the kernel paths' interpreter tests, compiled: on CUDA their `device` fixture is the GPU
-    kernel-paths) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_nonfinite.py tests/triton/test_triton_checkpoints.py tests/triton/test_triton_state_stages.py tests/triton/test_triton_vectors.py tests/triton/test_triton_extremes.py tests/triton/test_triton_intra_bounded.py tests/triton/test_triton_wy_bounded.py ;;
+    kernel-paths) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_nonfinite.py tests/triton/test_triton_checkpoints.py tests/triton/test_triton_state_stages.py tests/triton/test_triton_vectors.py tests/triton/test_triton_extremes.py tests/triton/test_triton_intra_bounded.py ;;
     # the service's input checks and the kernels' non-finite flags, compiled (a short kernel-paths)
     kernel-checks) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_extremes.py tests/triton/test_triton_nonfinite.py ;;
     # the service's GPU paths only (shared memory, staging, validation), and the POSIX shared
@@ -62,7 +62,7 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
         --server-arg=--cuda-ipc-zero-copy --json "$OUT/latency_zero_copy.json" ;;
     # issue 18's candidates (--sweep) against the default and FlashKDA in one run (no fla: its warm-up is ~190 s)
     kernel-ab) run_step "$name" "$limit" python3 bench/kernels.py --sweep --peers FlashKDA \
-        --variants 'previous intra,bounded WY' \
+        --variants 'previous intra' \
         --cases '8x4096 H32,256x128 H32,1x65536 H32,1x4096 H32' --json "$OUT/kernel_ab.json" ;;
     # the transactional launch's row copies and finite check against the kernel, 8x4096 H32 (goal < 3%)
     transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;

@@ -69,15 +69,8 @@ VARIANTS: dict[str, dict] = {
     "previous intra": dict(bounded_intra=False),
     "bounded intra, no register cap": dict(bounded_intra=True, bounded_intra_maxnreg=0),
     "bounded intra, 128 registers": dict(bounded_intra=True, bounded_intra_maxnreg=128),  # 4 programs an SM, spills
-    # the bounded gate's WY kernel (`wy_bounded`): the serving config's WY stage
-    "bounded WY": dict(bounded_wy=True),  # 16-wide key slices, 128 registers: 4 programs an SM
-    "bounded WY, no register cap": dict(bounded_wy=True, bounded_wy_maxnreg=0),  # 3 an SM
-    "bounded WY, 96 registers": dict(bounded_wy=True, bounded_wy_maxnreg=96),  # 5 an SM, spills outside the loop
-    "bounded WY, 32-wide slices, 168 registers": dict(bounded_wy=True, bounded_wy_bk=32, bounded_wy_bv=64,
-                                                      bounded_wy_maxnreg=168),  # 3 an SM, fewer instructions
 }
 STAGE_OF = {"chunk_intra_kernel": "intra", "chunk_intra_bounded_kernel": "intra", "chunk_wy_kernel": "wy",
-            "chunk_wy_bounded_kernel": "wy",
             "chunk_state_kernel": "state", "chunk_output_kernel": "output", "recurrent_step_kernel": "decode"}
 
 

@@ -35,7 +35,6 @@ from triton.compiler import ASTSource  # noqa: E402
 from kernels.triton_kernels import chunk_intra_kernel, chunk_wy_kernel  # noqa: E402
 from kernels.triton_kernels.config import LaunchConfig  # noqa: E402
 from kernels.triton_kernels.intra_bounded import BK as BOUNDED_BK, chunk_intra_bounded_kernel  # noqa: E402
-from kernels.triton_kernels.wy_bounded import chunk_wy_bounded_kernel  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 SM90 = GPUTarget("cuda", 90, 32)
@@ -49,9 +48,6 @@ BOUNDED_INTRA_MAXNREG = LaunchConfig.bounded_intra_maxnreg
 BOUNDED = dict(H=32, HV=32, K=128, BK=BOUNDED_BK, HAS_A_LOG=True, HAS_DT_BIAS=True, NEG_EIGVAL=False)
 WY = dict(H=32, HV=32, K=128, V=128, BK=32, BV=64, GATE=2, HAS_A_LOG=True, HAS_DT_BIAS=True, DOT_PREC="tf32",
           FLOOR=30.0, BLOCK_SCAN=True)
-BOUNDED_WY_MAXNREG = LaunchConfig.bounded_wy_maxnreg
-WY_BOUNDED = dict(H=32, HV=32, K=128, V=128, BK=LaunchConfig.bounded_wy_bk, BV=LaunchConfig.bounded_wy_bv,
-                  HAS_A_LOG=True, HAS_DT_BIAS=True)
 
 
 @dataclass(frozen=True)
@@ -95,8 +91,8 @@ def compile_sm90(fn: triton.JITFunction, constants: dict, num_warps: int = 4, nu
 
 def variants() -> dict[str, tuple[triton.JITFunction, dict, Optional[int]]]:
     """The intra kernel with each combination of its two solve/decay options, the bounded
-    gate's intra kernel (at its register cap and uncapped), WY, and the bounded gate's WY
-    kernel (at its register cap and uncapped): (kernel, constexprs, maxnreg)."""
+    gate's intra kernel (at its register cap and uncapped) and WY: (kernel, constexprs,
+    maxnreg)."""
     out: dict[str, tuple[triton.JITFunction, dict, Optional[int]]] = {}
     for diag16 in (False, True):
         for factored in (False, True):
@@ -107,8 +103,6 @@ def variants() -> dict[str, tuple[triton.JITFunction, dict, Optional[int]]]:
                                                                BOUNDED_INTRA_MAXNREG)
     out["intra bounded (uncapped)"] = (chunk_intra_bounded_kernel, BOUNDED, None)
     out["wy"] = (chunk_wy_kernel, WY, None)
-    out[f"wy bounded (maxnreg {BOUNDED_WY_MAXNREG})"] = (chunk_wy_bounded_kernel, WY_BOUNDED, BOUNDED_WY_MAXNREG)
-    out["wy bounded (uncapped)"] = (chunk_wy_bounded_kernel, WY_BOUNDED, None)
     return out
 
 

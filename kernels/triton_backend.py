@@ -6,8 +6,7 @@ The pipeline (`run_triton`), one launcher per stage beside its kernel in
     decode  single-token sequences: one recurrent step each          (`recurrent.launch_decode`)
     intra   per chunk: A_qk, A_kk, the solve -> T diag(beta), norms   (`intra.launch_intra`; the
             bounded gate with 16-bit inputs: `intra_bounded`, with `LaunchConfig.bounded_intra`)
-    wy      per chunk: the WY factors w, u, kg, qg                     (`wy.launch_wy`; the
-            bounded gate with 16-bit inputs: `wy_bounded`, with `LaunchConfig.bounded_wy`)
+    wy      per chunk: the WY factors w, u, kg, qg                     (`wy.launch_wy`)
     state   per sequence: the chunk-to-chunk state pass, and o         (`state.launch_state`)
     output  per chunk, when o is not computed in the state pass        (`output.launch_output`)
 
@@ -44,7 +43,6 @@ from .triton_kernels.output import launch_output
 from .triton_kernels.recurrent import launch_decode
 from .triton_kernels.state import launch_state
 from .triton_kernels.wy import WyOutputs, launch_wy
-from .triton_kernels.wy_bounded import bounded_wy_applies, launch_wy_bounded
 from .triton_plan import LaunchPlan, checkpoint_addresses, launch_plan
 from .triton_toolchain import configure_toolchain
 
@@ -170,11 +168,10 @@ def run_triton(
         st = st.with_h(torch.empty(NT, x.HV, K, V, dtype=torch.float32, device=x.device), (V, 1))
 
     intra_stage = launch_intra_bounded if cfg.bounded_intra and bounded_intra_applies(x) else launch_intra
-    wy_stage = launch_wy_bounded if cfg.bounded_wy and bounded_wy_applies(x) else launch_wy
 
     def parallel(c0: int, c1: int) -> None:
         intra_stage(x, plan.chunks[c0:c1], intra, cfg)
-        wy_stage(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
+        launch_wy(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
 
     def sequential(c0: int, c1: int, s0: int, s1: int) -> None:
         launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch)

@@ -4,7 +4,6 @@
 - `intra`: per-chunk gate cumsum, A_qk / A_kk and the triangular solve;
 - `intra_bounded`: the same stage for the bounded gate with 16-bit inputs (`LaunchConfig.bounded_intra`);
 - `wy`: the WY factors w, u (and kg, qg) from the solve;
-- `wy_bounded`: the same stage for the bounded gate with 16-bit inputs (`LaunchConfig.bounded_wy`);
 - `state`: the sequential chunk-to-chunk state pass, in place on the pool;
 - `output`: per-chunk outputs from the states and the intra-chunk matrices;
 - `recurrent`: single-token sequences (decode), in place on the pool;
@@ -23,7 +22,6 @@ from .output import chunk_output_kernel
 from .recurrent import recurrent_step_kernel
 from .state import chunk_state_kernel
 from .wy import chunk_wy_kernel
-from .wy_bounded import chunk_wy_bounded_kernel
 
 __all__ = [
     "LaunchConfig",
@@ -31,7 +29,6 @@ __all__ = [
     "chunk_intra_kernel",
     "chunk_intra_bounded_kernel",
     "chunk_wy_kernel",
-    "chunk_wy_bounded_kernel",
     "chunk_state_kernel",
     "chunk_output_kernel",
     "recurrent_step_kernel",

@@ -54,13 +54,6 @@ class LaunchConfig:
     bounded_intra: bool = False
     # ... its registers a thread (0: ptxas's choice; 168 lets 3 programs of 4 warps share an SM).
     bounded_intra_maxnreg: int = 168
-    # The WY stage of the same problems from `wy_bounded` (other problems keep `wy`), its key
-    # and value slices and its register cap (0: ptxas's choice; 128 lets 4 programs of 4
-    # warps share an SM, with 8 bytes of spill outside the loops, sm_90 offline compile).
-    bounded_wy: bool = False
-    bounded_wy_bk: int = 16
-    bounded_wy_bv: int = 128
-    bounded_wy_maxnreg: int = 128
     # How fp32 inputs' products run (`tl.dot` input_precision): "tf32x3" (three tf32
     # tensor-core products of the operands' high and low parts: about fp32's accuracy) or
     # "ieee" (fp32 FMAs, off the tensor cores). 16-bit inputs always take fp16/tf32 products.
@@ -111,9 +104,6 @@ FACTORED_A = True
 # 4.5e-4) and within 1e-3 of the previous kernel's; its GPU tests 14/14 and test_triton_gpu's
 # 11/11 passed compiled with it on.
 BOUNDED_INTRA = True
-# The bounded gate's WY kernel (`LaunchConfig.bounded_wy`, `wy_bounded`): off until an H200
-# run shows it faster.
-BOUNDED_WY = False
 # fp32 inputs' products (`LaunchConfig.fp32_products`). H200, H=32, K=V=128, fp32 inputs
 # (2026-12-02, `bench/kernels.py --sweep`): tf32x3 takes 1x4096 from 28.3 to 1.34 ms and
 # 8x4096 from 247 to 11.3 (the ieee state pass spills: 231 of the 247 ms), o and final
@@ -172,7 +162,7 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
             out_bk=bk, out_bv=bv, out_warps=4, out_stages=1,
             rec_bv=bv, rec_warps=4, fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=PIECE_CHUNK_HEADS,
             solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A, fp32_products=FP32_PRODUCTS,
-            bounded_intra=BOUNDED_INTRA, bounded_wy=BOUNDED_WY,
+            bounded_intra=BOUNDED_INTRA,
         )
     return LaunchConfig(
         intra_bk=min(bk, 16), intra_bkd=8, intra_warps=4, intra_stages=3, wy_bk=min(bk, 32), wy_bv=min(bv, 64),
@@ -181,5 +171,5 @@ def select_config(K: int, V: int, interpret: bool) -> LaunchConfig:
         rec_bv=min(bv, 16 if bk > 128 else 32), rec_warps=4,
         fp16_operands=True, fp16_solve=FP16_SOLVE, piece_chunk_heads=None,
         solve_diag16=SOLVE_DIAG16, factored_a=FACTORED_A, fp32_products=FP32_PRODUCTS,
-        bounded_intra=BOUNDED_INTRA, bounded_wy=BOUNDED_WY,
+        bounded_intra=BOUNDED_INTRA,
     )
