@@ -70,6 +70,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
     # where a checkpointed launch's extra time sits: per-kernel device times, prebuilt problems, state-pass variants
     prefix-where) run_step "$name" "$limit" python3 bench/prefix_cache.py --where --reps 20 ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, latency, latency-zero-copy, kernel-paths)"; exit 2 ;;
+    # the checkpointed state pass with its stores taken out (a table of zeros) and multiplied (every chunk)
+    prefix-stores) run_step "$name" "$limit" python3 bench/prefix_cache.py --stores ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-stores, latency, latency-zero-copy, kernel-paths)"; exit 2 ;;
     esac
 done

@@ -218,6 +218,54 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
                   f"{getattr(md, 'num_stages', '?')}, shared {getattr(md, 'shared', '?')}")
 
 
+def bench_store_count(args: argparse.Namespace, device: torch.device) -> None:
+    """The checkpointed state pass with its stores taken out and multiplied: the state
+    kernel's device time per call (torch profiler) plain, with the 32 checkpoints, with
+    the same launch whose address table is all zeros (the checkpoint code compiled and
+    run, nothing stored), and with a checkpoint after every chunk (512 states)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import kernels.triton_backend as triton_backend
+    from kernels.triton_backend import run_triton
+
+    n_seq, length = map(int, args.case.split("x"))
+    c = make_case(n_seq, length, args.heads, device)
+    sparse = checkpoint_positions(c)
+    dense = tuple(a + j for a, n in zip(c["bounds"][:-1], c["lengths"]) for j in range(64, n + 1, 64))
+    base = select_config(K, V, interpret=False)
+    real_table = triton_backend.checkpoint_addresses
+
+    def zero_table(*a: object) -> torch.Tensor:
+        return torch.zeros_like(real_table(*a))
+
+    def states(n: int) -> torch.Tensor:
+        return torch.empty((n, args.heads, V, K), dtype=torch.float32, device=device)
+
+    cases = {"plain": (problem_of(c), real_table),
+             f"{len(sparse)} checkpoints": (problem_of(c, checkpoint_tokens=sparse, checkpoint_states=states(len(sparse))),
+                                            real_table),
+             f"{len(sparse)} checkpoints, address table of zeros (nothing stored)":
+                 (problem_of(c, checkpoint_tokens=sparse, checkpoint_states=states(len(sparse))), zero_table),
+             f"{len(dense)} checkpoints (every chunk)":
+                 (problem_of(c, checkpoint_tokens=dense, checkpoint_states=states(len(dense))), real_table)}
+    print(f"the state pass's stores, {args.case} H{args.heads}, state kernel device ms per call:")
+    try:
+        for name, (prob, table) in cases.items():
+            triton_backend.checkpoint_addresses = table
+            for _ in range(3):
+                run_triton(prob, base)
+            torch.cuda.synchronize(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    run_triton(prob, base)
+                torch.cuda.synchronize(device)
+            ms = sum((getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
+                     for e in prof.key_averages() if e.key == "chunk_state_kernel") / 10 / 1000.0
+            print(f"  {name}: {ms:.3f}", flush=True)
+    finally:
+        triton_backend.checkpoint_addresses = real_table
+
+
 def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
     pool = StatePool(args.layers, 4, args.heads, K, V, device=device)
     g = pool.geometry
@@ -263,6 +311,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--stores", action="store_true",
+                        help="only the state pass with its stores taken out and multiplied")
     parser.add_argument("--where", action="store_true",
                         help="only where the checkpoints' cost sits: per-kernel device times, prebuilt problems")
     args = parser.parse_args()
@@ -271,6 +321,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.where:
         bench_where(args, device)
+        return
+    if args.stores:
+        bench_store_count(args, device)
         return
     bench_checkpoints(args, device, backend)
     bench_restore(args, device)
