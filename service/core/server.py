@@ -506,8 +506,10 @@ class ServerCore:
         """`_run_launch` with the jobs' checkpoints placed in the prefix cache for the launch
         to write into (`PrefixCache.place`): committed for the jobs that stand, released in
         every case, so a job rolled back or a failed launch stores none."""
-        layer = jobs[0].valid.inputs.params.layer
-        targets = self.prefix_cache.place(layer, [(key, offset) for job in jobs for _, key, offset in job.checkpoints])
+        wanted = [(key, offset) for job in jobs for _, key, offset in job.checkpoints]
+        if not wanted:  # the common launch: no trip through the cache's lock
+            return self._run_launch(jobs, rows, [])
+        targets = self.prefix_cache.place(jobs[0].valid.inputs.params.layer, wanted)
         try:
             return self._run_launch(jobs, rows, targets)
         finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
-import threading
 import time
 from typing import Any, Iterator
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from server_harness import free_port
+from transport_helpers import serving
 from kda_client.client import KDAClient
 from kda_client.transport import StdlibTransport
 
@@ -83,13 +83,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    port = free_port()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{port}"
-    server.shutdown()
-    server.server_close()
+    with serving(Handler) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture

@@ -5,9 +5,7 @@ keeps them, and httpx's timeouts and exceptions; against the stdlib HTTP/1.1 ser
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
-import threading
 import time
 from typing import Iterator
 
@@ -15,6 +13,7 @@ import httpx
 import pytest
 
 from server_harness import free_port
+from transport_helpers import serving
 from kda_client.client import KDAClient, _Call, _json
 from kda_client.small import MAX_BODY, SmallExchange
 from test_transport_http_client import BIG, Handler
@@ -22,13 +21,8 @@ from test_transport_http_client import BIG, Handler
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
-    port = free_port()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield port
-    server.shutdown()
-    server.server_close()
+    with serving(Handler) as port:
+        yield port
 
 
 @pytest.fixture

@@ -2,19 +2,23 @@
 shared memory requests with, including wrong ones."""
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import secrets
 import socket
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from kda_client.client import KDAClient, PrefillOutput
 from service.wire.tensors import JSON_DTYPES, JSON_NAMES
 from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
-    GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, pool_image, reference, rel, start_server,
+    GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, free_port, make_sequence, pool_image, reference, rel,
+    start_server,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +26,21 @@ SHM_JSON = "application/vnd.kda.shm+json"
 
 
 NAMES = ("q", "k", "v", "g", "beta")
+
+
+@contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[int]:
+    """A threaded stdlib HTTP server of ``handler`` on a free loopback port (yielded), shut
+    down on exit: a peer for the client-side transport tests."""
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class Region:
