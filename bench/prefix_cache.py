@@ -117,7 +117,7 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     def config(**kw: object) -> Optional[LaunchConfig]:
         return base.with_overrides(**kw) if device.type == "cuda" else None
 
-    at_store, two = config(state_ckpt_prefetch=False), config(state_stages=2)
+    at_store, two, seg = config(state_ckpt_prefetch=False), config(state_stages=2), config(state_ckpt_segments=True)
     buffer_only = dict(checkpoint_tokens=positions, checkpoint_states=marks)
     variants: dict[str, Variant] = {
         "plain": (nothing, lambda: launch(c, backend)),
@@ -129,8 +129,11 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         "later layer: into the entries, addresses at the store": (first_layer_only, lambda: into_entries(1, at_store)),
         "later layer: into the entries, 2 state stages (the old rule)": (first_layer_only,
                                                                          lambda: into_entries(1, two)),
+        "first layer: into new entries, checkpoints end segments": (no_entries, lambda: into_entries(0, seg)),
+        "later layer: into the entries, checkpoints end segments": (first_layer_only, lambda: into_entries(1, seg)),
         "kernel only: into a buffer, not stored": (nothing, lambda: launch(c, backend, **buffer_only)),
         "kernel only, addresses at the store": (nothing, lambda: launch(c, backend, **buffer_only, config=at_store)),
+        "kernel only, checkpoints end segments": (nothing, lambda: launch(c, backend, **buffer_only, config=seg)),
     }
     for setup, fn in variants.values():
         for _ in range(3):
@@ -150,7 +153,9 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     paths = {"the server's path": ("into new entries (the server's path)", "into the entries (the server's path)"),
              "the old path": ("a buffer copied into new entries", "a buffer copied into the entries"),
              "the server's path, addresses at the store": ("into new entries, addresses at the store",
-                                                           "into the entries, addresses at the store")}
+                                                           "into the entries, addresses at the store"),
+             "the server's path, checkpoints end segments": ("into new entries, checkpoints end segments",
+                                                             "into the entries, checkpoints end segments")}
     for path, (first_name, later_name) in paths.items():
         first = next(m for n, m in medians.items() if n.startswith("first layer: " + first_name))
         later = next(m for n, m in medians.items() if n.startswith("later layer: " + later_name))
@@ -180,7 +185,8 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
     ckpt = problem_of(c, checkpoint_tokens=positions, checkpoint_states=marks)
     base = select_config(K, V, interpret=False)
     configs = {"default (addresses a chunk ahead)": base,
-               "addresses at the store": base.with_overrides(state_ckpt_prefetch=False)}
+               "addresses at the store": base.with_overrides(state_ckpt_prefetch=False),
+               "checkpoints end segments": base.with_overrides(state_ckpt_segments=True)}
     print(f"where the checkpoints' cost sits, {args.case} H{args.heads} ({len(positions)} states), per call:")
     for cname, cfg in configs.items():
         for pname, prob in (("plain", plain), ("checkpoints", ckpt)):
@@ -203,11 +209,15 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
             event = statistics.median(timed_ms(call, device) for _ in range(args.reps))
             host = statistics.median(host_ms(call, device) for _ in range(args.reps))
             print(f"  {cname}, {pname}: event {event:.3f} ms, host {host:.3f} ms; device: {kern}", flush=True)
-    from kernels.triton_plan import checkpoint_addresses
+    from kernels.triton_plan import checkpoint_addresses, checkpoint_chunks
 
     targets = tuple(marks.unbind(0))
-    table = statistics.median(host_ms(lambda: checkpoint_addresses(tuple(c["bounds"]), positions, targets, device),
-                                      device) for _ in range(args.reps))
+    bounds = tuple(c["bounds"])
+
+    def table_call() -> None:
+        rows = checkpoint_chunks(bounds, positions)
+        checkpoint_addresses(rows[-1] + 1, rows, targets, device)
+    table = statistics.median(host_ms(table_call, device) for _ in range(args.reps))
     print(f"  host time of the checkpoint address table alone: {table:.3f} ms")
     for dev_cache in (getattr(chunk_state_kernel, "device_caches", None) or {}).values():
         compiled_kernels = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache

@@ -43,7 +43,7 @@ from .triton_kernels.output import launch_output
 from .triton_kernels.recurrent import launch_decode
 from .triton_kernels.state import launch_state
 from .triton_kernels.wy import WyOutputs, launch_wy
-from .triton_plan import LaunchPlan, checkpoint_addresses, launch_plan
+from .triton_plan import Piece, checkpoint_addresses, checkpoint_chunks, launch_plan
 from .triton_toolchain import configure_toolchain
 
 
@@ -87,15 +87,16 @@ def _target_strides(p: PrefillProblem) -> tuple[int, int, int]:
     return (s[0], s[2], s[1]) if p.state_v_first else (s[0], s[1], s[2])
 
 
-def state_targets(p: PrefillProblem, plan: LaunchPlan, h: Optional[torch.Tensor]) -> StateTargets:
-    """The pool, h (or None), checkpoints and non-finite flags of ``p`` as the state stages
-    address them."""
+def state_targets(p: PrefillProblem, num_chunks: int, h: Optional[torch.Tensor], ckpt_chunks: list[int]
+                  ) -> StateTargets:
+    """The pool, h (or None), checkpoints (after the chunks ``ckpt_chunks``, h indices of
+    the ``num_chunks``) and non-finite flags of ``p`` as the state stages address them."""
     K, V = p.q.shape[2], p.v.shape[2]
     targets = p.checkpoint_states
     return StateTargets(
         pool=p.pool, indices=p.indices, pool_strides=_state_strides(p, p.pool),
         h=h, h_strides=(1, K) if p.state_v_first else (V, 1),
-        ckpt_addrs=checkpoint_addresses(p.bounds, p.checkpoint_tokens, targets, p.q.device) if targets else None,
+        ckpt_addrs=checkpoint_addresses(num_chunks, ckpt_chunks, targets, p.q.device) if targets else None,
         ckpt_strides=_target_strides(p), flags=p.nonfinite,
     )
 
@@ -108,27 +109,27 @@ def _state_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device, priority=high)
 
 
-def _run_pieces(plan: LaunchPlan, device: torch.device, parallel: Callable[[int, int], None],
-                sequential: Callable[[int, int, int, int], None]) -> None:
+def _run_pieces(pieces: tuple[Piece, ...], device: torch.device, parallel: Callable[[int, int], None],
+                sequential: Callable[[Piece], None]) -> None:
     """Run ``parallel(c0, c1)`` (the per-chunk stages over chunk rows [c0, c1)) and then
-    ``sequential(c0, c1, s0, s1)`` (state pass, output) for each piece. On CUDA with two or
+    ``sequential(piece)`` (state pass, output) for each piece. On CUDA with two or
     more pieces the sequential parts go to the side stream, each after its piece's parallel
     part, and the caller's stream waits for the last of them before it goes on."""
-    if device.type != "cuda" or len(plan.pieces) < 2:
-        for pc in plan.pieces:
+    if device.type != "cuda" or len(pieces) < 2:
+        for pc in pieces:
             parallel(pc.c0, pc.c1)
-            sequential(pc.c0, pc.c1, pc.s0, pc.s1)
+            sequential(pc)
         return
     main = torch.cuda.current_stream(device)
     side = _state_stream(device)
     side.wait_stream(main)
-    for pc in plan.pieces:
+    for pc in pieces:
         parallel(pc.c0, pc.c1)
         ready = torch.cuda.Event()
         ready.record(main)
         with torch.cuda.stream(side):
             side.wait_event(ready)
-            sequential(pc.c0, pc.c1, pc.s0, pc.s1)
+            sequential(pc)
     main.wait_stream(side)
 
 
@@ -144,17 +145,31 @@ def run_triton(
     configure_toolchain(p.q.device)  # before the first compile
     x = stage_inputs(p, cfg)
     n_multi = sum(1 for a, b in zip(p.bounds[:-1], p.bounds[1:]) if b - a > 1)
-    plan = launch_plan(p.bounds, piece_chunks(cfg, x.HV, n_multi), x.device)
+    ckpt_chunks = checkpoint_chunks(p.bounds, p.checkpoint_tokens) if p.checkpoint_states else []
+    cuts = tuple(sorted(set(ckpt_chunks))) if cfg.state_ckpt_segments else ()
+    plan = launch_plan(p.bounds, piece_chunks(cfg, x.HV, n_multi), x.device, cuts)
     NT = plan.num_chunks
     o = torch.empty_like(x.v)
     h = None
     if p.output_intermediate_states:
         shape = (NT, x.HV, V, K) if p.state_v_first else (NT, x.HV, K, V)
         h = torch.empty(shape, dtype=torch.float32, device=x.device)
-    st = state_targets(p, plan, h)
+    fused = fuse_output(cfg, n_multi * x.HV)
+    targets: list[StateTargets] = []
+
+    def state_targets_once() -> StateTargets:
+        """`state_targets`, built at first use: with no single-token sequence that is after
+        the first piece's parallel stages are queued, so the checkpoint address table's host
+        work overlaps them instead of holding up the first launch."""
+        if not targets:
+            st = state_targets(p, NT, h, ckpt_chunks)
+            if not fused and h is None and plan.chunks.shape[0] > 0:  # the output stage's scratch states
+                st = st.with_h(torch.empty(NT, x.HV, K, V, dtype=torch.float32, device=x.device), (V, 1))
+            targets.append(st)
+        return targets[0]
 
     if plan.decs.shape[0] > 0:
-        launch_decode(x, plan.decs, o, st, cfg)
+        launch_decode(x, plan.decs, o, state_targets_once(), cfg)
     if plan.chunks.shape[0] == 0:
         return o, h
 
@@ -162,10 +177,7 @@ def run_triton(
     carry = torch.empty(max(plan.num_carry, 1), x.HV, K, V, dtype=torch.float32, device=x.device)
     wy = WyOutputs.alloc(x, NT)
     launch = state_launch(cfg, n_multi * x.HV, K, V, x.mat.itemsize)
-    fused = fuse_output(cfg, n_multi * x.HV)
     v_new = None if fused else torch.empty_like(wy.u)
-    if not fused and h is None:  # scratch states for the output stage, [NT, HV, K, V]
-        st = st.with_h(torch.empty(NT, x.HV, K, V, dtype=torch.float32, device=x.device), (V, 1))
 
     intra_stage = launch_intra_bounded if cfg.bounded_intra and bounded_intra_applies(x) else launch_intra
 
@@ -173,10 +185,13 @@ def run_triton(
         intra_stage(x, plan.chunks[c0:c1], intra, cfg)
         launch_wy(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
 
-    def sequential(c0: int, c1: int, s0: int, s1: int) -> None:
-        launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch)
+    def sequential(pc: Piece) -> None:
+        st = state_targets_once()
+        for s0, s1 in pc.launches():  # levels of segments, in order (one without checkpoint cuts)
+            launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch,
+                         at_end=cfg.state_ckpt_segments)
         if v_new is not None:
-            launch_output(x, plan.chunks[c0:c1], wy.qg, st, v_new, intra.aqk, o, cfg)
+            launch_output(x, plan.chunks[pc.c0:pc.c1], wy.qg, st, v_new, intra.aqk, o, cfg)
 
-    _run_pieces(plan, x.device, parallel, sequential)
+    _run_pieces(plan.pieces, x.device, parallel, sequential)
     return o, h

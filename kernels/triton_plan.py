@@ -30,12 +30,21 @@ SEG_COLS = 6  # sequence id, first token, end token, h index of first chunk, loa
 
 @dataclass(frozen=True)
 class Piece:
-    """Row ranges of one piece in the chunk table [c0, c1) and the segment table [s0, s1)."""
+    """Row ranges of one piece in the chunk table [c0, c1) and the segment table [s0, s1).
+    ``levels``: the segment rows where each of the piece's state launches starts (the first
+    is s0). A sequence cut at checkpoints has one segment per level, so its segments run in
+    order, each launch after the one before; a piece without cuts has one level."""
 
     c0: int
     c1: int
     s0: int
     s1: int
+    levels: tuple[int, ...]
+
+    def launches(self) -> list[tuple[int, int]]:
+        """Segment row ranges [a, b) of the piece's state launches, in order."""
+        ends = (*self.levels[1:], self.s1)
+        return list(zip(self.levels, ends))
 
 
 @dataclass(frozen=True)
@@ -58,24 +67,32 @@ class LaunchPlan:
     num_chunks: int
 
 
-def piece_rows(bounds: tuple[int, ...], piece_chunks: int) -> tuple[list[int], list[int], list[int], list[Piece], int, int]:
+def piece_rows(bounds: tuple[int, ...], piece_chunks: int, cuts: tuple[int, ...] = ()
+               ) -> tuple[list[int], list[int], list[int], list[Piece], int, int]:
     """The flat host tables of `LaunchPlan` (chunks, segs, decs as flat int lists), the
     pieces, the carry rows and NT, for packed sequences with offsets ``bounds``.
-    ``piece_chunks`` <= 0 means one piece."""
+    ``piece_chunks`` <= 0 means one piece. ``cuts``: sorted h indices of chunks a segment
+    must end after (checkpoints, stored at segment ends: `state.chunk_state_kernel`)."""
     limit = piece_chunks if piece_chunks > 0 else 1 << 62
     chunks: list[int] = []
     segs: list[int] = []
     decs: list[int] = []
     pieces: list[Piece] = []
+    levels: list[list[int]] = []  # the open piece's segment rows, by level
     hoff = num_carry = 0
-    c0 = s0 = 0
+    c0 = 0
 
     def close() -> None:
-        nonlocal c0, s0
-        nc, ns = len(chunks) // 3, len(segs) // SEG_COLS
+        nonlocal c0
+        nc = len(chunks) // 3
         if nc > c0:
-            pieces.append(Piece(c0, nc, s0, ns))
-        c0, s0 = nc, ns
+            s0, starts = len(segs) // SEG_COLS, []
+            for rows in levels:
+                starts.append(len(segs) // SEG_COLS)
+                segs.extend(rows)
+            pieces.append(Piece(c0, nc, s0, len(segs) // SEG_COLS, tuple(starts)))
+        levels.clear()
+        c0 = nc
 
     for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         if b - a == 1:
@@ -83,31 +100,39 @@ def piece_rows(bounds: tuple[int, ...], piece_chunks: int) -> tuple[list[int], l
             hoff += 1
             continue
         n_chunks = -(-(b - a) // CHUNK_SIZE)
-        done, carry, load = 0, -1, -1
+        done, carry, load, level = 0, -1, -1, 0
         while done < n_chunks:
             room = limit - (len(chunks) // 3 - c0)
             take = min(n_chunks - done, room)
+            i = bisect_left(cuts, hoff + done)
+            if i < len(cuts) and cuts[i] < hoff + done + take - 1:  # a checkpoint inside: end there
+                take = cuts[i] - hoff - done + 1
             if done + take < n_chunks and carry < 0:
                 carry, num_carry = num_carry, num_carry + 1
             store = carry if done + take < n_chunks else -1
             first = a + done * CHUNK_SIZE
             for t in range(first, first + take * CHUNK_SIZE, CHUNK_SIZE):
                 chunks += [t, min(t + CHUNK_SIZE, b), hoff + (t - a) // CHUNK_SIZE]
-            segs += [n, first, min(first + take * CHUNK_SIZE, b), hoff + done, load, store]
+            if len(levels) <= level:
+                levels.append([])
+            levels[level] += [n, first, min(first + take * CHUNK_SIZE, b), hoff + done, load, store]
             load = store
             done += take
+            level += 1
             if len(chunks) // 3 - c0 >= limit:
                 close()
+                level = 0
         hoff += n_chunks
     close()
     return chunks, segs, decs, pieces, num_carry, hoff
 
 
 @lru_cache(maxsize=64)
-def launch_plan(bounds: tuple[int, ...], piece_chunks: int, device: torch.device) -> LaunchPlan:
-    """The tables for ``bounds``, built on the host and copied to ``device`` once (cached:
-    serving repeats layouts)."""
-    chunks, segs, decs, pieces, num_carry, num_chunks = piece_rows(bounds, piece_chunks)
+def launch_plan(bounds: tuple[int, ...], piece_chunks: int, device: torch.device, cuts: tuple[int, ...] = ()
+                ) -> LaunchPlan:
+    """The tables for ``bounds`` (segments ending after the chunks ``cuts``: `piece_rows`),
+    built on the host and copied to ``device`` once (cached: serving repeats layouts)."""
+    chunks, segs, decs, pieces, num_carry, num_chunks = piece_rows(bounds, piece_chunks, cuts)
     packed = torch.tensor(chunks + segs + decs, dtype=torch.int64).to(device)
     nc, ns = len(chunks), len(segs)
     return LaunchPlan(
@@ -120,20 +145,28 @@ def launch_plan(bounds: tuple[int, ...], piece_chunks: int, device: torch.device
     )
 
 
-def checkpoint_addresses(bounds: tuple[int, ...], positions: tuple[int, ...], targets: tuple[torch.Tensor, ...],
-                         device: torch.device) -> torch.Tensor:
-    """[NT] int64: for each chunk (h index, as `piece_rows` numbers them: sequences in
-    order, a 1-token sequence one chunk) the address of the target that takes the state
-    after it (``targets[c]`` for ``positions[c]``), 0 for none. ``positions``: packed token
-    positions, each a chunk end of its sequence (``bounds[n] + 64 j`` or ``bounds[n + 1]``;
-    `kernels.checkpoints` checks them)."""
+def checkpoint_chunks(bounds: tuple[int, ...], positions: tuple[int, ...]) -> list[int]:
+    """For each packed checkpoint position (a chunk end of its sequence: ``bounds[n] + 64 j``
+    or ``bounds[n + 1]``; `kernels.checkpoints` checks them), the h index of the chunk it
+    ends, as `piece_rows` numbers chunks (sequences in order, a 1-token sequence one chunk)."""
     first = [0]
     for a, b in zip(bounds[:-1], bounds[1:]):
         first.append(first[-1] + -(-(b - a) // CHUNK_SIZE))
-    addrs = [0] * first[-1]
-    for pos, target in zip(positions, targets):
+    out = []
+    for pos in positions:
         n = bisect_left(bounds, pos) - 1  # bounds[n] < pos <= bounds[n + 1]
-        addrs[first[n] + (pos - bounds[n] - 1) // CHUNK_SIZE] = target.data_ptr()
+        out.append(first[n] + (pos - bounds[n] - 1) // CHUNK_SIZE)
+    return out
+
+
+def checkpoint_addresses(num_chunks: int, chunk_rows: list[int], targets: tuple[torch.Tensor, ...],
+                         device: torch.device) -> torch.Tensor:
+    """[NT] int64 (``num_chunks``): for each chunk (h index) the address of the target that
+    takes the state after it (``targets[c]`` after chunk ``chunk_rows[c]``:
+    `checkpoint_chunks`), 0 for none."""
+    addrs = [0] * num_chunks
+    for row, target in zip(chunk_rows, targets):
+        addrs[row] = target.data_ptr()
     host = torch.frombuffer(array("q", addrs), dtype=torch.int64)  # a third of torch.tensor(list)'s host time
     if device.type != "cuda":
         return host.to(device)

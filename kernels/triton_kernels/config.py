@@ -65,6 +65,11 @@ class LaunchConfig:
     # to +14.1%. Other ways to store them lost there: from the registers by inline PTX (0.902),
     # after a loop over the chunks up to each (0.865), 8 warps (0.880), BV 32 (1.056).
     state_ckpt_prefetch: bool = True
+    # End a state-pass segment at every checkpoint (a launch per level of segments: the
+    # plan's cuts) and store each after its segment's chunk loop, which stays the plain one,
+    # instead of looking for checkpoints inside the loop (their code alone cost the 8x4096
+    # state kernel +0.069 ms with nothing stored, 2026-12-04 run 5).
+    state_ckpt_segments: bool = False
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)

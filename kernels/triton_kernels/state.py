@@ -15,10 +15,13 @@ writes a carry row instead, by its segment-table entry. The pool is addressed th
 layouts (fp32 or bf16) are one code path. This kernel must never be autotuned: a timing
 run would advance live states.
 
-Checkpoints (CHECKPOINT): after each chunk, when ``ckpt_addrs[chunk]`` holds an address,
-the state after that chunk goes to the [HV, ., .] state there as well, in the pool's dtype
+Checkpoints (CHECKPOINT): when ``ckpt_addrs[chunk]`` holds an address, the state after
+that chunk goes to the [HV, ., .] state there as well, in the pool's dtype
 (`store_checkpoint`): the targets are the caller's tensors wherever they live (a cache's
-entries), one int64 address each, so nothing is copied after the launch.
+entries), one int64 address each, so nothing is copied after the launch. CKPT_AT_END: the
+plan ends a segment at every checkpoint (`triton_plan.piece_rows`' cuts), so only the
+segment's last chunk can have one and it is stored after the chunk loop, which stays the
+plain one; otherwise each chunk of the loop looks for its address.
 
 Non-finite flags (FLAG): the program looks for NaN and Inf values in the o tiles it
 stores (FUSE_OUT) and of the state it writes at the segment's end, as stored, and sets
@@ -116,7 +119,7 @@ def chunk_state_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
-    DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False, CKPT_AT_END: tl.constexpr = False,
 ):
     """Grid (Ns * HV * cdiv(V, BV),). segs: [Ns, 6] int64 (sequence id, first token, end
     token, h index of its first chunk, carry row to load or -1, carry row to store or -1);
@@ -129,7 +132,8 @@ def chunk_state_kernel(
     ckpt_addrs [NT] int64 (head, key, value strides c_*) and flags [N + 1] int32 (FLAG) as
     in `StateTargets`. CKPT_PREFETCH: each chunk's checkpoint address is loaded one chunk
     ahead (carried through the loop) instead of just before its store, whose branch would
-    otherwise wait for that load (`LaunchConfig.state_ckpt_prefetch`).
+    otherwise wait for that load (`LaunchConfig.state_ckpt_prefetch`). CKPT_AT_END: only the
+    segment's last chunk has a checkpoint, stored after the loop (`LaunchConfig.state_ckpt_segments`).
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -159,19 +163,22 @@ def chunk_state_kernel(
     m_k = o_k < K
     m_v = o_v < V
     n_chunks = tl.cdiv(eos - bos, 64)
-    if CHECKPOINT and CKPT_PREFETCH:
+    IN_LOOP: tl.constexpr = CHECKPOINT and not CKPT_AT_END
+    if IN_LOOP and CKPT_PREFETCH:
         ck_next = tl.load(ckpt_addrs + hoff)
     for i_t in range(n_chunks):
-        if CHECKPOINT and CKPT_PREFETCH:  # this chunk's address, loaded one chunk ago; the next one's now
+        if IN_LOOP and CKPT_PREFETCH:  # this chunk's address, loaded one chunk ago; the next one's now
             ck_addr = ck_next
             ck_next = tl.load(ckpt_addrs + hoff + i_t + 1, mask=i_t + 1 < n_chunks, other=0)
         b_h, o_bad = chunk_step(b_h, o_bad, i_t, bos, eos, hoff, i_hv, w, u, kg, gexp, qg, aqk, o, v_new, h,
                                 o_t, o_k, o_v, m_k, m_v, m_kv, s_hk, s_hv, HV, K, V, FUSE_OUT, STORE_H, FLAG,
                                 DOT_PREC)
-        if CHECKPOINT:
+        if IN_LOOP:
             if not CKPT_PREFETCH:
                 ck_addr = tl.load(ckpt_addrs + hoff + i_t)
             store_checkpoint(ck_addr, i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head, pool)
+    if CHECKPOINT and CKPT_AT_END:
+        store_checkpoint(tl.load(ckpt_addrs + hoff + n_chunks - 1), i_hv, b_h, o_k, o_v, K, V, c_k, c_v, c_head, pool)
 
     if FLAG and FUSE_OUT:
         flag_nonfinite(flags + seq, o_bad, o_t < 64)
@@ -212,14 +219,16 @@ def launch_fitting(launch: Callable[[int], None], variant: Hashable, stages: int
 
 def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.Tensor, o: torch.Tensor,
                  v_new: Optional[torch.Tensor], st: StateTargets, carry: torch.Tensor,
-                 launch: tuple[int, int, int], prefetch: bool = True) -> None:
+                 launch: tuple[int, int, int], prefetch: bool = True, at_end: bool = False) -> None:
     """The state pass over the segment rows ``segs`` ([Ns, 6], `kernels.triton_plan`), from
     the WY factors ``wy`` and A_qk ``aqk`` [T, HV, 64]: o [T, HV, V] when ``v_new`` is None
     (fused output), else v_new [T, HV, V] fp32 and the per-chunk states ``st.h`` for the
     output stage; final states to the pool, checkpoints to ``st.ckpt_addrs``' targets,
     non-finite flags to ``st.flags``. ``launch``: (BV, warps, stages) from `config.state_launch`
     (fewer stages when that many do not fit: `launch_fitting`); ``prefetch``: load each
-    checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`)."""
+    checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`); ``at_end``: the
+    plan ends a segment at each checkpoint, stored after the chunk loop
+    (`LaunchConfig.state_ckpt_segments`)."""
     bv, warps, stages = launch
     h, ckpt_addrs = st.pointers(o)
     fused = v_new is None
@@ -227,7 +236,7 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
             ckpt_addrs, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides)
     consts = dict(HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
                   STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
-                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch)
+                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch and not at_end, CKPT_AT_END=at_end)
     grid = (segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)
     # what selects a compiled variant: constexprs, warps, pointer dtypes, strides of 1 (Triton specializes them)
     variant = (x.device, stages, warps, tuple(consts.items()), x.mat, o.dtype, st.pool.dtype,

@@ -88,7 +88,8 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
             yield ("state", {"seq_heads": seq_heads, "fused_output": fuse, "checkpoints": ckpt}, chunk_state_kernel,
                    state_ptrs, dict(HV=HEADS, K=K, V=V, BK=bk, BV=bv, FUSE_OUT=fuse, STORE_H=not fuse,
                                     CHECKPOINT=ckpt, FLAG=True, DOT_PREC=dot_prec,
-                                    CKPT_PREFETCH=ckpt and cfg.state_ckpt_prefetch),
+                                    CKPT_PREFETCH=ckpt and cfg.state_ckpt_prefetch and not cfg.state_ckpt_segments,
+                                    CKPT_AT_END=ckpt and cfg.state_ckpt_segments),
                    warps, stages)
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)

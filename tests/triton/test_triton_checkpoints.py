@@ -57,6 +57,20 @@ def test_checkpoints_with_addresses_loaded_at_the_store(device: str, output_path
     check_checkpoints(case, device, seed=29, tol=FP32_TOL, scattered=True)
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
+def test_checkpoints_ending_segments(device: str, output_path: str, pieces: bool,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments cut at every checkpoint, each stored after its segment's chunk loop
+    (`LaunchConfig.state_ckpt_segments`): a launch per level, states carried between them."""
+    case = Case(LENGTHS, gate="lower_bound", intermediate=pieces)
+    if pieces:  # pieces of two chunks: cuts inside pieces and at their boundaries
+        monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 2 * case.HV)
+    override_config(monkeypatch, state_ckpt_segments=True)
+    check_checkpoints(case, device, seed=31, tol=FP32_TOL, scattered=True)
+    check_checkpoints(Case((70, 1, 129), v_first=False, K=16, V=32, pool_dtype=torch.bfloat16, gate="lower_bound"),
+                      device, seed=32, tol=BF16_TOL)
+
+
 def test_checkpoints_k_first_bf16_pool(device: str) -> None:
     check_checkpoints(Case((70, 1, 129), v_first=False, K=16, V=32, pool_dtype=torch.bfloat16, gate="lower_bound"),
                       device, seed=22, tol=BF16_TOL)
@@ -76,7 +90,8 @@ def test_checkpoints_torch_backend() -> None:
     check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=28, tol=FP32_TOL, backend="torch", scattered=True)
 
 
-STORE_VARIANTS = {"addresses a chunk ahead": {}, "addresses at the store": dict(state_ckpt_prefetch=False)}
+STORE_VARIANTS = {"addresses a chunk ahead": {}, "addresses at the store": dict(state_ckpt_prefetch=False),
+                  "checkpoints end segments": dict(state_ckpt_segments=True)}
 
 
 @pytest.mark.gpu

@@ -51,10 +51,14 @@ def test_pieces_bit_identical_to_one_piece(device: str, monkeypatch: pytest.Monk
     assert same_bits(pool1, pool2)
 
 
+CUTS = {"no cuts": (), "cuts": (0, 1, 6, 7, 12, 14, 19)}  # h indices: interior, sequence ends, a 1-token one
+
+
+@pytest.mark.parametrize("cuts", list(CUTS))
 @pytest.mark.parametrize("piece_chunks", [0, 1, 2, 3, 7])
-def test_plan_covers_every_chunk_once_and_chains_carries(piece_chunks: int) -> None:
+def test_plan_covers_every_chunk_once_and_chains_carries(piece_chunks: int, cuts: str) -> None:
     bounds = (0, 130, 131, 400, 464, 465, 1000)
-    chunks, segs, decs, pieces, num_carry, num_chunks = piece_rows(bounds, piece_chunks)
+    chunks, segs, decs, pieces, num_carry, num_chunks = piece_rows(bounds, piece_chunks, CUTS[cuts])
     rows = [chunks[i:i + 3] for i in range(0, len(chunks), 3)]
     seg_rows = [segs[i:i + SEG_COLS] for i in range(0, len(segs), SEG_COLS)]
     # every token of every multi-token sequence in exactly one chunk, chunks in order
@@ -81,3 +85,15 @@ def test_plan_covers_every_chunk_once_and_chains_carries(piece_chunks: int) -> N
             assert s[2] == nxt[1] and s[5] >= 0 and nxt[4] == s[5]
             assert s[5] < num_carry
     assert num_chunks == len(rows) + len(decs) // 3
+    # each cut chunk ends a segment; a piece's levels hold one segment per sequence, in order
+    ends = {s[3] + -(-(s[2] - s[1]) // 64) - 1 for s in seg_rows}
+    assert {c for c in CUTS[cuts] if c in {r[2] for r in rows}} <= ends
+    for p in pieces:
+        assert p.levels[0] == p.s0 and list(p.levels) == sorted(set(p.levels))
+        seen: dict[int, int] = {}
+        for level, (l0, l1) in enumerate(p.launches()):
+            names = [seg_rows[r][0] for r in range(l0, l1)]
+            assert len(names) == len(set(names)) and names == sorted(names)
+            for n in names:
+                assert seen.get(n, -1) == level - 1  # levels 0, 1, ... of the piece, in order
+                seen[n] = level
