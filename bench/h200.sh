@@ -62,9 +62,9 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
         --server-arg=--cuda-ipc-zero-copy --json "$OUT/latency_zero_copy.json" ;;
     # where a decode step's time goes in the server: py-spy (GIL-holding and idle threads,
     # collapsed stacks) on kda-serve while bench/latency.py sends 256x1 steps with the finals declined
-    latency-profile) run_step "$name" "$limit" bash -c 'python3 bench/latency.py gpu --cases 256x1 --calls 4000 > "$OUT/latency_profile_bench.log" 2>&1 &
-        for _ in $(seq 120); do pid=$(pgrep -f "service.cli" | head -1); [[ -n $pid ]] && break; sleep 1; done
-        sleep 25; /tmp/site/bin/py-spy record -p "$pid" -d 12 -r 400 --idle --threads --format raw -o "$OUT/decode_step.txt"
+    latency-profile) run_step "$name" "$limit" bash -c 'python3 bench/latency.py gpu --cases 256x1 --calls 3000 > "$OUT/latency_profile_bench.log" 2>&1 &
+        for _ in $(seq 120); do pid=$(pgrep -f "^[^ ]*python[^ ]* -m service.cli" | head -1); [[ -n $pid ]] && break; sleep 1; done
+        sleep 30; /tmp/site/bin/py-spy record -p "$pid" -d 12 -r 400 --idle --threads --format raw -o "$OUT/decode_step.txt"
         wait; tail -n 20 "$OUT/latency_profile_bench.log"' ;;
     # issue 18's candidates (--sweep) against the default and FlashKDA in one run (no fla: its warm-up is ~190 s)
     kernel-ab) run_step "$name" "$limit" python3 bench/kernels.py --sweep --peers FlashKDA \
@@ -76,8 +76,9 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
     # where a checkpointed launch's extra time sits: per-kernel device times, prebuilt problems, state-pass variants
     prefix-where) run_step "$name" "$limit" python3 bench/prefix_cache.py --where --reps 20 ;;
-    # the checkpointed state pass with its stores taken out (a table of zeros) and multiplied (every chunk)
-    prefix-stores) run_step "$name" "$limit" python3 bench/prefix_cache.py --stores ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-stores, latency, latency-zero-copy, latency-profile, kernel-paths)"; exit 2 ;;
+    # the same, checkpoints denser (every 256 and 128 tokens): where the segments' launches stop paying
+    prefix-dense) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --where --reps 10 --every 256 &&
+        python3 bench/prefix_cache.py --where --reps 10 --every 128' ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-dense, latency, latency-zero-copy, latency-profile, kernel-paths)"; exit 2 ;;
     esac
 done

@@ -9,9 +9,12 @@
    prefill's first layer stores every checkpoint into a new entry, its other layers into
    the entries present: both are timed, and the --layers prefill's mean is printed. In the
    same run, for comparison: the old path (a launch buffer copied into the entries), the
-   addresses loaded right before each store instead of a chunk ahead
-   (`LaunchConfig.state_ckpt_prefetch` off), the state pass held to 2 pipeline stages (the
-   rule before its stages were chosen by what fits), and the kernel alone.
+   checkpoints stored from inside the chunk loop instead of at segment ends
+   (`LaunchConfig.state_ckpt_levels` 0), with their addresses loaded right before each store
+   instead of a chunk ahead (`LaunchConfig.state_ckpt_prefetch` off), the state pass held to
+   2 pipeline stages (the rule before its stages were chosen by what fits), and the kernel
+   alone. ``--every N``: a checkpoint every N tokens instead; ``--where``: per-kernel device
+   times of the two ways to store them, on problems built once.
 2. Restore: a 48-layer entry ([48, 32, 128, 128] fp32, 96 MiB) into a pool slot, as
    `ServerCore._alloc_prefix` does (`StatePool.alloc_copies` inside `PrefixCache.restoring`:
    the copy alone writes the row, no zero fill first), and the old way (a zeroed `alloc`,
@@ -44,9 +47,9 @@ from state_store import PrefixCache, StatePool  # noqa: E402
 EVERY = 1024
 
 
-def checkpoint_positions(c: dict) -> tuple[int, ...]:
-    """Packed positions every `EVERY` tokens of each sequence of case ``c`` (and its end)."""
-    step = min(EVERY, c["lengths"][0])
+def checkpoint_positions(c: dict, every: int) -> tuple[int, ...]:
+    """Packed positions every ``every`` tokens of each sequence of case ``c`` (and its end)."""
+    step = min(every, c["lengths"][0])
     return tuple(a + j for a, n in zip(c["bounds"][:-1], c["lengths"]) for j in range(step, n + 1, step))
 
 
@@ -79,7 +82,7 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     other L - 1 launches of an L-layer prefill), against the plain launch and the old path."""
     n_seq, length = map(int, args.case.split("x"))
     c = make_case(n_seq, length, args.heads, device)
-    positions = checkpoint_positions(c)
+    positions = checkpoint_positions(c, args.every)
     C = len(positions)
     marks = torch.empty((C, args.heads, V, K), dtype=torch.float32, device=device)
     geometry = StatePool(2, 1, args.heads, K, V, device=device).geometry  # entries of two layers
@@ -117,7 +120,8 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     def config(**kw: object) -> Optional[LaunchConfig]:
         return base.with_overrides(**kw) if device.type == "cuda" else None
 
-    at_store, two, seg = config(state_ckpt_prefetch=False), config(state_stages=2), config(state_ckpt_segments=True)
+    at_store, two = config(state_ckpt_prefetch=False, state_ckpt_levels=0), config(state_stages=2)
+    in_loop = config(state_ckpt_levels=0)
     buffer_only = dict(checkpoint_tokens=positions, checkpoint_states=marks)
     variants: dict[str, Variant] = {
         "plain": (nothing, lambda: launch(c, backend)),
@@ -129,11 +133,12 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         "later layer: into the entries, addresses at the store": (first_layer_only, lambda: into_entries(1, at_store)),
         "later layer: into the entries, 2 state stages (the old rule)": (first_layer_only,
                                                                          lambda: into_entries(1, two)),
-        "first layer: into new entries, checkpoints end segments": (no_entries, lambda: into_entries(0, seg)),
-        "later layer: into the entries, checkpoints end segments": (first_layer_only, lambda: into_entries(1, seg)),
+        "first layer: into new entries, stored in the chunk loop": (no_entries, lambda: into_entries(0, in_loop)),
+        "later layer: into the entries, stored in the chunk loop": (first_layer_only,
+                                                                    lambda: into_entries(1, in_loop)),
         "kernel only: into a buffer, not stored": (nothing, lambda: launch(c, backend, **buffer_only)),
         "kernel only, addresses at the store": (nothing, lambda: launch(c, backend, **buffer_only, config=at_store)),
-        "kernel only, checkpoints end segments": (nothing, lambda: launch(c, backend, **buffer_only, config=seg)),
+        "kernel only, stored in the chunk loop": (nothing, lambda: launch(c, backend, **buffer_only, config=in_loop)),
     }
     for setup, fn in variants.values():
         for _ in range(3):
@@ -146,7 +151,7 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
             times[name].append(timed_ms(fn, device))
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     p = medians["plain"]
-    print(f"checkpoints {args.case} H{args.heads}, one every {EVERY} tokens ({C} states), medians of "
+    print(f"checkpoints {args.case} H{args.heads}, one every {args.every} tokens ({C} states), medians of "
           f"{args.reps} interleaved:")
     for name, m in medians.items():
         print(f"  {name}: {m:.3f} ms ({100 * (m / p - 1):+.2f}% against plain)")
@@ -154,8 +159,8 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
              "the old path": ("a buffer copied into new entries", "a buffer copied into the entries"),
              "the server's path, addresses at the store": ("into new entries, addresses at the store",
                                                            "into the entries, addresses at the store"),
-             "the server's path, checkpoints end segments": ("into new entries, checkpoints end segments",
-                                                             "into the entries, checkpoints end segments")}
+             "the server's path, stored in the chunk loop": ("into new entries, stored in the chunk loop",
+                                                             "into the entries, stored in the chunk loop")}
     for path, (first_name, later_name) in paths.items():
         first = next(m for n, m in medians.items() if n.startswith("first layer: " + first_name))
         later = next(m for n, m in medians.items() if n.startswith("later layer: " + later_name))
@@ -179,14 +184,13 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
 
     n_seq, length = map(int, args.case.split("x"))
     c = make_case(n_seq, length, args.heads, device)
-    positions = checkpoint_positions(c)
+    positions = checkpoint_positions(c, args.every)
     marks = torch.empty((len(positions), args.heads, V, K), dtype=torch.float32, device=device)
     plain = problem_of(c)
     ckpt = problem_of(c, checkpoint_tokens=positions, checkpoint_states=marks)
     base = select_config(K, V, interpret=False)
-    configs = {"default (addresses a chunk ahead)": base,
-               "addresses at the store": base.with_overrides(state_ckpt_prefetch=False),
-               "checkpoints end segments": base.with_overrides(state_ckpt_segments=True)}
+    configs = {"segments end at the checkpoints": base.with_overrides(state_ckpt_levels=1 << 20),
+               "in the chunk loop, addresses a chunk ahead": base.with_overrides(state_ckpt_levels=0)}
     print(f"where the checkpoints' cost sits, {args.case} H{args.heads} ({len(positions)} states), per call:")
     for cname, cfg in configs.items():
         for pname, prob in (("plain", plain), ("checkpoints", ckpt)):
@@ -226,54 +230,6 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
             print(f"  compiled state pass: regs {getattr(compiled, 'n_regs', '?')}, spills "
                   f"{getattr(compiled, 'n_spills', '?')}, warps {getattr(md, 'num_warps', '?')}, stages "
                   f"{getattr(md, 'num_stages', '?')}, shared {getattr(md, 'shared', '?')}")
-
-
-def bench_store_count(args: argparse.Namespace, device: torch.device) -> None:
-    """The checkpointed state pass with its stores taken out and multiplied: the state
-    kernel's device time per call (torch profiler) plain, with the 32 checkpoints, with
-    the same launch whose address table is all zeros (the checkpoint code compiled and
-    run, nothing stored), and with a checkpoint after every chunk (512 states)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    import kernels.triton_backend as triton_backend
-    from kernels.triton_backend import run_triton
-
-    n_seq, length = map(int, args.case.split("x"))
-    c = make_case(n_seq, length, args.heads, device)
-    sparse = checkpoint_positions(c)
-    dense = tuple(a + j for a, n in zip(c["bounds"][:-1], c["lengths"]) for j in range(64, n + 1, 64))
-    base = select_config(K, V, interpret=False)
-    real_table = triton_backend.checkpoint_addresses
-
-    def zero_table(*a: object) -> torch.Tensor:
-        return torch.zeros_like(real_table(*a))
-
-    def states(n: int) -> torch.Tensor:
-        return torch.empty((n, args.heads, V, K), dtype=torch.float32, device=device)
-
-    cases = {"plain": (problem_of(c), real_table),
-             f"{len(sparse)} checkpoints": (problem_of(c, checkpoint_tokens=sparse, checkpoint_states=states(len(sparse))),
-                                            real_table),
-             f"{len(sparse)} checkpoints, address table of zeros (nothing stored)":
-                 (problem_of(c, checkpoint_tokens=sparse, checkpoint_states=states(len(sparse))), zero_table),
-             f"{len(dense)} checkpoints (every chunk)":
-                 (problem_of(c, checkpoint_tokens=dense, checkpoint_states=states(len(dense))), real_table)}
-    print(f"the state pass's stores, {args.case} H{args.heads}, state kernel device ms per call:")
-    try:
-        for name, (prob, table) in cases.items():
-            triton_backend.checkpoint_addresses = table
-            for _ in range(3):
-                run_triton(prob, base)
-            torch.cuda.synchronize(device)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    run_triton(prob, base)
-                torch.cuda.synchronize(device)
-            ms = sum((getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
-                     for e in prof.key_averages() if e.key == "chunk_state_kernel") / 10 / 1000.0
-            print(f"  {name}: {ms:.3f}", flush=True)
-    finally:
-        triton_backend.checkpoint_addresses = real_table
 
 
 def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
@@ -321,8 +277,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--stores", action="store_true",
-                        help="only the state pass with its stores taken out and multiplied")
+    parser.add_argument("--every", type=int, default=EVERY, help="tokens between checkpoints")
     parser.add_argument("--where", action="store_true",
                         help="only where the checkpoints' cost sits: per-kernel device times, prebuilt problems")
     args = parser.parse_args()
@@ -331,9 +286,6 @@ def main() -> None:
     torch.manual_seed(0)
     if args.where:
         bench_where(args, device)
-        return
-    if args.stores:
-        bench_store_count(args, device)
         return
     bench_checkpoints(args, device, backend)
     bench_restore(args, device)

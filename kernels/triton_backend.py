@@ -43,7 +43,7 @@ from .triton_kernels.output import launch_output
 from .triton_kernels.recurrent import launch_decode
 from .triton_kernels.state import launch_state
 from .triton_kernels.wy import WyOutputs, launch_wy
-from .triton_plan import Piece, checkpoint_addresses, checkpoint_chunks, launch_plan
+from .triton_plan import LaunchPlan, Piece, checkpoint_addresses, checkpoint_chunks, launch_plan
 from .triton_toolchain import configure_toolchain
 
 
@@ -101,6 +101,18 @@ def state_targets(p: PrefillProblem, num_chunks: int, h: Optional[torch.Tensor],
     )
 
 
+def _plan(bounds: tuple[int, ...], chunks_per_piece: int, device: torch.device, ckpt_chunks: list[int],
+          max_levels: int) -> tuple[LaunchPlan, bool]:
+    """The launch plan, and whether its segments end at the checkpoints (after the chunks
+    ``ckpt_chunks``; stored after each segment's loop): when that takes at most
+    ``max_levels`` state launches per piece (`LaunchConfig.state_ckpt_levels`)."""
+    if ckpt_chunks and max_levels > 0:
+        plan = launch_plan(bounds, chunks_per_piece, device, tuple(sorted(set(ckpt_chunks))))
+        if plan.max_levels <= max_levels:
+            return plan, True
+    return launch_plan(bounds, chunks_per_piece, device), False
+
+
 @lru_cache(maxsize=8)
 def _state_stream(device: torch.device) -> torch.cuda.Stream:
     """The high-priority side stream the state passes of one device run on (one per
@@ -146,8 +158,7 @@ def run_triton(
     x = stage_inputs(p, cfg)
     n_multi = sum(1 for a, b in zip(p.bounds[:-1], p.bounds[1:]) if b - a > 1)
     ckpt_chunks = checkpoint_chunks(p.bounds, p.checkpoint_tokens) if p.checkpoint_states else []
-    cuts = tuple(sorted(set(ckpt_chunks))) if cfg.state_ckpt_segments else ()
-    plan = launch_plan(p.bounds, piece_chunks(cfg, x.HV, n_multi), x.device, cuts)
+    plan, at_end = _plan(p.bounds, piece_chunks(cfg, x.HV, n_multi), x.device, ckpt_chunks, cfg.state_ckpt_levels)
     NT = plan.num_chunks
     o = torch.empty_like(x.v)
     h = None
@@ -189,7 +200,7 @@ def run_triton(
         st = state_targets_once()
         for s0, s1 in pc.launches():  # levels of segments, in order (one without checkpoint cuts)
             launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch,
-                         at_end=cfg.state_ckpt_segments)
+                         at_end=at_end)
         if v_new is not None:
             launch_output(x, plan.chunks[pc.c0:pc.c1], wy.qg, st, v_new, intra.aqk, o, cfg)
 

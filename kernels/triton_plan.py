@@ -66,6 +66,11 @@ class LaunchPlan:
     num_carry: int
     num_chunks: int
 
+    @property
+    def max_levels(self) -> int:
+        """The most state launches one piece takes (1 without checkpoint cuts)."""
+        return max((len(pc.levels) for pc in self.pieces), default=1)
+
 
 def piece_rows(bounds: tuple[int, ...], piece_chunks: int, cuts: tuple[int, ...] = ()
                ) -> tuple[list[int], list[int], list[int], list[Piece], int, int]:

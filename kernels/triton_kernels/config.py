@@ -65,11 +65,13 @@ class LaunchConfig:
     # to +14.1%. Other ways to store them lost there: from the registers by inline PTX (0.902),
     # after a loop over the chunks up to each (0.865), 8 warps (0.880), BV 32 (1.056).
     state_ckpt_prefetch: bool = True
-    # End a state-pass segment at every checkpoint (a launch per level of segments: the
-    # plan's cuts) and store each after its segment's chunk loop, which stays the plain one,
-    # instead of looking for checkpoints inside the loop (their code alone cost the 8x4096
-    # state kernel +0.069 ms with nothing stored, 2026-12-04 run 5).
-    state_ckpt_segments: bool = False
+    # End a state-pass segment at every checkpoint and store each after its segment's chunk
+    # loop, which stays the plain one (a state launch per level of segments: the plan's
+    # cuts), when that makes at most this many launches per piece; denser checkpoints are
+    # stored from inside the chunk loop (0: always). 8x4096 H32, a checkpoint every 1024
+    # tokens (4 levels): state kernel 0.776 ms against 0.814 in the loop (plain 0.662), the
+    # server's path +6.8% against +8.6% (2026-12-04 afternoon, run 1).
+    state_ckpt_levels: int = 8
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)

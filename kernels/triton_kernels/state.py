@@ -133,7 +133,7 @@ def chunk_state_kernel(
     in `StateTargets`. CKPT_PREFETCH: each chunk's checkpoint address is loaded one chunk
     ahead (carried through the loop) instead of just before its store, whose branch would
     otherwise wait for that load (`LaunchConfig.state_ckpt_prefetch`). CKPT_AT_END: only the
-    segment's last chunk has a checkpoint, stored after the loop (`LaunchConfig.state_ckpt_segments`).
+    segment's last chunk has a checkpoint, stored after the loop (`LaunchConfig.state_ckpt_levels`).
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -228,7 +228,7 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
     (fewer stages when that many do not fit: `launch_fitting`); ``prefetch``: load each
     checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`); ``at_end``: the
     plan ends a segment at each checkpoint, stored after the chunk loop
-    (`LaunchConfig.state_ckpt_segments`)."""
+    (`LaunchConfig.state_ckpt_levels`)."""
     bv, warps, stages = launch
     h, ckpt_addrs = st.pointers(o)
     fused = v_new is None

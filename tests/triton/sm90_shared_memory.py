@@ -83,13 +83,15 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
     state_ptrs = {**io, "w": mat, "kg": mat, "qg": mat, "aqk": mat, "indices": "i64", "segs": "i64",
                   "ckpt_addrs": "i64"}
     for seq_heads in (HEADS, WIDE_STATE_MIN_SEQ_HEADS):
-        for fuse, ckpt in ((True, False), (True, True), (False, True)):
+        for fuse, ckpt, at_end in ((True, False, False), (True, True, False), (True, True, True), (False, True, False),
+                                   (False, True, True)):
             bv, warps, stages = state_launch(cfg, seq_heads, K, V, 4 if fp32_inputs else 2)
-            yield ("state", {"seq_heads": seq_heads, "fused_output": fuse, "checkpoints": ckpt}, chunk_state_kernel,
+            yield ("state", {"seq_heads": seq_heads, "fused_output": fuse, "checkpoints": ckpt, "at_end": at_end},
+                   chunk_state_kernel,
                    state_ptrs, dict(HV=HEADS, K=K, V=V, BK=bk, BV=bv, FUSE_OUT=fuse, STORE_H=not fuse,
                                     CHECKPOINT=ckpt, FLAG=True, DOT_PREC=dot_prec,
-                                    CKPT_PREFETCH=ckpt and cfg.state_ckpt_prefetch and not cfg.state_ckpt_segments,
-                                    CKPT_AT_END=ckpt and cfg.state_ckpt_segments),
+                                    CKPT_PREFETCH=ckpt and cfg.state_ckpt_prefetch and not at_end,
+                                    CKPT_AT_END=at_end),
                    warps, stages)
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)

@@ -45,7 +45,7 @@ def override_config(monkeypatch: pytest.MonkeyPatch, **overrides: object) -> Non
 def at_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state pass loading each checkpoint address right before its store, not a chunk
     ahead (`LaunchConfig.state_ckpt_prefetch` off)."""
-    override_config(monkeypatch, state_ckpt_prefetch=False)
+    override_config(monkeypatch, state_ckpt_prefetch=False, state_ckpt_levels=0)
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
@@ -57,15 +57,20 @@ def test_checkpoints_with_addresses_loaded_at_the_store(device: str, output_path
     check_checkpoints(case, device, seed=29, tol=FP32_TOL, scattered=True)
 
 
+STORE_PATHS = {"segments end at checkpoints": 1 << 20, "in the chunk loop": 0}
+
+
+@pytest.mark.parametrize("store", list(STORE_PATHS))
 @pytest.mark.parametrize("pieces", [False, True], ids=["one piece", "pieces"])
-def test_checkpoints_ending_segments(device: str, output_path: str, pieces: bool,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Segments cut at every checkpoint, each stored after its segment's chunk loop
-    (`LaunchConfig.state_ckpt_segments`): a launch per level, states carried between them."""
+def test_checkpoints_each_store_path(device: str, output_path: str, pieces: bool, store: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways the state pass stores checkpoints (`LaunchConfig.state_ckpt_levels`):
+    segments cut at every checkpoint, each stored after its segment's chunk loop (a launch
+    per level, states carried between them), or from inside the chunk loop."""
     case = Case(LENGTHS, gate="lower_bound", intermediate=pieces)
     if pieces:  # pieces of two chunks: cuts inside pieces and at their boundaries
         monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 2 * case.HV)
-    override_config(monkeypatch, state_ckpt_segments=True)
+    override_config(monkeypatch, state_ckpt_levels=STORE_PATHS[store])
     check_checkpoints(case, device, seed=31, tol=FP32_TOL, scattered=True)
     check_checkpoints(Case((70, 1, 129), v_first=False, K=16, V=32, pool_dtype=torch.bfloat16, gate="lower_bound"),
                       device, seed=32, tol=BF16_TOL)
@@ -90,8 +95,9 @@ def test_checkpoints_torch_backend() -> None:
     check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=28, tol=FP32_TOL, backend="torch", scattered=True)
 
 
-STORE_VARIANTS = {"addresses a chunk ahead": {}, "addresses at the store": dict(state_ckpt_prefetch=False),
-                  "checkpoints end segments": dict(state_ckpt_segments=True)}
+STORE_VARIANTS = {"in the loop, addresses a chunk ahead": dict(state_ckpt_levels=0),
+                  "in the loop, addresses at the store": dict(state_ckpt_levels=0, state_ckpt_prefetch=False),
+                  "checkpoints end segments": dict(state_ckpt_levels=1 << 20)}
 
 
 @pytest.mark.gpu

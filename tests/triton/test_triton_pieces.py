@@ -97,3 +97,18 @@ def test_plan_covers_every_chunk_once_and_chains_carries(piece_chunks: int, cuts
             for n in names:
                 assert seen.get(n, -1) == level - 1  # levels 0, 1, ... of the piece, in order
                 seen[n] = level
+
+
+def test_plan_ends_segments_at_checkpoints_up_to_the_level_limit() -> None:
+    """`LaunchConfig.state_ckpt_levels`: checkpoints cut the segments when that takes at most
+    that many state launches per piece; denser ones leave the plan uncut (stored in the loop)."""
+    from kernels.triton_backend import _plan
+
+    bounds = (0, 1024, 2048)  # 16 chunks each
+    every_4 = [3, 7, 11, 15, 19, 23, 27, 31]  # 4 levels
+    plan, at_end = _plan(bounds, 0, torch.device("cpu"), every_4, 4)
+    assert at_end and plan.max_levels == 4 and [len(pc.levels) for pc in plan.pieces] == [4]
+    plan, at_end = _plan(bounds, 0, torch.device("cpu"), list(range(32)), 4)  # every chunk: 16 levels
+    assert not at_end and plan.max_levels == 1
+    plan, at_end = _plan(bounds, 0, torch.device("cpu"), every_4, 0)
+    assert not at_end and plan.max_levels == 1
