@@ -60,12 +60,10 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # the same prefills with the inputs read in place (--cuda-ipc-zero-copy)
     latency-zero-copy) run_step "$name" "$limit" python3 bench/latency.py gpu --calls 100 --cases 1x4096,8x4096 \
         --server-arg=--cuda-ipc-zero-copy --json "$OUT/latency_zero_copy.json" ;;
-    # where a decode step's time goes in the server: py-spy (GIL-holding and idle threads,
-    # collapsed stacks) on kda-serve while bench/latency.py sends 256x1 steps with the finals declined
-    latency-profile) run_step "$name" "$limit" bash -c 'python3 bench/latency.py gpu --cases 256x1 --calls 3000 > "$OUT/latency_profile_bench.log" 2>&1 &
-        for _ in $(seq 120); do pid=$(pgrep -f "^[^ ]*python[^ ]* -m service.cli" | head -1); [[ -n $pid ]] && break; sleep 1; done
-        sleep 30; /tmp/site/bin/py-spy record -p "$pid" -d 12 -r 400 --idle --threads --format raw -o "$OUT/decode_step.txt"
-        wait; tail -n 20 "$OUT/latency_profile_bench.log"' ;;
+    # where a call's time goes in the server: py-spy samples of kda-serve (every thread, collapsed
+    # stacks) during the timed CUDA IPC calls of 1x4096 and the 256x1 decode step
+    latency-profile) run_step "$name" "$limit" env PATH="/tmp/site/bin:$PATH" python3 bench/latency.py gpu \
+        --cases 1x4096,256x1 --calls 1500 --profile "$OUT" --json "$OUT/latency_profile.json" ;;
     # issue 18's candidates (--sweep) against the default and FlashKDA in one run (no fla: its warm-up is ~190 s)
     kernel-ab) run_step "$name" "$limit" python3 bench/kernels.py --sweep --peers FlashKDA \
         --variants 'previous intra' \

@@ -41,12 +41,15 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import httpx
 import torch
@@ -283,20 +286,43 @@ def _as_ipc_case(case: GpuCase) -> Any:
     return Case(case.sequences, case.length, torch.bfloat16)
 
 
-def _timed_posts(small: SmallExchange, body: bytes, calls: int, warmup: int
-                 ) -> tuple[list[float], list[dict[str, float]]]:
+@contextmanager
+def _py_spy(pid: Optional[int], out: Optional[Path]) -> Iterator[None]:
+    """Sample process ``pid`` with py-spy (every thread, idle ones too; collapsed stacks to
+    ``out``) while the block runs; nothing when either is None."""
+    if pid is None or out is None:
+        yield
+        return
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    spy = subprocess.Popen([exe, "record", "-p", str(pid), "-r", "500", "--idle", "--threads", "--format", "raw",
+                            "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # py-spy attaches
+    try:
+        yield
+    finally:
+        spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
+        _, err = spy.communicate(timeout=60)
+        print(f"py-spy -> {out}: {err.decode(errors='replace').strip().splitlines()[-1:]}", flush=True)
+
+
+def _timed_posts(small: SmallExchange, body: bytes, calls: int, warmup: int, profile: Optional[Path] = None,
+                 server_pid: Optional[int] = None) -> tuple[list[float], list[dict[str, float]]]:
     """POST /prefill of the shared memory document ``body`` through `KDAClient`'s path for
-    small requests (`SmallExchange`, one kept-alive connection), as an engine's call goes."""
+    small requests (`SmallExchange`, one kept-alive connection), as an engine's call goes.
+    ``profile``: py-spy's samples of the server (``server_pid``) during the timed calls."""
     from service.shm.prefill import SHM_JSON
 
     walls, timings = [], []
-    for i in range(warmup + calls):
-        t0 = time.perf_counter()
-        r = small.request("POST", "/prefill", {"content-type": SHM_JSON, "content-length": str(len(body))}, [body])
-        wall = time.perf_counter() - t0
-        if r.status != 200:
-            raise RuntimeError(f"/prefill answered {r.status}: {bytes(r.body)!r}")
-        if i >= warmup:
+    for i in range(warmup):
+        small.request("POST", "/prefill", {"content-type": SHM_JSON, "content-length": str(len(body))}, [body])
+    with _py_spy(server_pid, profile):
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            r = small.request("POST", "/prefill", {"content-type": SHM_JSON, "content-length": str(len(body))},
+                              [body])
+            wall = time.perf_counter() - t0
+            if r.status != 200:
+                raise RuntimeError(f"/prefill answered {r.status}: {bytes(r.body)!r}")
             walls.append(wall)
             timings.append(_server_timing(r.headers))
     return walls, timings
@@ -335,7 +361,8 @@ def gpu_case(http: httpx.Client, small: SmallExchange, case: GpuCase, index: int
     name = f"kda-latency-{os.getpid()}-{index}"
     base = register(http, name, memory)
     try:
-        walls, timings = _timed_posts(small, _doc(case, layout, name, base, slots), args.calls, args.warmup)
+        walls, timings = _timed_posts(small, _doc(case, layout, name, base, slots), args.calls, args.warmup,
+                                      args.profile and args.profile / f"{case.name}_cuda_ipc.txt", args.server_pid)
     finally:
         http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
     ipc = figure(f"{case.name} CUDA IPC end to end", walls, timings)
@@ -344,7 +371,8 @@ def gpu_case(http: httpx.Client, small: SmallExchange, case: GpuCase, index: int
         base = register(http, name, memory)
         try:
             walls, timings = _timed_posts(small, _doc(case, layout, name, base, slots, finals=False), args.calls,
-                                          args.warmup)
+                                          args.warmup, args.profile and args.profile / f"{case.name}_lean.txt",
+                                          args.server_pid)
         finally:
             http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
         lean = figure(f"{case.name} CUDA IPC end to end, final states declined", walls, timings)
@@ -423,6 +451,7 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     server = start_server(["--device", "cuda:0", "--backend", "triton", "--num-layers", "1", "--num-slots", "512",
                            "--num-heads", str(HEADS), "--head-dim", str(DIM), *args.server_arg], timeout_s=600)
     figures, records = [], []
+    args.server_pid = server.process.pid
     try:
         with http_client(server.url) as http:
             url = http.base_url
@@ -451,6 +480,8 @@ def main() -> None:
     ap.add_argument("--server-arg", action="append", default=[], help="one more kda-serve flag (repeatable)")
     ap.add_argument("--json", type=Path, help="write every figure here")
     ap.add_argument("--cases", help="gpu: only these cases, comma-separated (of 1x4096, 8x4096, 256x1)")
+    ap.add_argument("--profile", type=Path, help="gpu: py-spy samples of the server during the CUDA IPC calls, "
+                                                 "into this folder (CASE_cuda_ipc.txt, CASE_lean.txt)")
     args = ap.parse_args()
     if args.calls < 200:
         print(f"note: {args.calls} calls per figure; the issue's figures are over >= 200")

@@ -68,10 +68,12 @@ class LaunchConfig:
     # End a state-pass segment at every checkpoint and store each after its segment's chunk
     # loop, which stays the plain one (a state launch per level of segments: the plan's
     # cuts), when that makes at most this many launches per piece; denser checkpoints are
-    # stored from inside the chunk loop (0: always). 8x4096 H32, a checkpoint every 1024
-    # tokens (4 levels): state kernel 0.776 ms against 0.814 in the loop (plain 0.662), the
-    # server's path +6.8% against +8.6% (2026-12-04 afternoon, run 1).
-    state_ckpt_levels: int = 8
+    # stored from inside the chunk loop (0: always). State kernel device ms, 8x4096 H32
+    # (2026-12-04 afternoon, runs 1-2; plain 0.662): a checkpoint every 1024 tokens (4 levels)
+    # 0.776-0.778 against 0.814-0.815 in the loop; every 256 (16 levels) 1.147 against 1.007;
+    # every 128 (32) 1.654 against 1.119. Each level costs ~0.035 ms (its pipeline fill,
+    # carry and launch gap), so segments pay up to ~5 levels; 4 is the measured win.
+    state_ckpt_levels: int = 4
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)
