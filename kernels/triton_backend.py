@@ -26,7 +26,6 @@ products of high and low parts ("tf32x3", about fp32's accuracy, on tensor cores
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -43,6 +42,7 @@ from .triton_kernels.output import launch_output
 from .triton_kernels.recurrent import launch_decode
 from .triton_kernels.state import launch_state
 from .triton_kernels.wy import WyOutputs, launch_wy
+from .cuda_streams import on_stream
 from .triton_plan import LaunchPlan, Piece, checkpoint_addresses, checkpoint_chunks, launch_plan
 from .triton_toolchain import configure_toolchain
 
@@ -114,6 +114,13 @@ def _plan(bounds: tuple[int, ...], chunks_per_piece: int, device: torch.device, 
 
 
 @lru_cache(maxsize=8)
+def _sm90(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device of compute capability 9.0 or later (programmatic
+    dependent launch, the griddepcontrol instructions)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@lru_cache(maxsize=8)
 def _state_stream(device: torch.device) -> torch.cuda.Stream:
     """The high-priority side stream the state passes of one device run on (one per
     device, kept for the process: creating streams per call would cost more than it saves)."""
@@ -139,7 +146,7 @@ def _run_pieces(pieces: tuple[Piece, ...], device: torch.device, parallel: Calla
         parallel(pc.c0, pc.c1)
         ready = torch.cuda.Event()
         ready.record(main)
-        with torch.cuda.stream(side):
+        with on_stream(side):
             side.wait_event(ready)
             sequential(pc)
     main.wait_stream(side)
@@ -153,7 +160,7 @@ def run_triton(
     ``p.pool`` rows in place, checkpoints into ``p.checkpoint_states``' targets. ``config``
     overrides the shape-chosen launch config (bench)."""
     K, V = p.q.shape[2], p.v.shape[2]
-    cfg = config or select_config(K, V, os.environ.get("TRITON_INTERPRET") == "1")
+    cfg = config or select_config(K, V, interpret=p.q.device.type != "cuda")  # CPU tensors: the interpreter
     configure_toolchain(p.q.device)  # before the first compile
     x = stage_inputs(p, cfg)
     n_multi = sum(1 for a, b in zip(p.bounds[:-1], p.bounds[1:]) if b - a > 1)
@@ -196,11 +203,13 @@ def run_triton(
         intra_stage(x, plan.chunks[c0:c1], intra, cfg)
         launch_wy(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
 
+    levels_pdl = at_end and cfg.state_levels_pdl and _sm90(x.device)
+
     def sequential(pc: Piece) -> None:
         st = state_targets_once()
-        for s0, s1 in pc.launches():  # levels of segments, in order (one without checkpoint cuts)
+        for level, (s0, s1) in enumerate(pc.launches()):  # levels of segments, in order (one without cuts)
             launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch,
-                         at_end=at_end)
+                         at_end=at_end, pdl=(levels_pdl, levels_pdl and level > 0))
         if v_new is not None:
             launch_output(x, plan.chunks[pc.c0:pc.c1], wy.qg, st, v_new, intra.aqk, o, cfg)
 

@@ -11,6 +11,7 @@ from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from kernels.cuda_streams import on_stream
 from kernels.problem import FLOAT_INPUTS, lower_bound_error
 from state_store import PoolGeometry
 
@@ -174,7 +175,7 @@ def extremes(tensors: Sequence[torch.Tensor]) -> list[Optional[tuple[float, floa
             lo, hi = torch.aminmax(t)
             out[i] = (lo.item(), hi.item())  # host scalars: no synchronization, fewer ops than a stacked read
     for device, indices in on_gpu.items():
-        with torch.cuda.stream(copy_stream(device)):
+        with on_stream(copy_stream(device)):
             ends = torch.stack([torch.stack(torch.aminmax(tensors[i])).float() for i in indices]).tolist()  # [n, 2]
         for i, (lo, hi) in zip(indices, ends):
             out[i] = (lo, hi)
@@ -227,7 +228,7 @@ def _check_values(x: PrefillInputs, gate: Gate, defer: bool) -> Optional[Deferre
 
     device = later[0][1].device
     stream = copy_stream(device)
-    with torch.cuda.stream(stream):
+    with on_stream(stream):
         for _, t in later:
             t.record_stream(stream)
         ends_t = value_extremes([t for _, t in later])  # [n, 3]: one launch, where ~3n small ops were

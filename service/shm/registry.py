@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
+from kernels.cuda_streams import on_stream
 from tensor_io.views import tensor_bytes
 
 from ..core.staging import copy_stream, drain_copy_streams
@@ -192,7 +193,7 @@ class SystemRegion(_Region):
         else:
             source = torch.empty(dest.numel(), dtype=torch.uint8)
             self._pread(offset, memoryview(source.numpy()))
-        with torch.cuda.stream(copy_stream(dest.device)):
+        with on_stream(copy_stream(dest.device)):
             dest.copy_(source, non_blocking=self._pinned)
 
     def write(self, offset: int, t: torch.Tensor) -> None:
@@ -205,7 +206,7 @@ class SystemRegion(_Region):
             begin = self._base + offset
             data = t.detach().contiguous().reshape(-1).view(torch.uint8)
             stream = copy_stream(t.device)
-            with torch.cuda.stream(stream):
+            with on_stream(stream):
                 mapping[begin:begin + data.numel()].copy_(data, non_blocking=True)
             stream.synchronize()  # in place before the response says so
             return
@@ -307,7 +308,7 @@ class CudaRegion(_Region):
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         if dest.nbytes:
-            with torch.cuda.stream(copy_stream(self._memory.device)):
+            with on_stream(copy_stream(self._memory.device)):
                 torch.frombuffer(dest, dtype=torch.uint8).copy_(self._tensor[offset:offset + dest.nbytes])
 
     def read_into_tensor(self, offset: int, dest: torch.Tensor) -> None:
@@ -344,7 +345,7 @@ def _copy_streams(*devices: torch.device) -> Iterator[list[torch.cuda.Stream]]:
     with ExitStack() as stack:
         for device in dict.fromkeys(d for d in devices if d.type == "cuda"):
             stream = copy_stream(device)
-            stack.enter_context(torch.cuda.stream(stream))
+            stack.enter_context(on_stream(stream))
             streams.append(stream)
         yield streams
 

@@ -22,6 +22,7 @@ from typing import Annotated, Collection, Mapping, NamedTuple, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from kernels.cuda_streams import on_stream
 from tensor_io.views import nbytes, view_tensor
 
 from ..wire.buffers import WarmBuffers
@@ -102,7 +103,7 @@ def _copied_to_device(inputs: Mapping[str, ShmInput], regions: Mapping[str, Regi
     """``inputs`` copied into one buffer on ``device`` (see `_to_device`)."""
     offsets, total = _packed_offsets(inputs)
     stream = copy_stream(device)
-    with torch.cuda.stream(stream):
+    with on_stream(stream):
         buf = torch.empty(total, dtype=torch.uint8, device=device)
         for name, x in inputs.items():
             start = offsets[name]
