@@ -121,7 +121,7 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         return base.with_overrides(**kw) if device.type == "cuda" else None
 
     at_store, two = config(state_ckpt_prefetch=False, state_ckpt_levels=0), config(state_stages=2)
-    in_loop, no_pdl = config(state_ckpt_levels=0), config(state_levels_pdl=False)
+    in_loop = config(state_ckpt_levels=0)
     buffer_only = dict(checkpoint_tokens=positions, checkpoint_states=marks)
     variants: dict[str, Variant] = {
         "plain": (nothing, lambda: launch(c, backend)),
@@ -139,8 +139,6 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         "kernel only: into a buffer, not stored": (nothing, lambda: launch(c, backend, **buffer_only)),
         "kernel only, addresses at the store": (nothing, lambda: launch(c, backend, **buffer_only, config=at_store)),
         "kernel only, stored in the chunk loop": (nothing, lambda: launch(c, backend, **buffer_only, config=in_loop)),
-        "kernel only, segments without PDL": (nothing, lambda: launch(c, backend, **buffer_only, config=no_pdl)),
-        "later layer: into the entries, segments without PDL": (first_layer_only, lambda: into_entries(1, no_pdl)),
     }
     for setup, fn in variants.values():
         for _ in range(3):
@@ -192,8 +190,6 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
     ckpt = problem_of(c, checkpoint_tokens=positions, checkpoint_states=marks)
     base = select_config(K, V, interpret=False)
     configs = {"segments end at the checkpoints": base.with_overrides(state_ckpt_levels=1 << 20),
-               "segments, levels launched in order (no PDL)": base.with_overrides(state_ckpt_levels=1 << 20,
-                                                                                  state_levels_pdl=False),
                "in the chunk loop, addresses a chunk ahead": base.with_overrides(state_ckpt_levels=0)}
     print(f"where the checkpoints' cost sits, {args.case} H{args.heads} ({len(positions)} states), per call:")
     for cname, cfg in configs.items():

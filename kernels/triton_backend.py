@@ -114,13 +114,6 @@ def _plan(bounds: tuple[int, ...], chunks_per_piece: int, device: torch.device, 
 
 
 @lru_cache(maxsize=8)
-def _sm90(device: torch.device) -> bool:
-    """Whether ``device`` is a CUDA device of compute capability 9.0 or later (programmatic
-    dependent launch, the griddepcontrol instructions)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-@lru_cache(maxsize=8)
 def _state_stream(device: torch.device) -> torch.cuda.Stream:
     """The high-priority side stream the state passes of one device run on (one per
     device, kept for the process: creating streams per call would cost more than it saves)."""
@@ -203,13 +196,11 @@ def run_triton(
         intra_stage(x, plan.chunks[c0:c1], intra, cfg)
         launch_wy(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
 
-    levels_pdl = at_end and cfg.state_levels_pdl and _sm90(x.device)
-
     def sequential(pc: Piece) -> None:
         st = state_targets_once()
-        for level, (s0, s1) in enumerate(pc.launches()):  # levels of segments, in order (one without cuts)
+        for s0, s1 in pc.launches():  # levels of segments, in order (one without checkpoint cuts)
             launch_state(x, plan.segs[s0:s1], wy, intra.aqk, o, v_new, st, carry, launch, cfg.state_ckpt_prefetch,
-                         at_end=at_end, pdl=(levels_pdl, levels_pdl and level > 0))
+                         at_end=at_end)
         if v_new is not None:
             launch_output(x, plan.chunks[pc.c0:pc.c1], wy.qg, st, v_new, intra.aqk, o, cfg)
 

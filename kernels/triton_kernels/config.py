@@ -74,10 +74,6 @@ class LaunchConfig:
     # every 128 (32) 1.654 against 1.119. Each level costs ~0.035 ms (its pipeline fill,
     # carry and launch gap), so segments pay up to ~5 levels; 4 is the measured win.
     state_ckpt_levels: int = 4
-    # Levels of segments on sm_90: each level's launch may start on the SMs the previous
-    # level's last programs free (programmatic dependent launch), its programs waiting for
-    # the previous level's carry rows before they read them.
-    state_levels_pdl: bool = True
 
     def with_overrides(self, **kw: int) -> "LaunchConfig":
         return replace(self, **kw)

@@ -38,7 +38,6 @@ from typing import Callable, Hashable, Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
 from .inputs import StageInputs, StateTargets
@@ -121,7 +120,6 @@ def chunk_state_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     FUSE_OUT: tl.constexpr, STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
     DOT_PREC: tl.constexpr, CKPT_PREFETCH: tl.constexpr = False, CKPT_AT_END: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
     """Grid (Ns * HV * cdiv(V, BV),). segs: [Ns, 6] int64 (sequence id, first token, end
     token, h index of its first chunk, carry row to load or -1, carry row to store or -1);
@@ -136,10 +134,6 @@ def chunk_state_kernel(
     ahead (carried through the loop) instead of just before its store, whose branch would
     otherwise wait for that load (`LaunchConfig.state_ckpt_prefetch`). CKPT_AT_END: only the
     segment's last chunk has a checkpoint, stored after the loop (`LaunchConfig.state_ckpt_levels`).
-    PDL (sm_90, levels of segments): the next level's launch may start once every program
-    here has started (programmatic dependent launch), and a program waits for the previous
-    launch's writes (its carry rows) before it reads its initial state
-    (`LaunchConfig.state_levels_pdl`).
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -153,9 +147,6 @@ def chunk_state_kernel(
     load_carry = tl.load(segs + i_n * 6 + 4)
     store_carry = tl.load(segs + i_n * 6 + 5)
     slot = tl.load(indices + seq)
-    if PDL:
-        gdc_launch_dependents()  # the next level's programs may take the SMs this launch's last ones free
-        gdc_wait()  # the previous level's carry rows are written and visible
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -228,8 +219,7 @@ def launch_fitting(launch: Callable[[int], None], variant: Hashable, stages: int
 
 def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.Tensor, o: torch.Tensor,
                  v_new: Optional[torch.Tensor], st: StateTargets, carry: torch.Tensor,
-                 launch: tuple[int, int, int], prefetch: bool = True, at_end: bool = False,
-                 pdl: tuple[bool, bool] = (False, False)) -> None:
+                 launch: tuple[int, int, int], prefetch: bool = True, at_end: bool = False) -> None:
     """The state pass over the segment rows ``segs`` ([Ns, 6], `kernels.triton_plan`), from
     the WY factors ``wy`` and A_qk ``aqk`` [T, HV, 64]: o [T, HV, V] when ``v_new`` is None
     (fused output), else v_new [T, HV, V] fp32 and the per-chunk states ``st.h`` for the
@@ -238,9 +228,7 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
     (fewer stages when that many do not fit: `launch_fitting`); ``prefetch``: load each
     checkpoint address a chunk ahead (`LaunchConfig.state_ckpt_prefetch`); ``at_end``: the
     plan ends a segment at each checkpoint, stored after the chunk loop
-    (`LaunchConfig.state_ckpt_levels`); ``pdl``: (compile the launch-early and wait
-    instructions in, launch with programmatic dependent launch), for levels of segments on
-    sm_90 (`LaunchConfig.state_levels_pdl`)."""
+    (`LaunchConfig.state_ckpt_levels`)."""
     bv, warps, stages = launch
     h, ckpt_addrs = st.pointers(o)
     fused = v_new is None
@@ -248,11 +236,9 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
             ckpt_addrs, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides)
     consts = dict(HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
                   STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
-                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch and not at_end, CKPT_AT_END=at_end, PDL=pdl[0])
-    extra = dict(launch_pdl=True) if pdl[1] else {}
+                  DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch and not at_end, CKPT_AT_END=at_end)
     grid = (segs.shape[0] * x.HV * triton.cdiv(x.V, bv),)
     # what selects a compiled variant: constexprs, warps, pointer dtypes, strides of 1 (Triton specializes them)
     variant = (x.device, stages, warps, tuple(consts.items()), x.mat, o.dtype, st.pool.dtype,
                tuple(s == 1 for s in (*st.pool_strides, *st.h_strides, *st.ckpt_strides)))
-    launch_fitting(lambda n: chunk_state_kernel[grid](*args, **consts, num_warps=warps, num_stages=n, **extra),
-                   variant + (pdl[1],), stages)
+    launch_fitting(lambda n: chunk_state_kernel[grid](*args, **consts, num_warps=warps, num_stages=n), variant, stages)

@@ -91,7 +91,7 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
                    state_ptrs, dict(HV=HEADS, K=K, V=V, BK=bk, BV=bv, FUSE_OUT=fuse, STORE_H=not fuse,
                                     CHECKPOINT=ckpt, FLAG=True, DOT_PREC=dot_prec,
                                     CKPT_PREFETCH=ckpt and cfg.state_ckpt_prefetch and not at_end,
-                                    CKPT_AT_END=at_end, PDL=at_end and cfg.state_levels_pdl),
+                                    CKPT_AT_END=at_end),
                    warps, stages)
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)

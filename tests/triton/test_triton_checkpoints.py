@@ -97,9 +97,7 @@ def test_checkpoints_torch_backend() -> None:
 
 STORE_VARIANTS = {"in the loop, addresses a chunk ahead": dict(state_ckpt_levels=0),
                   "in the loop, addresses at the store": dict(state_ckpt_levels=0, state_ckpt_prefetch=False),
-                  "checkpoints end segments": dict(state_ckpt_levels=1 << 20),
-                  "checkpoints end segments, levels launched in order": dict(state_ckpt_levels=1 << 20,
-                                                                             state_levels_pdl=False)}
+                  "checkpoints end segments": dict(state_ckpt_levels=1 << 20)}
 
 
 @pytest.mark.gpu
