@@ -312,17 +312,20 @@ def _timed_posts(small: SmallExchange, body: bytes, calls: int, warmup: int, pro
     ``profile``: py-spy's samples of the server (``server_pid``) during the timed calls."""
     from service.shm.prefill import SHM_JSON
 
+    def post() -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        r = small.request("POST", "/prefill", {"content-type": SHM_JSON, "content-length": str(len(body))}, [body])
+        wall = time.perf_counter() - t0
+        if r.status != 200:
+            raise RuntimeError(f"/prefill answered {r.status}: {bytes(r.body)!r}")
+        return wall, r
+
+    for _ in range(warmup):
+        post()
     walls, timings = [], []
-    for i in range(warmup):
-        small.request("POST", "/prefill", {"content-type": SHM_JSON, "content-length": str(len(body))}, [body])
     with _py_spy(server_pid, profile):
         for _ in range(calls):
-            t0 = time.perf_counter()
-            r = small.request("POST", "/prefill", {"content-type": SHM_JSON, "content-length": str(len(body))},
-                              [body])
-            wall = time.perf_counter() - t0
-            if r.status != 200:
-                raise RuntimeError(f"/prefill answered {r.status}: {bytes(r.body)!r}")
+            wall, r = post()
             walls.append(wall)
             timings.append(_server_timing(r.headers))
     return walls, timings
