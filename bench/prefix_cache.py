@@ -91,7 +91,14 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     first_layer = marks.clone()
     base = select_config(K, V, interpret=device.type != "cuda")
 
-    def into_entries(layer: int, config: Optional[LaunchConfig] = None) -> None:
+    def config(**kw: object) -> Optional[LaunchConfig]:
+        """The launch config with ``kw`` changed on a GPU: every variant, the default's too,
+        calls `run_triton` with one (one call path, so variants differ only in ``kw``)."""
+        return base.with_overrides(**kw) if device.type == "cuda" else None
+
+    default = config()
+
+    def into_entries(layer: int, config: Optional[LaunchConfig] = default) -> None:
         """The server's path (`ServerCore._launch`): targets placed, written by the launch, committed."""
         targets = cache.place(layer, wanted)
         launch(c, backend, checkpoint_tokens=positions, checkpoint_states=[t.state for t in targets], config=config)
@@ -101,7 +108,7 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
 
     def copied(layer: int) -> None:
         """The path before 2026-12-04: a launch buffer, each row copied into its entry after."""
-        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=marks)
+        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=marks, config=default)
         for row, (key, pos) in enumerate(wanted):
             cache.store_layer(key, pos, layer, marks[row])
 
@@ -117,14 +124,11 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     def nothing() -> None:
         return None
 
-    def config(**kw: object) -> Optional[LaunchConfig]:
-        return base.with_overrides(**kw) if device.type == "cuda" else None
-
     at_store, two = config(state_ckpt_prefetch=False, state_ckpt_levels=0), config(state_stages=2)
     in_loop = config(state_ckpt_levels=0)
     buffer_only = dict(checkpoint_tokens=positions, checkpoint_states=marks)
     variants: dict[str, Variant] = {
-        "plain": (nothing, lambda: launch(c, backend)),
+        "plain": (nothing, lambda: launch(c, backend, config=default)),
         "first layer: into new entries (the server's path)": (no_entries, lambda: into_entries(0)),
         "first layer: a buffer copied into new entries (the old path)": (no_entries, lambda: copied(0)),
         "later layer: into the entries (the server's path)": (first_layer_only, lambda: into_entries(1)),
@@ -136,7 +140,7 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         "first layer: into new entries, stored in the chunk loop": (no_entries, lambda: into_entries(0, in_loop)),
         "later layer: into the entries, stored in the chunk loop": (first_layer_only,
                                                                     lambda: into_entries(1, in_loop)),
-        "kernel only: into a buffer, not stored": (nothing, lambda: launch(c, backend, **buffer_only)),
+        "kernel only: into a buffer, not stored": (nothing, lambda: launch(c, backend, **buffer_only, config=default)),
         "kernel only, addresses at the store": (nothing, lambda: launch(c, backend, **buffer_only, config=at_store)),
         "kernel only, stored in the chunk loop": (nothing, lambda: launch(c, backend, **buffer_only, config=in_loop)),
     }
