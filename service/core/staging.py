@@ -9,7 +9,9 @@ launch seen (up to ``max_bytes``; larger launches take the plain path), and reus
 packing into it again, `to_device` waits for the copies of the previous launch that read it.
 Inputs already on the device (CUDA shared memory) do not pass through it.
 
-`copy_stream(device)`: the side stream device-to-device and shared memory copies run on.
+`copy_stream(device)`: the side stream device-to-device and shared memory copies run on;
+`on_stream(stream)` (`kernels.cuda_streams`, here for the front ends that may not import the
+kernels): a stream made current for a block without `torch.cuda.stream`'s device queries.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
+
+from kernels.cuda_streams import on_stream  # noqa: F401  (for the front ends: they may not import kernels)
 
 ALIGN = 256  # bytes; where each packed input starts in the buffer
 DEFAULT_MAX_BYTES = 2 << 30

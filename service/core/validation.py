@@ -11,11 +11,10 @@ from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from kernels.cuda_streams import on_stream
 from kernels.problem import FLOAT_INPUTS, lower_bound_error
 from state_store import PoolGeometry
 
-from .staging import copy_stream
+from .staging import copy_stream, on_stream
 from ..errors import InvalidRequest
 from .gate_params import Gate, gate_key
 from .inputs import OPTIONAL_TENSORS, REQUIRED_TENSORS, TENSORS, PrefillInputs

@@ -42,10 +42,9 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
-from kernels.cuda_streams import on_stream
 from tensor_io.views import tensor_bytes
 
-from ..core.staging import copy_stream, drain_copy_streams
+from ..core.staging import copy_stream, drain_copy_streams, on_stream
 from .cuda_ipc import IpcMappings, IpcMemory, unavailable_reason
 from ..errors import InvalidRequest
 

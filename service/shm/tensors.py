@@ -22,11 +22,10 @@ from typing import Annotated, Collection, Mapping, NamedTuple, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from kernels.cuda_streams import on_stream
 from tensor_io.views import nbytes, view_tensor
 
 from ..wire.buffers import WarmBuffers
-from ..core.staging import copy_stream
+from ..core.staging import copy_stream, on_stream
 from .registry import Region
 
 ALIGN = 64  # where each copied-out input starts in its buffer

@@ -55,9 +55,11 @@ def test_a_variant_over_the_limit_falls_back_once_and_stays_correct(device: str,
     case = Case((130, 64, 200), gate="lower_bound")
     with caplog.at_level(logging.INFO, logger=state.__name__):
         check_checkpoints(case, device, seed=31, tol=1e-4)
-        assert limited.stages == [3, FITS]  # refused before it ran, then launched with what fits
+        first = list(limited.stages)  # one launch per level of segments (the checkpoints cut them)
+        assert first[0] == 3 and len(first) > 1 and set(first[1:]) == {FITS}  # refused before it ran, then
+        # launched with what fits, as every later launch of the variant is
         check_checkpoints(case, device, seed=32, tol=1e-4)
-    assert limited.stages == [3, FITS, FITS]  # the variant's count is kept: no second refusal
+    assert set(limited.stages[len(first):]) == {FITS}  # the variant's count is kept: no second refusal
     fell_back = [r for r in caplog.records if "pipeline stages do not fit" in r.getMessage()]
     assert len(fell_back) == 1 and "launching it with 2" in fell_back[0].getMessage()
 
