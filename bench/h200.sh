@@ -57,6 +57,9 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     transport) run_step "$name" "$limit" python3 bench/transport.py --mb 100 --repeats 3 --json-mb 20 --batch-rounds 3 ;;
     # issue 19's per-call figures: CUDA IPC and POSIX shm at 1x4096, 8x4096, 256x1 against the kernel, chunk_kda paths
     latency) run_step "$name" "$limit" python3 bench/latency.py gpu --json "$OUT/latency.json" ;;
+    # the per-call figures of 1x4096 and the 256x1 decode step only (a short check of a request-path change)
+    latency-short) run_step "$name" "$limit" python3 bench/latency.py gpu --cases 1x4096,256x1 --calls 200 \
+        --json "$OUT/latency_short.json" ;;
     # the same prefills with the inputs read in place (--cuda-ipc-zero-copy)
     latency-zero-copy) run_step "$name" "$limit" python3 bench/latency.py gpu --calls 100 --cases 1x4096,8x4096 \
         --server-arg=--cuda-ipc-zero-copy --json "$OUT/latency_zero_copy.json" ;;
@@ -77,6 +80,6 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # the same, checkpoints denser (every 256 and 128 tokens): where the segments' launches stop paying
     prefix-dense) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --where --reps 10 --every 256 &&
         python3 bench/prefix_cache.py --where --reps 10 --every 128' ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-dense, latency, latency-zero-copy, latency-profile, kernel-paths)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-dense, latency, latency-short, latency-zero-copy, latency-profile, kernel-paths)"; exit 2 ;;
     esac
 done
