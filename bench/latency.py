@@ -42,6 +42,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -300,7 +301,7 @@ def _py_spy(pid: Optional[int], out: Optional[Path]) -> Iterator[None]:
     try:
         yield
     finally:
-        spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
         _, err = spy.communicate(timeout=60)
         print(f"py-spy -> {out}: {err.decode(errors='replace').strip().splitlines()[-1:]}", flush=True)
 

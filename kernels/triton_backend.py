@@ -26,7 +26,7 @@ products of high and low parts ("tf32x3", about fp32's accuracy, on tensor cores
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Callable, Optional
 
 import torch
@@ -166,18 +166,16 @@ def run_triton(
         shape = (NT, x.HV, V, K) if p.state_v_first else (NT, x.HV, K, V)
         h = torch.empty(shape, dtype=torch.float32, device=x.device)
     fused = fuse_output(cfg, n_multi * x.HV)
-    targets: list[StateTargets] = []
 
+    @cache
     def state_targets_once() -> StateTargets:
         """`state_targets`, built at first use: with no single-token sequence that is after
         the first piece's parallel stages are queued, so the checkpoint address table's host
         work overlaps them instead of holding up the first launch."""
-        if not targets:
-            st = state_targets(p, NT, h, ckpt_chunks)
-            if not fused and h is None and plan.chunks.shape[0] > 0:  # the output stage's scratch states
-                st = st.with_h(torch.empty(NT, x.HV, K, V, dtype=torch.float32, device=x.device), (V, 1))
-            targets.append(st)
-        return targets[0]
+        st = state_targets(p, NT, h, ckpt_chunks)
+        if not fused and h is None and plan.chunks.shape[0] > 0:  # the output stage's scratch states
+            st = st.with_h(torch.empty(NT, x.HV, K, V, dtype=torch.float32, device=x.device), (V, 1))
+        return st
 
     if plan.decs.shape[0] > 0:
         launch_decode(x, plan.decs, o, state_targets_once(), cfg)

@@ -17,6 +17,7 @@ that truncates its object gets a 400, never a SIGBUS (`service.shm.registry`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Collection, Mapping, NamedTuple, Sequence
 
 import torch
@@ -100,6 +101,16 @@ def _to_device(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], de
 MAX_GAP = 64 << 10  # bytes between two inputs of one region that a single copy of both carries along
 
 
+@dataclass
+class _Run:
+    """Inputs ``names`` of ``region`` that one copy of bytes [start, end) brings out."""
+
+    region: str
+    start: int
+    end: int
+    names: list[str]
+
+
 def _copy_runs(inputs: Mapping[str, ShmInput]) -> tuple[list[tuple[str, int, int, int]], dict[str, int], int]:
     """The copies that bring ``inputs`` into one buffer: one per *run*, inputs of one region
     lying close together (by offset, at most `MAX_GAP` apart, each `ALIGN`-ed from the
@@ -107,23 +118,21 @@ def _copy_runs(inputs: Mapping[str, ShmInput]) -> tuple[list[tuple[str, int, int
     packs its inputs side by side (`kda_client`) costs one copy, not five. Returns the
     copies as (region, offset, bytes, buffer offset), each input's offset in the buffer,
     and the buffer's size (runs `ALIGN`-ed)."""
-    runs: list[tuple[str, int, list[str]]] = []  # (region, start, names); ends kept apart
-    ends: list[int] = []
+    runs: list[_Run] = []
     for name, x in sorted(inputs.items(), key=lambda item: (item[1].ref.region, item[1].ref.offset)):
-        ref = x.ref
-        if (runs and runs[-1][0] == ref.region and ref.offset - ends[-1] <= MAX_GAP
-                and (ref.offset - runs[-1][1]) % ALIGN == 0):
-            runs[-1][2].append(name)
-            ends[-1] = max(ends[-1], ref.offset + ref.byte_size)
+        ref, run = x.ref, runs[-1] if runs else None
+        if (run is not None and run.region == ref.region and ref.offset - run.end <= MAX_GAP
+                and (ref.offset - run.start) % ALIGN == 0):
+            run.names.append(name)
+            run.end = max(run.end, ref.offset + ref.byte_size)
         else:
-            runs.append((ref.region, ref.offset, [name]))
-            ends.append(ref.offset + ref.byte_size)
+            runs.append(_Run(ref.region, ref.offset, ref.offset + ref.byte_size, [name]))
     copies, where, total = [], {}, 0
-    for (region, start, names), end in zip(runs, ends):
-        copies.append((region, start, end - start, total))
-        for name in names:
-            where[name] = total + inputs[name].ref.offset - start
-        total += -(-(end - start) // ALIGN) * ALIGN
+    for run in runs:
+        copies.append((run.region, run.start, run.end - run.start, total))
+        for name in run.names:
+            where[name] = total + inputs[name].ref.offset - run.start
+        total += -(-(run.end - run.start) // ALIGN) * ALIGN
     return copies, where, total
 
 
