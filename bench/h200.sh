@@ -76,7 +76,7 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # prefix cache: checkpoints every 1024 tokens at 8x4096 H32 (goal <= 5%), 48-layer restores (docs/PREFIX_CACHE.md)
     prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
     # where a checkpointed launch's extra time sits: per-kernel device times, prebuilt problems, state-pass variants
-    prefix-where) run_step "$name" "$limit" python3 bench/prefix_cache.py --where --reps 20 ;;
+    prefix-where) run_step "$name" "$limit" python3 bench/prefix_cache.py --where --reps 20 --trace "$OUT/traces" ;;
     # the same, checkpoints denser (every 256 and 128 tokens): where the segments' launches stop paying
     prefix-dense) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --where --reps 10 --every 256 &&
         python3 bench/prefix_cache.py --where --reps 10 --every 128' ;;

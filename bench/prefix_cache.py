@@ -214,6 +214,8 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
                     per[e.key] = per.get(e.key, 0.0) + t / 10 / 1000.0
             kern = ", ".join(f"{k.replace('chunk_', '').replace('_kernel', '')} {v:.3f}"
                              for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:4])
+            if args.trace:
+                print(f"  {cname}, {pname}: {device_timeline(prof, args.trace, cname + ' ' + pname, 10)}")
             event = statistics.median(timed_ms(call, device) for _ in range(args.reps))
             host = statistics.median(host_ms(call, device) for _ in range(args.reps))
             print(f"  {cname}, {pname}: event {event:.3f} ms, host {host:.3f} ms; device: {kern}", flush=True)
@@ -234,6 +236,34 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
             print(f"  compiled state pass: regs {getattr(compiled, 'n_regs', '?')}, spills "
                   f"{getattr(compiled, 'n_spills', '?')}, warps {getattr(md, 'num_warps', '?')}, stages "
                   f"{getattr(md, 'num_stages', '?')}, shared {getattr(md, 'shared', '?')}")
+
+
+def device_timeline(prof: object, folder: str, name: str, calls: int) -> str:
+    """The profiled calls' device timeline (``prof``: a finished torch profiler), its Chrome
+    trace saved under ``folder``: per call, the device's busy time (kernels, copies and
+    fills), its span from the first start to the last end, and the largest idle gaps with
+    the kernels either side, so the event time's excess over the kernels shows as idle
+    device time (launches the host had not queued yet) or as kernel time."""
+    import json
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "".join(ch if ch.isalnum() else "_" for ch in name) + ".json")
+    prof.export_chrome_trace(path)  # type: ignore[attr-defined]
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    if not device:
+        return f"no device events in {path}"
+    busy = sum(e["dur"] for e in device)
+    span = device[-1]["ts"] + device[-1]["dur"] - device[0]["ts"]
+    gaps: dict[str, list[float]] = {}
+    for before, after in zip(device, device[1:]):
+        gap = after["ts"] - (before["ts"] + before["dur"])
+        short = (before["name"][:28] + " -> " + after["name"][:28])
+        gaps.setdefault(short, []).append(gap)
+    top = sorted(((sum(g) / calls, k, len(g)) for k, g in gaps.items()), reverse=True)[:5]
+    return (f"device busy {busy / calls / 1000:.3f} ms, span {span / calls / 1000:.3f} ms per call; idle per call by "
+            "neighbours: " + "; ".join(f"{k} x{n / calls:g}: {t / 1000:.3f} ms" for t, k, n in top))
 
 
 def bench_restore(args: argparse.Namespace, device: torch.device) -> None:
@@ -284,6 +314,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=EVERY, help="tokens between checkpoints")
     parser.add_argument("--where", action="store_true",
                         help="only where the checkpoints' cost sits: per-kernel device times, prebuilt problems")
+    parser.add_argument("--trace", default="", help="with --where: save the profiled calls' Chrome traces "
+                        "in this folder and print their device timelines")
     args = parser.parse_args()
     device = torch.device(args.device)
     backend = kernels.default_backend(device)
