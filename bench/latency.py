@@ -8,7 +8,9 @@ encode) beside each figure and each goal with ``ok`` or ``MISSED``.
 ``cpu`` (any machine): a CPU server, one layer, HV = 2 heads, K = V = 16, its default batch
 window. Interleaved per round, so load from other processes hits them alike:
 ``GET /health/live``, a 1-token and a 64-token prefill through `KDAClient` (safetensors, on
-one named slot each), the ratios to ``/health/live`` (goals <= 1.6x and <= 2.0x). Then 32
+one named slot each), the ratios to ``/health/live`` (goals <= 1.6x and <= 2.0x); the same
+prefills through POSIX shared memory over HTTP and over the server's framed socket
+(``--framed-socket``, `kda_client.framed`), and the framed socket's PING. Then 32
 concurrent 64-token requests (`AsyncKDAClient`) on a second server of ``bench/transport.py``
 (d)'s geometry (4 heads, K = V = 64, its 2 ms window): p50/p90 of a burst and tokens/s.
 
@@ -20,7 +22,8 @@ slots, and ``GET /health/live`` on the same client (the HTTP round trip every ca
 - CUDA IPC: the inputs already lie in a registered CUDA region of this process, the request
   names them in place (the engine's call, sent as `KDAClient` sends small requests:
   `kda_client.small.SmallExchange`, one kept-alive connection); goals 1x4096 <= kernel + 0.3 ms and <= 1.0 ms,
-  8x4096 <= kernel + 0.5 ms, decode <= 0.5 ms;
+  8x4096 <= kernel + 0.5 ms, decode <= 0.5 ms; the same document over the framed socket
+  (`kda_client.framed.FramedExchange`), and its PING beside ``/health/live``;
 - POSIX shared memory from a CPU client: the inputs lie in a registered /dev/shm region;
   goal 1x4096 <= kernel + DMA + 0.3 ms, DMA being a pinned host -> device copy of the input
   bytes and device -> host of the output bytes, timed here;
@@ -60,7 +63,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.server_process import Server, start_server  # noqa: E402
 from kda_client.client import AsyncKDAClient, KDAClient, _server_timing  # noqa: E402
+from kda_client.framed import FramedExchange  # noqa: E402
 from kda_client.small import SmallExchange  # noqa: E402
+from service.wire.frames import Op  # noqa: E402
 from kda_client.transport import StdlibTransport  # noqa: E402
 
 PHASES = ("decode", "validate", "kernel", "encode")
@@ -127,34 +132,59 @@ def small_sequence(tokens: int, heads: int, dim: int, seed: int) -> tuple[torch.
     return q, k, v, g, torch.rand(tokens, heads, generator=gen)
 
 
-def cpu_loopback(server: Server, calls: int, warmup: int) -> tuple[list[Figure], list[dict[str, Any]]]:
-    """/health/live, a 1-token and a 64-token prefill, interleaved, on one server."""
+def framed_path() -> str:
+    """A fresh path for the server's framed socket."""
+    return f"/tmp/kda-latency-{os.getpid()}.sock"
+
+
+def cpu_loopback(server: Server, framed: str, calls: int, warmup: int) -> tuple[list[Figure], list[dict[str, Any]]]:
+    """/health/live, a 1-token and a 64-token prefill, interleaved, on one server; the same
+    prefills through POSIX shared memory over HTTP and over the framed socket ``framed``,
+    and the framed socket's PING."""
     lengths = (1, 64)
     seqs = {n: small_sequence(n, 2, 16, n) for n in lengths}
-    walls: dict[str, list[float]] = {"live": [], **{f"{n}": [] for n in lengths}}
-    timings: dict[str, list[dict[str, float]]] = {f"{n}": [] for n in lengths}
-    with KDAClient(server.url) as client, http_client(server.url) as http:
-        slots = dict(zip(lengths, client.alloc(len(lengths))))
-        for i in range(warmup + calls):
-            t0 = time.perf_counter()
+    rows = ["live", "ping", *(f"{way} {n}" for way in ("body", "shm", "framed") for n in lengths)]
+    walls: dict[str, list[float]] = {row: [] for row in rows}
+    timings: dict[str, list[dict[str, float]]] = {row: [] for row in rows}
+    ping = FramedExchange(framed, None, 60)
+    with KDAClient(server.url) as body, KDAClient(server.url, transport="shm") as shm, \
+            KDAClient(server.url, transport="shm", framed_socket=framed) as over_frames, \
+            http_client(server.url) as http:
+        clients = {"body": body, "shm": shm, "framed": over_frames}
+        slots = {(way, n): slot for way in clients for n, slot in zip(lengths, body.alloc(len(lengths)))}
+
+        def live() -> None:
             if http.get("/health/live").status_code != 200:
                 raise RuntimeError("/health/live did not answer 200")
-            live = time.perf_counter() - t0
-            if i >= warmup:
-                walls["live"].append(live)
-            for n in lengths:
+
+        def framed_ping() -> None:
+            if ping.request(Op.PING, b"").status != 200:
+                raise RuntimeError("the framed PING did not answer 200")
+        for i in range(warmup + calls):
+            for row, fn in (("live", live), ("ping", framed_ping)):
                 t0 = time.perf_counter()
-                out = client.prefill(0, [(slots[n], *seqs[n])])
-                wall = time.perf_counter() - t0
+                fn()
                 if i >= warmup:
-                    walls[f"{n}"].append(wall)
-                    timings[f"{n}"].append(dict(out.server_timing))
-    figures = [figure("GET /health/live", walls["live"])]
-    figures += [figure(f"KDAClient prefill, {n} token(s), HV=2 K=V=16", walls[f"{n}"], timings[f"{n}"])
-                for n in lengths]
-    live = figures[0].p50
-    records = [goal("CPU 1-token prefill / GET /health/live (p50)", figures[1].p50 / live, 1.6),
-               goal("CPU 64-token prefill / GET /health/live (p50)", figures[2].p50 / live, 2.0)]
+                    walls[row].append(time.perf_counter() - t0)
+            for way, client in clients.items():
+                for n in lengths:
+                    t0 = time.perf_counter()
+                    out = client.prefill(0, [(slots[way, n], *seqs[n])])
+                    wall = time.perf_counter() - t0
+                    if i >= warmup:
+                        walls[f"{way} {n}"].append(wall)
+                        timings[f"{way} {n}"].append(dict(out.server_timing))
+    ping.close()
+    names = {"live": "GET /health/live", "ping": "framed socket PING",
+             **{f"{way} {n}": f"KDAClient prefill, {n} token(s), HV=2 K=V=16, {what}" for n in lengths
+                for way, what in (("body", "in the HTTP body"), ("shm", "POSIX shm over HTTP"),
+                                  ("framed", "POSIX shm over the framed socket"))}}
+    figures = [figure(names[row], walls[row], timings[row]) for row in rows]
+    by = {row: f.p50 for row, f in zip(rows, figures)}
+    records = [goal("CPU 1-token prefill / GET /health/live (p50)", by["body 1"] / by["live"], 1.6),
+               goal("CPU 64-token prefill / GET /health/live (p50)", by["body 64"] / by["live"], 2.0)]
+    for n in lengths:
+        print(f"{n}-token shm prefill, framed socket / HTTP (p50): {by[f'framed {n}'] / by[f'shm {n}']:.2f}x")
     return figures, records
 
 
@@ -187,10 +217,11 @@ def cpu_concurrent(n: int, tokens: int, rounds: int) -> tuple[Figure, float]:
 
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
+    framed = framed_path()
     server = start_server(["--num-layers", "1", "--num-slots", "8", "--num-heads", "2", "--head-dim", "16",
-                           *args.server_arg])
+                           "--framed-socket", framed, *args.server_arg])
     try:
-        figures, records = cpu_loopback(server, args.calls, args.warmup)
+        figures, records = cpu_loopback(server, framed, args.calls, args.warmup)
     finally:
         server.stop()
     burst, rate = cpu_concurrent(32, 64, args.burst_rounds)
@@ -332,6 +363,27 @@ def _timed_posts(small: SmallExchange, body: bytes, calls: int, warmup: int, pro
     return walls, timings
 
 
+def _timed_frames(framed: FramedExchange, body: bytes, calls: int, warmup: int
+                  ) -> tuple[list[float], list[dict[str, float]]]:
+    """The same shared memory document as `_timed_posts`, over the server's framed socket."""
+    def send() -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        r = framed.request(Op.PREFILL, body)
+        wall = time.perf_counter() - t0
+        if r.status != 200:
+            raise RuntimeError(f"framed PREFILL answered {r.status}: {bytes(r.body)!r}")
+        return wall, r
+
+    for _ in range(warmup):
+        send()
+    walls, timings = [], []
+    for _ in range(calls):
+        wall, r = send()
+        walls.append(wall)
+        timings.append(_server_timing(r.headers))
+    return walls, timings
+
+
 def _dma_ms(in_bytes: int, out_bytes: int, calls: int) -> float:
     """p50 ms of a pinned host -> device copy of ``in_bytes`` plus device -> host of ``out_bytes``."""
     host_in = torch.empty(in_bytes, dtype=torch.uint8, pin_memory=True)
@@ -347,9 +399,10 @@ def _dma_ms(in_bytes: int, out_bytes: int, calls: int) -> float:
     return statistics.median(walls) * 1e3
 
 
-def gpu_case(http: httpx.Client, small: SmallExchange, case: GpuCase, index: int, args: argparse.Namespace
-             ) -> tuple[list[Figure], list[dict[str, Any]]]:
-    """One case: CUDA IPC, POSIX shared memory, and the kernel paths, on the same inputs."""
+def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, case: GpuCase, index: int,
+             args: argparse.Namespace) -> tuple[list[Figure], list[dict[str, Any]]]:
+    """One case: CUDA IPC (over HTTP and over the framed socket), POSIX shared memory, and
+    the kernel paths, on the same inputs."""
     from bench.cuda_ipc import fill_inputs, make_layout, register
 
     device = torch.device("cuda", 0)
@@ -365,22 +418,28 @@ def gpu_case(http: httpx.Client, small: SmallExchange, case: GpuCase, index: int
     name = f"kda-latency-{os.getpid()}-{index}"
     base = register(http, name, memory)
     try:
-        walls, timings = _timed_posts(small, _doc(case, layout, name, base, slots), args.calls, args.warmup,
+        doc = _doc(case, layout, name, base, slots)
+        walls, timings = _timed_posts(small, doc, args.calls, args.warmup,
                                       args.profile and args.profile / f"{case.name}_cuda_ipc.txt", args.server_pid)
+        framed_walls, framed_timings = _timed_frames(framed, doc, args.calls, args.warmup)
     finally:
         http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
     ipc = figure(f"{case.name} CUDA IPC end to end", walls, timings)
-    figures.append(ipc)
+    ipc_framed = figure(f"{case.name} CUDA IPC over the framed socket", framed_walls, framed_timings)
+    figures += [ipc, ipc_framed]
     if case.length == 1:  # the decode step as an engine sends it: the states stay in the pool
         base = register(http, name, memory)
         try:
-            walls, timings = _timed_posts(small, _doc(case, layout, name, base, slots, finals=False), args.calls,
-                                          args.warmup, args.profile and args.profile / f"{case.name}_lean.txt",
-                                          args.server_pid)
+            doc = _doc(case, layout, name, base, slots, finals=False)
+            walls, timings = _timed_posts(small, doc, args.calls, args.warmup,
+                                          args.profile and args.profile / f"{case.name}_lean.txt", args.server_pid)
+            framed_walls, framed_timings = _timed_frames(framed, doc, args.calls, args.warmup)
         finally:
             http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
         lean = figure(f"{case.name} CUDA IPC end to end, final states declined", walls, timings)
-        figures.append(lean)
+        lean_framed = figure(f"{case.name} CUDA IPC over the framed socket, final states declined", framed_walls,
+                             framed_timings)
+        figures += [lean, lean_framed]
 
     shm_name = f"kda-latency-{os.getpid()}-{index}-host"
     path = f"/dev/shm/{shm_name}"
@@ -417,9 +476,12 @@ def gpu_case(http: httpx.Client, small: SmallExchange, case: GpuCase, index: int
     if case.length == 1:
         records.append(goal(f"{case.name} decode step over CUDA IPC (ms)", ipc.p50, 0.5))
         records.append(goal(f"{case.name} decode step over CUDA IPC, final states declined (ms)", lean.p50, 0.5))
+        records.append(goal(f"{case.name} decode step over the framed socket, final states declined (ms)",
+                            lean_framed.p50, 0.5))
     elif case.sequences == 1:
         records.append(goal(f"{case.name} CUDA IPC <= kernel + 0.3 ms", ipc.p50, kernel + 0.3))
         records.append(goal(f"{case.name} CUDA IPC <= 1.0 ms", ipc.p50, 1.0))
+        records.append(goal(f"{case.name} CUDA IPC over the framed socket <= 1.0 ms", ipc_framed.p50, 1.0))
         in_bytes = sum(layout.inputs[n].byte_size for n in layout.inputs)
         dma = _dma_ms(in_bytes, layout.o.byte_size + layout.final_state.byte_size, args.calls)
         print(f"{case.name} DMA of the request's bytes (pinned, in + out): {dma:.3f} ms")
@@ -444,6 +506,18 @@ def trivial_request(small: SmallExchange, calls: int, warmup: int) -> Figure:
     return figure("GET /health/live (the same client path)", walls)
 
 
+def trivial_frame(framed: FramedExchange, calls: int, warmup: int) -> Figure:
+    """The framed socket's PING: its round trip alone."""
+    walls = []
+    for i in range(warmup + calls):
+        t0 = time.perf_counter()
+        if framed.request(Op.PING, b"").status != 200:
+            raise RuntimeError("the framed PING did not answer 200")
+        if i >= warmup:
+            walls.append(time.perf_counter() - t0)
+    return figure("framed socket PING", walls)
+
+
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     from bench.cuda_ipc import DIM, HEADS
 
@@ -452,17 +526,21 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
         sys.exit(2)
     cases = [c for c in (GpuCase(1, 4096), GpuCase(8, 4096), GpuCase(256, 1))
              if args.cases is None or c.name in args.cases.split(",")]
+    framed_socket = framed_path()
     server = start_server(["--device", "cuda:0", "--backend", "triton", "--num-layers", "1", "--num-slots", "512",
-                           "--num-heads", str(HEADS), "--head-dim", str(DIM), *args.server_arg], timeout_s=600)
+                           "--num-heads", str(HEADS), "--head-dim", str(DIM), "--framed-socket", framed_socket,
+                           *args.server_arg], timeout_s=600)
     figures, records = [], []
     args.server_pid = server.process.pid
     try:
         with http_client(server.url) as http:
             url = http.base_url
             small = SmallExchange(url.host, url.port, url.netloc.decode("ascii"), "", {}, 600)
+            framed = FramedExchange(framed_socket, None, 600)
             figures.append(trivial_request(small, args.calls, args.warmup))
+            figures.append(trivial_frame(framed, args.calls, args.warmup))
             for i, case in enumerate(cases):
-                f, r = gpu_case(http, small, case, i, args)
+                f, r = gpu_case(http, small, framed, case, i, args)
                 figures += f
                 records += r
                 print(f"{case.name}: done", flush=True)

@@ -23,7 +23,10 @@ next prefill on this client). One region per client: its shared memory prefills 
 at a time (use one client per concurrent stream). ``transport="cuda"`` does the same with
 a region of this process's GPU memory shared by CUDA IPC (`kda_client.shm.CudaArena`):
 for a client whose tensors are already on the server's GPU; the server copies them device
-to device and its results arrive as tensors on that GPU::
+to device and its results arrive as tensors on that GPU. With ``framed_socket`` (the
+server's ``--framed-socket`` path) `KDAClient` sends those shared memory prefills over that
+Unix socket in length-prefixed frames instead of HTTP (`kda_client.framed`); every other
+call stays on HTTP::
 
     with KDAClient("http://127.0.0.1:8000") as kda:
         out = kda.prefill(0, [(None, q, k, v, g, beta)])      # None: allocate a slot
@@ -47,12 +50,14 @@ from typing import (
 import httpx
 import torch
 
+from .framed import FramedExchange
 from .small import MAX_BODY, SmallExchange
 from .transport import StdlibTransport
 from .shm import (
     SHM_JSON, Arena, CudaArena, Geometry, Placed, Registration, ShmArena, is_unknown_region, split_sequences,
 )
 from service.wire.buffers import BodyBuffer
+from service.wire.frames import Op
 from service.wire.media import JSON, PROBLEM, SAFETENSORS, media_type
 from service.core.inputs import REQUIRED_TENSORS
 from service.wire.prefill import decode_prefill_response
@@ -424,11 +429,16 @@ class KDAClient:
     ``transport="shm"``: prefill tensors through shared memory (same host only), the
     region leased for ``shm_ttl_s`` seconds past its last use; ``transport="cuda"``: the
     same through GPU memory shared by CUDA IPC (same GPU; results on it); ``shm_views``:
-    results view the region (valid until the next prefill) instead of being copies."""
+    results view the region (valid until the next prefill) instead of being copies.
+    ``framed_socket``: the server's ``--framed-socket`` path, for the shared memory
+    prefills of ``transport="shm"`` or ``"cuda"`` (ValueError with ``transport="http"``)."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: Optional[str] = None,
                  encoding: Encoding = "safetensors", timeout: float = 300.0, transport: Transport = "http",
-                 shm_ttl_s: float = 300.0, shm_views: bool = False) -> None:
+                 shm_ttl_s: float = 300.0, shm_views: bool = False, framed_socket: Optional[str] = None) -> None:
+        if framed_socket is not None and transport == "http":
+            raise ValueError("framed_socket carries shared memory prefills: it needs transport='shm' or 'cuda'")
+        self._framed = None if framed_socket is None else FramedExchange(framed_socket, api_key, timeout)
         self._calls = _Calls(encoding)
         self._arena = _arena(transport, shm_ttl_s, shm_views)
         self._arena_lock = threading.Lock()  # one region: one shared memory prefill at a time
@@ -440,8 +450,14 @@ class KDAClient:
                        if url.scheme == "http" else None)
 
     def _run(self, call: _Call[_T]) -> _T:
-        """``call``'s request and its parsed answer (KDAError for an error status). Small
-        requests over http:// take `SmallExchange`, the rest httpx."""
+        """``call``'s request and its parsed answer (KDAError for an error status). Shared
+        memory prefills take the framed socket when there is one; small requests over
+        http:// `SmallExchange`, the rest httpx."""
+        if self._framed is not None and call.content_type == SHM_JSON:
+            assert isinstance(call.body, (bytes, bytearray))
+            answer = self._framed.request(Op.PREFILL, bytes(call.body))
+            _raise_for(answer.status, answer.headers, answer.body)
+            return call.parse(answer.headers, answer.body)
         if self._small is not None and (call.body is None or _body_size(call.body) <= MAX_BODY):
             body = () if call.body is None else call.body if isinstance(call.body, list) else (call.body,)
             answer = self._small.request(call.method, call.path, call.headers(), body)
@@ -561,6 +577,8 @@ class KDAClient:
                 with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
                     self._run(self._calls.unregister_region(self._arena, name))
         finally:
+            if self._framed is not None:
+                self._framed.close()
             if self._small is not None:
                 self._small.close()
             self._http.close()

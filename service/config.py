@@ -47,6 +47,9 @@ class Settings:
                              "needs the grpc extra")
     metrics_port: int = _opt(0, "TCP port on --host serving the Prometheus page without the API key (0: off; "
                                 "conventionally 8002)")
+    framed_socket: Optional[str] = _opt(None, "path of a Unix socket serving shared memory and CUDA IPC prefills "
+                                              "in length-prefixed frames, outside HTTP (co-located clients; mode "
+                                              "0600; docs/FRAMED.md)")
     device: str = _opt("auto", "auto | cpu | cuda | cuda:N (auto: the GPU when present)")
     backend: str = _opt("auto", "kernel backend: auto | torch | triton (auto: triton on CUDA)")
     num_layers: int = _opt(2, "KDA layers held per slot")
@@ -112,6 +115,9 @@ class Settings:
         for name in ("grpc_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 problems.append(f"{name} must be in 0..65535, got {getattr(self, name)}")
+        if self.framed_socket is not None and not 0 < len(os.fsencode(self.framed_socket)) < 108:
+            problems.append(f"framed_socket must be a path of 1..107 bytes (a Unix socket's limit), "
+                            f"got {self.framed_socket!r}")
         if not _DEVICE_RE.match(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.log_format not in LOG_FORMATS:

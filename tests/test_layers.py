@@ -26,8 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     "service.shm": {"service.core", "service.errors", "service.wire", "tensor_io"},
     "service.kserve": {"service.core", "service.shm", "service.wire", "service.errors", "service.config",
                        "service.http.body", "state_store", "tensor_io"},
+    "service.framed": {"service.core", "service.shm", "service.wire", "service.errors"},
     "service.http": {"service.core", "service.shm", "service.wire", "service.errors", "service.config",
-                     "service.kserve", "state_store", "tensor_io", "kernels", "service.version"},
+                     "service.kserve", "service.framed", "state_store", "tensor_io", "kernels", "service.version"},
     "service.ray_serve": {"service.core", "service.http", "service.wire", "service.errors", "service.config",
                           "state_store", "tensor_io", "service.logs", "service.version"},
     "service.cli": {"service.config", "service.http", "service.kserve", "service.errors", "service.core",
@@ -38,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 FRAMEWORKS_BANNED = {"kda_client": {"fastapi", "starlette", "uvicorn", "triton"},
                      "service.core": {"fastapi", "starlette", "uvicorn"},
+                     "service.framed": {"fastapi", "starlette", "uvicorn"},
                      "service.wire": {"fastapi", "starlette", "uvicorn", "triton"},
                      "state_store": {"fastapi", "starlette", "uvicorn", "triton"},
                      "kernels": {"fastapi", "starlette", "uvicorn"}}

@@ -55,11 +55,11 @@ class _PoolGauges(Collector):
 
 class Metrics:
     """The server's metrics: HTTP requests and errors by route and status, requests in
-    flight, gRPC requests by method and status, prefill tokens, launch sizes, time queued
-    before a launch and time in the kernel, free slots, expired slots, abandoned responses,
-    snapshots, the prefix cache's hits, misses, hit tokens, evictions, entries and bytes per
-    tier, and the process's collectors. A core with a pool adds its gauges and build
-    information (`add_pool`)."""
+    flight, gRPC requests by method and status, framed socket requests by op and status,
+    prefill tokens, launch sizes, time queued before a launch and time in the kernel, free
+    slots, expired slots, abandoned responses, snapshots, the prefix cache's hits, misses,
+    hit tokens, evictions, entries and bytes per tier, and the process's collectors. A core
+    with a pool adds its gauges and build information (`add_pool`)."""
 
     def __init__(self, free_slots: Callable[[], float]) -> None:
         self.registry = r = CollectorRegistry()
@@ -73,6 +73,10 @@ class Metrics:
                                      "of a ModelStreamInfer stream counts once)", ["method", "status"], registry=r)
         self.grpc_latency = Histogram("kda_grpc_request_seconds", "gRPC request latency by method",
                                       ["method"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.framed_requests = Counter("kda_framed_requests", "Framed socket requests by op and status",
+                                       ["op", "status"], registry=r)
+        self.framed_latency = Histogram("kda_framed_request_seconds", "Framed socket request latency by op",
+                                        ["op"], buckets=_LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("kda_prefill_tokens", "Tokens prefilled", registry=r)
         self.sequences = Counter("kda_prefill_sequences", "Sequences prefilled", registry=r)
         self.batch_requests = Histogram("kda_batch_requests", "Requests merged into one kernel launch",

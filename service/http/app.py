@@ -30,10 +30,12 @@ from fastapi import FastAPI
 
 from ..config import Settings
 from ..core.server import ServerCore
+from ..framed import FramedServer
 from ..kserve import ProtocolErrors, kserve_router
 from ..shm.registry import ShmRegistry
 from .limits import LIMITS_STATE_KEY, ConnectionLimits
 from .metrics_port import MetricsServer
+from .problem_details import render_problem
 from .rest_app import Lifespan, create_rest_app
 
 log = logging.getLogger("kda_serve.app")
@@ -75,15 +77,20 @@ async def _expire_regions(registry: ShmRegistry) -> None:
 
 def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Lifespan:
     """Start the core, warm and self-test the kernels in the background, expire leased
-    regions, sweep idle slots when a ttl is set, and hand `KDAHttpProtocol` the connection
-    limits (uvicorn's lifespan state); at shutdown stop those and close the regions and the
-    core (its last snapshot)."""
+    regions, sweep idle slots when a ttl is set, serve the framed socket when one is set
+    (`service.framed`), and hand `KDAHttpProtocol` the connection limits (uvicorn's lifespan
+    state); at shutdown stop those and close the regions and the core (its last snapshot)."""
     limits = ConnectionLimits(header_timeout_s=settings.header_timeout_s, max_header_bytes=settings.max_header_bytes,
                               first_request_timeout_s=settings.first_request_timeout_s)
+
+    framed = (FramedServer(core, registry, settings.framed_socket, render_problem, api_key=settings.api_key,
+                           timeout_s=settings.body_timeout_s) if settings.framed_socket else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         await core.start()
+        if framed is not None:
+            await framed.start()
         tasks = [asyncio.create_task(_warm(core), name="kda-warmup"),
                  asyncio.create_task(_expire_regions(registry), name="kda-shm-leases")]
         if settings.slot_ttl_s is not None:
@@ -96,6 +103,8 @@ def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Li
                 task.cancel()
                 with suppress(asyncio.CancelledError):
                     await task
+            if framed is not None:
+                await framed.close()
             registry.close()
             if app.state.metrics_server is not None:
                 app.state.metrics_server.close()

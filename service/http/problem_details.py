@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -99,14 +99,23 @@ async def _internal(_: Request, e: Exception) -> JSONResponse:
                    headers=CLOSE)
 
 
+_HANDLERS: dict[type[BaseException], Callable[[Any, Any], Awaitable[JSONResponse]]] = {
+    ServiceError: _service_error, RequestValidationError: _schema_error, StarletteHTTPException: _http_error,
+    PoolFull: _pool_full, UnknownSlot: _unknown_slot, GeometryMismatch: _geometry_mismatch,
+    SnapshotError: _persistence, ClientDisconnect: _client_disconnect, Exception: _internal,
+}
+
+
 def install_problem_handlers(app: FastAPI) -> None:
     """Route every error to a problem+json response (the catch-all should never fire)."""
-    app.add_exception_handler(ServiceError, _service_error)
-    app.add_exception_handler(RequestValidationError, _schema_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(PoolFull, _pool_full)
-    app.add_exception_handler(UnknownSlot, _unknown_slot)
-    app.add_exception_handler(GeometryMismatch, _geometry_mismatch)
-    app.add_exception_handler(SnapshotError, _persistence)
-    app.add_exception_handler(ClientDisconnect, _client_disconnect)
-    app.add_exception_handler(Exception, _internal)
+    for cls, handler in _HANDLERS.items():
+        app.add_exception_handler(cls, handler)
+
+
+async def render_problem(e: Exception) -> tuple[int, bytes]:
+    """(status, problem+json body) of ``e`` as the app's handlers answer it, for a front end
+    outside the ASGI app (`service.framed`): the handler of the nearest class along its
+    hierarchy."""
+    handler = next(_HANDLERS[cls] for cls in type(e).__mro__ if cls in _HANDLERS)
+    response = await handler(None, e)
+    return response.status_code, bytes(response.body)

@@ -1,0 +1,114 @@
+"""`FramedExchange`: `KDAClient`'s path to a server's framed socket (``kda-serve
+--framed-socket PATH``), for shared memory and CUDA IPC prefills on the same host.
+
+One request frame out, one reply frame back, on a kept-alive Unix socket (the format:
+`service.wire.frames`); no HTTP request line, headers or parser on either side. A reply
+comes back as `kda_client.small.Response`, its ``Server-Timing`` and content type set
+as an HTTP response's would be, so `KDAClient` parses it and raises its errors as for
+HTTP. Failures raise httpx's exceptions, as the HTTP paths do: ConnectError, WriteError,
+ReadError, ReadTimeout, RemoteProtocolError. A connection the server closed while idle is
+replaced before a request is sent on it; a request whose reply was lost is not re-sent.
+"""
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+from typing import Optional
+
+import httpx
+
+from service.wire.frames import Op, request_frame, split_reply
+from service.wire.media import JSON, PROBLEM
+
+from .small import Response
+
+
+class FramedExchange:
+    """Requests to the framed socket at ``path``; ``api_key`` sent once per connection
+    when given; ``timeout`` (s) bounds the connect and each read."""
+
+    def __init__(self, path: str, api_key: Optional[str], timeout: float) -> None:
+        self.path, self.timeout = path, timeout
+        self.key = None if api_key is None else api_key.encode("utf-8")
+        self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()
+
+    def request(self, op: Op, payload: bytes) -> Response:
+        """``op`` with ``payload``, and its reply (a refused API key's 401 in its place)."""
+        with self._lock:
+            try:
+                sock, refused = self._connected()
+                if refused is not None:
+                    self._drop()
+                    return refused
+                self._send(sock, request_frame(op, payload))
+                return self._read(sock)
+            except BaseException:
+                self._drop()
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _connected(self) -> tuple[socket.socket, Optional[Response]]:
+        """The kept connection when the server has not closed it, else a new one,
+        authorized when a key is set (with the AUTH reply when that was refused)."""
+        if self._sock is not None and not select.select([self._sock], [], [], 0)[0]:
+            return self._sock, None  # nothing to read on an idle connection: still open
+        self._drop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as e:
+            sock.close()
+            raise httpx.ConnectError(f"framed socket {self.path}: {e}") from e
+        self._sock = sock
+        if self.key is not None:
+            self._send(sock, request_frame(Op.AUTH, self.key))
+            answer = self._read(sock)
+            if answer.status >= 400:
+                return sock, answer
+        return sock, None
+
+    @staticmethod
+    def _send(sock: socket.socket, frame: bytes) -> None:
+        try:
+            sock.sendall(frame)
+        except OSError as e:
+            raise httpx.WriteError(f"framed socket: {e}") from e
+
+    def _read(self, sock: socket.socket) -> Response:
+        head = self._exactly(sock, 4)
+        (size,) = struct.unpack(">I", head)
+        if size < 4:
+            raise httpx.RemoteProtocolError(f"a reply frame of {size} bytes is shorter than its status")
+        status, timing, body = split_reply(self._exactly(sock, size))
+        headers = {"content-type": PROBLEM if status >= 400 else JSON}
+        if timing:
+            headers["server-timing"] = timing
+        return Response(status, headers, bytearray(body))
+
+    @staticmethod
+    def _exactly(sock: socket.socket, n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            try:
+                chunk = sock.recv(left)
+            except socket.timeout as e:
+                raise httpx.ReadTimeout("no reply from the framed socket in time") from e
+            except OSError as e:
+                raise httpx.ReadError(f"framed socket: {e}") from e
+            if not chunk:
+                raise httpx.ReadError("the server closed the framed socket connection before its reply")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

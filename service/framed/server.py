@@ -1,0 +1,179 @@
+"""`FramedServer`: the framed socket front end over one `ServerCore` and the app's region
+registry (frames: `service.wire.frames`).
+
+A prefill runs as ``POST /prefill`` runs a shared memory request: the document parsed, its
+regions leased, the inputs copied out (`service.shm.prefill.read_request`), the core's
+validation, ordering and batching, the outputs written into the client's regions
+(`write_result`), the reply's timing in ``Server-Timing`` form (decode, validate, kernel,
+encode). What it leaves out is HTTP: no request line or headers to parse, no ASGI
+middleware, one small frame each way. Errors are the app's own problem documents with
+their HTTP statuses (``render``), so a client handles them as it does over HTTP; bad input
+never changes a slot, as on every front end. Slots a prefill created are freed when its
+reply cannot be delivered (the client left).
+
+The socket file is created with mode 0600: only the server's user (and root) can connect.
+A server with an API key also asks for it, once per connection (`Op.AUTH`).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import stat
+import time
+from typing import Awaitable, Callable, Optional
+
+from ..core.server import ServerCore
+from ..core.worker import off_loop
+from ..errors import API_KEY_REQUIRED, ServiceError
+from ..shm.prefill import host_bytes, input_refs, parse_shm_request, read_request, region_names, write_result
+from ..shm.registry import ShmRegistry
+from ..wire.buffers import WarmBuffers
+from ..wire.frames import EmptyFrame, FrameTooLarge, Op, read_request as read_frame, reply_frame
+
+log = logging.getLogger("kda_serve.framed")
+
+Render = Callable[[Exception], Awaitable[tuple[int, bytes]]]
+"""An exception's (HTTP status, problem+json body), as the HTTP app renders it."""
+
+
+class _Refusal(ServiceError):
+    """A framing-level refusal (unknown op, missing API key): ``status`` given per instance."""
+
+    def __init__(self, status: int, slug: str, title: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.slug, self.title = status, slug, title
+
+
+class FramedServer:
+    """Serves ``path`` (a Unix socket, created on `start`, removed on `close`) for ``core``
+    with the shared memory ``regions``. ``render`` turns a refused request's exception into
+    its problem; ``api_key``: asked once per connection when set; ``timeout_s``: longest wait
+    for the rest of a started frame (the connection is closed after it)."""
+
+    def __init__(self, core: ServerCore, regions: ShmRegistry, path: str, render: Render, *,
+                 api_key: Optional[str], timeout_s: float) -> None:
+        self.core, self.regions, self.path, self.render = core, regions, path, render
+        self.key = None if api_key is None else api_key.encode("utf-8")
+        self.timeout_s = timeout_s
+        self.buffers = WarmBuffers()  # host buffers POSIX shared memory inputs are copied out into
+        self._server: Optional[asyncio.base_events.Server] = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Listen on the socket. A stale socket file (a server that did not close) is
+        replaced; any other file there is an error (FileExistsError)."""
+        if os.path.lexists(self.path):
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise FileExistsError(f"--framed-socket {self.path}: a file that is not a socket is there")
+            os.unlink(self.path)
+        old = os.umask(0o177)  # the socket is made 0600, with no window in which others could connect
+        try:
+            self._server = await asyncio.start_unix_server(self._connection, path=self.path)
+        finally:
+            os.umask(old)
+        log.info("framed socket front end on %s", self.path)
+
+    async def close(self) -> None:
+        """Stop listening, end the open connections and remove the socket file."""
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
+        if os.path.lexists(self.path):
+            os.unlink(self.path)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._serve(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, asyncio.CancelledError):
+            pass  # the client left, stalled inside a frame, or the server is closing: nothing to answer
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Requests one at a time until the client closes the connection."""
+        authorized = self.key is None
+        while True:
+            try:
+                request = await read_frame(reader, self.timeout_s)
+            except (FrameTooLarge, EmptyFrame) as e:  # the frame's bytes are not read: the connection ends
+                status = 413 if isinstance(e, FrameTooLarge) else 400
+                slug, title = ("payload-too-large", "Request frame too large") if status == 413 else (
+                    "malformed-body", "Malformed request frame")
+                await self._reply(writer, "frame", *await self.render(_Refusal(status, slug, title, str(e))))
+                return
+            if request is None:
+                return
+            op, payload = request
+            started = time.perf_counter()
+            status, timing, body, created = await self._answer(op, payload, authorized)
+            authorized = authorized or (op == Op.AUTH and status < 400)
+            name = Op(op).name.lower() if op in Op._value2member_map_ else "unknown"
+            try:
+                await self._reply(writer, name, status, body, timing)
+            except ConnectionError:
+                for slot_id in created:  # the reply cannot be delivered: nor may the slots made for it
+                    await self.core.free(slot_id)
+                raise
+            self.core.metrics.framed_latency.labels(name).observe(time.perf_counter() - started)
+
+    async def _reply(self, writer: asyncio.StreamWriter, op: str, status: int, body: bytes, timing: str = "") -> None:
+        writer.write(reply_frame(status, timing, body))
+        await writer.drain()
+        self.core.metrics.framed_requests.labels(op, str(status)).inc()
+
+    async def _answer(self, op: int, payload: bytes, authorized: bool) -> tuple[int, str, bytes, list[str]]:
+        """(status, timing, body, slots created) of one request."""
+        try:
+            if op == Op.AUTH:
+                if self.key is not None and not hmac.compare_digest(payload, self.key):
+                    raise _Refusal(401, "unauthorized", "Unauthorized", "the API key does not match")
+                return 204, "", b"", []
+            if not authorized:
+                raise _Refusal(401, "unauthorized", "Unauthorized",
+                               f"{API_KEY_REQUIRED}: send it first in an AUTH frame (op {int(Op.AUTH)})")
+            if op == Op.PING:
+                return 200, "", b"", []
+            if op == Op.PREFILL:
+                return await self._prefill(payload)
+            raise _Refusal(400, "unknown-op", "Unknown op",
+                           f"op {op} is none of {', '.join(f'{o.name} ({int(o)})' for o in Op)}")
+        except Exception as e:  # every refusal, and a bug: the app's problem for it (500 for a bug)
+            if not isinstance(e, ServiceError):
+                log.exception("internal error answering a framed request (op %d)", op)
+            status, body = await self.render(e)
+            return status, "", body, []
+
+    async def _prefill(self, payload: bytes) -> tuple[int, str, bytes, list[str]]:
+        """A shared memory prefill (see the module docstring)."""
+        parsed = parse_shm_request(payload)
+        with self.regions.lease(region_names(parsed)) as leased:
+            t0 = time.perf_counter()
+            plan = await off_loop(read_request, parsed, leased, self.core, self.buffers,
+                                  nbytes=host_bytes(input_refs(parsed), leased))
+            decode_s = time.perf_counter() - t0
+            result = await self.core.prefill(plan.inputs)
+            t1 = time.perf_counter()
+            try:
+                doc = await off_loop(write_result, plan, result, leased,
+                                     nbytes=host_bytes((plan.o, plan.final_state), leased))
+            except ServiceError:  # the outputs cannot reach the client: nor may the slots made for it
+                for slot_id in result.allocated:
+                    await self.core.free(slot_id)
+                raise
+            encode_s = time.perf_counter() - t1
+        phases = (("decode", decode_s), ("validate", result.validate_s), ("kernel", result.kernel_s),
+                  ("encode", encode_s))
+        timing = ", ".join(f"{name};dur={s * 1000:.3f}" for name, s in phases)
+        return 200, timing, json.dumps(doc, separators=(",", ":")).encode(), result.allocated
