@@ -1,0 +1,214 @@
+"""The framed socket front end (``--framed-socket``) against live servers: shared memory
+prefills equal the HTTP path bit for bit and the float64 reference; refusals are the same
+problem documents and change no slot; frames too large, empty, cut short or of an unknown
+op never take the server down; the socket is its user's alone and asks for the API key
+where the server has one; slots made for a client that left are freed."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import torch
+from transport_helpers import (
+    GEOMETRY_ARGS, HV, K, TOL, Region, Server, make_sequence, pool_image, prefill_and_continue, reference, rel,
+    shm_request, start_server,
+)
+from server_harness import metric, wait_for
+
+from kda_client.client import KDAClient
+from kda_client.framed import FramedExchange
+from service.wire.frames import MAX_FRAME, Op, request_frame, split_reply
+
+API_KEY = "framed-test-key"
+
+
+def _socket_path(tmp: Path) -> str:
+    return str(tmp / "kda.sock")  # tmp paths stay well under a Unix socket's 107 bytes
+
+
+@pytest.fixture(scope="module")
+def framed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str]]:
+    """A server with a framed socket: (server, socket path)."""
+    tmp = tmp_path_factory.mktemp("framed")
+    path = _socket_path(tmp)
+    srv = start_server([*GEOMETRY_ARGS, "--framed-socket", path], tmp / "kda.log")
+    yield srv, path
+    assert srv.stop() == 0, srv.log_text()
+    assert "Traceback" not in srv.log_text(), srv.log_text()
+    assert not os.path.exists(path), "the socket file outlived the server"
+
+
+@pytest.fixture
+def region(framed: tuple[Server, str]) -> Iterator[Region]:
+    """A registered POSIX shared memory region of 1 MiB."""
+    server, _ = framed
+    r = Region(1 << 20)
+    assert httpx.post(f"{server.url}/shm/regions", json=r.registration()).status_code == 201
+    yield r
+    httpx.delete(f"{server.url}/shm/regions/{r.name}")
+    r.unlink()
+
+
+def _raw(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(path)
+    return sock
+
+
+def _read_reply(sock: socket.socket) -> tuple[int, str, bytes]:
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection before its reply"
+        data += chunk
+    return split_reply(data[4:])
+
+
+def test_framed_prefill_equals_http_and_reference(framed: tuple[Server, str], gen: torch.Generator) -> None:
+    server, path = framed
+    first = [make_sequence(70, gen), make_sequence(1, gen), make_sequence(130, gen)]
+    second = [make_sequence(40, gen), make_sequence(65, gen), make_sequence(3, gen)]
+    with KDAClient(server.url, transport="shm") as over_http, \
+            KDAClient(server.url, transport="shm", framed_socket=path) as over_frames:
+        outs = [prefill_and_continue(client, first, second, use_qk_l2norm=True) for client in (over_http, over_frames)]
+        for x, y in zip(outs[0], outs[1]):
+            assert torch.equal(x.o_packed, y.o_packed)
+            assert torch.equal(x.final_state, y.final_state)
+        assert set(outs[1][1].server_timing) == {"decode", "validate", "kernel", "encode"}
+        for slot in outs[0][0].slots + outs[1][0].slots:
+            over_http.free(slot)
+    o1, h1 = reference(first, use_qk_l2norm=True)
+    o2, h2 = reference(second, initial=h1, use_qk_l2norm=True)
+    a, b = outs[1]
+    assert rel(a.o_packed, o1) < TOL and rel(a.final_state, h1) < TOL
+    assert rel(b.o_packed, o2) < TOL and rel(b.final_state, h2) < TOL
+
+
+@pytest.mark.parametrize("case", ["bad shape", "NaN input", "unknown region", "output past the end",
+                                  "not JSON", "schema"])
+def test_framed_refusals_are_problems_and_change_nothing(framed: tuple[Server, str], region: Region,
+                                                         gen: torch.Generator, case: str) -> None:
+    server, path = framed
+    with KDAClient(server.url) as client:
+        slot = client.alloc(1)[0]
+        client.prefill(0, [(slot, *make_sequence(9, gen))])
+        seqs = [make_sequence(10, gen), make_sequence(6, gen)]
+        doc = shm_request(region, [slot, None], seqs)
+        if case == "bad shape":
+            doc["g"]["shape"] = [16, HV, K + 1]
+            doc["g"]["shm"]["byte_size"] = 16 * HV * (K + 1) * 4
+        elif case == "NaN input":
+            q = torch.cat([seqs[0][0], seqs[1][0]])
+            q[3, 0, 0] = float("nan")
+            region.put(doc["q"]["shm"]["offset"], q)
+        elif case == "unknown region":
+            doc["v"]["shm"]["region"] = "nobody"
+        elif case == "output past the end":
+            doc["outputs"]["o"]["offset"] = region.size - 64
+        elif case == "schema":
+            doc["sequences"][0]["length"] = "ten"
+        payload = b"{not json" if case == "not JSON" else json.dumps(doc).encode()
+        before = pool_image(server.url, [slot])
+        exchange = FramedExchange(path, None, 30)
+        try:
+            answer = exchange.request(Op.PREFILL, payload)
+            problem = json.loads(answer.body)
+            assert answer.status in (400, 422) and problem["status"] == answer.status, problem
+            assert problem["type"].startswith("urn:kda-serve:problem:") and problem["detail"]
+            if case == "bad shape":
+                assert problem["field"] == "g" and f"{K + 1}" in problem["detail"]
+            assert exchange.request(Op.PING, b"").status == 200  # the connection serves on
+        finally:
+            exchange.close()
+        assert pool_image(server.url, [slot]) == before
+        client.free(slot)
+
+
+def test_framed_bad_frames_never_take_the_server_down(framed: tuple[Server, str]) -> None:
+    server, path = framed
+    with _raw(path) as sock:  # an unknown op: 400, and the connection goes on
+        sock.sendall(request_frame(9, b"x"))
+        status, _, body = _read_reply(sock)
+        assert status == 400 and json.loads(body)["type"].endswith("unknown-op")
+        sock.sendall(request_frame(Op.PING, b""))
+        assert _read_reply(sock)[0] == 200
+    with _raw(path) as sock:  # too large: 413 without reading it, then closed
+        sock.sendall(struct.pack(">I", MAX_FRAME + 1))
+        status, _, body = _read_reply(sock)
+        assert status == 413 and str(MAX_FRAME) in json.loads(body)["detail"]
+        assert sock.recv(16) == b""
+    with _raw(path) as sock:  # empty: 400, then closed
+        sock.sendall(struct.pack(">I", 0))
+        assert _read_reply(sock)[0] == 400
+        assert sock.recv(16) == b""
+    with _raw(path) as sock:  # cut short: the client leaves inside a frame
+        sock.sendall(struct.pack(">I", 100) + b"\x01{")
+    text = httpx.get(f"{server.url}/metrics").text
+    assert metric(text, "kda_framed_requests_total", op="unknown", status="400") >= 1
+    assert metric(text, "kda_framed_requests_total", op="frame", status="413") >= 1
+    exchange = FramedExchange(path, None, 30)
+    try:
+        assert exchange.request(Op.PING, b"").status == 200
+    finally:
+        exchange.close()
+    assert httpx.get(f"{server.url}/health/live").status_code == 200
+
+
+def test_framed_socket_is_its_users_alone(framed: tuple[Server, str]) -> None:
+    _, path = framed
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_framed_slots_made_for_a_client_that_left_are_freed(framed: tuple[Server, str], gen: torch.Generator) -> None:
+    server, path = framed
+    free = httpx.get(f"{server.url}/info").json()["free_slots"]
+    tokens = metric(httpx.get(f"{server.url}/metrics").text, "kda_prefill_tokens_total")
+    big = Region(32 << 20)
+    try:
+        assert httpx.post(f"{server.url}/shm/regions", json=big.registration()).status_code == 201
+        doc = shm_request(big, [None], [make_sequence(3000, gen)])  # long enough to leave before the reply
+        for _ in range(3):
+            with _raw(path) as sock:
+                sock.sendall(request_frame(Op.PREFILL, json.dumps(doc).encode()))
+        assert wait_for(lambda: metric(httpx.get(f"{server.url}/metrics").text, "kda_prefill_tokens_total")
+                        == tokens + 3 * 3000, timeout=60)  # each prefill ran, its slot made
+        assert wait_for(lambda: httpx.get(f"{server.url}/info").json()["free_slots"] == free, timeout=30)
+    finally:
+        httpx.delete(f"{server.url}/shm/regions/{big.name}")
+        big.unlink()
+
+
+def test_framed_socket_asks_for_the_api_key(tmp_path: Path, gen: torch.Generator) -> None:
+    path = _socket_path(tmp_path)
+    srv = start_server([*GEOMETRY_ARGS, "--framed-socket", path, "--api-key", API_KEY], tmp_path / "kda.log")
+    try:
+        with _raw(path) as sock:
+            sock.sendall(request_frame(Op.PING, b""))
+            status, _, body = _read_reply(sock)
+            assert status == 401 and "AUTH" in json.loads(body)["detail"]
+            sock.sendall(request_frame(Op.AUTH, b"wrong"))
+            assert _read_reply(sock)[0] == 401
+            sock.sendall(request_frame(Op.AUTH, API_KEY.encode()))
+            assert _read_reply(sock)[0] == 204
+            sock.sendall(request_frame(Op.PING, b""))
+            assert _read_reply(sock)[0] == 200
+        seq = make_sequence(20, gen)
+        with KDAClient(srv.url, api_key=API_KEY, transport="shm", framed_socket=path) as client:
+            out = client.prefill(0, [(None, *seq)])
+            assert rel(out.o_packed, reference([seq])[0]) < TOL
+            client.free(out.slots[0])
+        wrong = FramedExchange(path, "wrong", 30)  # a refused key: its 401 answers the request
+        try:
+            answer = wrong.request(Op.PING, b"")
+            assert answer.status == 401 and json.loads(answer.body)["status"] == 401
+        finally:
+            wrong.close()
+    finally:
+        assert srv.stop() == 0
