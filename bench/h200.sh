@@ -43,6 +43,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # memory tests unfiltered: their server is on the GPU there
     service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store || rc=1
         python3 -m pytest -q tests/transport/test_transport_shm.py || rc=1; exit $rc' ;;
+    # the CUDA IPC transport's tests alone (over HTTP and the framed socket)
+    cuda-ipc-tests) run_step "$name" "$limit" python3 -m pytest -q tests/transport/test_transport_cuda_ipc.py ;;
     kernels) run_step "$name" "$limit" python3 bench/kernels.py --json "$OUT/kernels.json" ;;
     # every case against FlashKDA alone (fla's autotuning warm-up, ~190 s, left out)
     kernels-flashkda) run_step "$name" "$limit" python3 bench/kernels.py --peers FlashKDA --json "$OUT/kernels_flashkda.json" ;;
@@ -80,6 +82,6 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # the same, checkpoints denser (every 256 and 128 tokens): where the segments' launches stop paying
     prefix-dense) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --where --reps 10 --every 256 &&
         python3 bench/prefix_cache.py --where --reps 10 --every 128' ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-dense, latency, latency-short, latency-zero-copy, latency-profile, kernel-paths)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, cuda-ipc-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-dense, latency, latency-short, latency-zero-copy, latency-profile, kernel-paths)"; exit 2 ;;
     esac
 done

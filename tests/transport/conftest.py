@@ -11,9 +11,16 @@ from server_harness import one_torch_thread  # noqa: F401  (autouse fixture for 
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def framed_socket(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The path of the folder server's framed socket (``--framed-socket``)."""
+    return str(tmp_path_factory.mktemp("framed-socket") / "kda.sock")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, framed_socket: str) -> Iterator[Server]:
     """The one server of this folder; SIGTERM at the end must exit 0 with no traceback logged."""
-    srv = start_server([*GEOMETRY_ARGS, "--batch-window-ms", "20"], tmp_path_factory.mktemp("transport") / "kda.log")
+    srv = start_server([*GEOMETRY_ARGS, "--batch-window-ms", "20", "--framed-socket", framed_socket],
+                       tmp_path_factory.mktemp("transport") / "kda.log")
     yield srv
     status = srv.stop()
     assert status == 0, f"kda-serve exited {status} on SIGTERM:\n{srv.log_text()}"

@@ -95,13 +95,17 @@ def _cuda_regions(server: Server) -> list[dict]:
     return httpx.get(f"{server.url}/v2/cudasharedmemory/status").json()
 
 
-def test_client_cuda_transport_equals_binary(server: Server, gen: torch.Generator) -> None:
-    """KDAClient(transport="cuda"): device inputs, device results, the same numbers as the
-    binary path; a continuation on the same slots; one region while open, none after."""
+@pytest.mark.parametrize("over", ["http", "framed socket"])
+def test_client_cuda_transport_equals_binary(server: Server, framed_socket: str, gen: torch.Generator,
+                                             over: str) -> None:
+    """KDAClient(transport="cuda"), its prefills over HTTP or the framed socket: device
+    inputs, device results, the same numbers as the binary path; a continuation on the same
+    slots; one region while open, none after."""
     first = [make_sequence(70, gen), make_sequence(1, gen), make_sequence(130, gen)]
     second = [make_sequence(40, gen), make_sequence(65, gen), make_sequence(3, gen)]
     before = {r["name"] for r in _cuda_regions(server)}
-    with KDAClient(server.url) as binary, KDAClient(server.url, transport="cuda") as cuda:
+    framed = framed_socket if over == "framed socket" else None
+    with KDAClient(server.url) as binary, KDAClient(server.url, transport="cuda", framed_socket=framed) as cuda:
         outs = []
         for client, dev in ((binary, "cpu"), (cuda, "cuda")):
             a = client.prefill(0, [(None, *(t.to(dev) for t in s)) for s in first], use_qk_l2norm=True)
