@@ -67,6 +67,9 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
         --server-arg=--cuda-ipc-zero-copy --json "$OUT/latency_zero_copy.json" ;;
     # where a call's time goes in the server: py-spy samples of kda-serve (every thread, collapsed
     # stacks) during the timed CUDA IPC calls of 1x4096 and the 256x1 decode step
+    # the same for the 256x1 decode step alone, over HTTP and over the framed socket (600 calls each)
+    latency-profile-decode) run_step "$name" "$limit" env PATH="/tmp/site/bin:$PATH" python3 bench/latency.py gpu \
+        --cases 256x1 --calls 600 --profile "$OUT" --json "$OUT/latency_profile_decode.json" ;;
     latency-profile) run_step "$name" "$limit" env PATH="/tmp/site/bin:$PATH" python3 bench/latency.py gpu \
         --cases 1x4096,256x1 --calls 1500 --profile "$OUT" --json "$OUT/latency_profile.json" ;;
     # issue 18's candidates (--sweep) against the default and FlashKDA in one run (no fla: its warm-up is ~190 s)
@@ -82,6 +85,6 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # the same, checkpoints denser (every 256 and 128 tokens): where the segments' launches stop paying
     prefix-dense) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --where --reps 10 --every 256 &&
         python3 bench/prefix_cache.py --where --reps 10 --every 128' ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, cuda-ipc-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-dense, latency, latency-short, latency-zero-copy, latency-profile, kernel-paths)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, service-tests, cuda-ipc-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-dense, latency, latency-short, latency-zero-copy, latency-profile, latency-profile-decode, kernel-paths)"; exit 2 ;;
     esac
 done

@@ -363,9 +363,10 @@ def _timed_posts(small: SmallExchange, body: bytes, calls: int, warmup: int, pro
     return walls, timings
 
 
-def _timed_frames(framed: FramedExchange, body: bytes, calls: int, warmup: int
-                  ) -> tuple[list[float], list[dict[str, float]]]:
-    """The same shared memory document as `_timed_posts`, over the server's framed socket."""
+def _timed_frames(framed: FramedExchange, body: bytes, calls: int, warmup: int, profile: Optional[Path] = None,
+                  server_pid: Optional[int] = None) -> tuple[list[float], list[dict[str, float]]]:
+    """The same shared memory document as `_timed_posts`, over the server's framed socket
+    (``profile``: py-spy's samples of the server during the timed calls)."""
     def send() -> tuple[float, Any]:
         t0 = time.perf_counter()
         r = framed.request(Op.PREFILL, body)
@@ -377,10 +378,11 @@ def _timed_frames(framed: FramedExchange, body: bytes, calls: int, warmup: int
     for _ in range(warmup):
         send()
     walls, timings = [], []
-    for _ in range(calls):
-        wall, r = send()
-        walls.append(wall)
-        timings.append(_server_timing(r.headers))
+    with _py_spy(server_pid, profile):
+        for _ in range(calls):
+            wall, r = send()
+            walls.append(wall)
+            timings.append(_server_timing(r.headers))
     return walls, timings
 
 
@@ -421,7 +423,8 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
         doc = _doc(case, layout, name, base, slots)
         walls, timings = _timed_posts(small, doc, args.calls, args.warmup,
                                       args.profile and args.profile / f"{case.name}_cuda_ipc.txt", args.server_pid)
-        framed_walls, framed_timings = _timed_frames(framed, doc, args.calls, args.warmup)
+        framed_walls, framed_timings = _timed_frames(framed, doc, args.calls, args.warmup, args.profile and
+                                                     args.profile / f"{case.name}_framed.txt", args.server_pid)
     finally:
         http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
     ipc = figure(f"{case.name} CUDA IPC end to end", walls, timings)
@@ -433,7 +436,9 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
             doc = _doc(case, layout, name, base, slots, finals=False)
             walls, timings = _timed_posts(small, doc, args.calls, args.warmup,
                                           args.profile and args.profile / f"{case.name}_lean.txt", args.server_pid)
-            framed_walls, framed_timings = _timed_frames(framed, doc, args.calls, args.warmup)
+            framed_walls, framed_timings = _timed_frames(framed, doc, args.calls, args.warmup, args.profile and
+                                                         args.profile / f"{case.name}_framed_lean.txt",
+                                                         args.server_pid)
         finally:
             http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
         lean = figure(f"{case.name} CUDA IPC end to end, final states declined", walls, timings)
