@@ -23,7 +23,10 @@ slots, and ``GET /health/live`` on the same client (the HTTP round trip every ca
   names them in place (the engine's call, sent as `KDAClient` sends small requests:
   `kda_client.small.SmallExchange`, one kept-alive connection); goals 1x4096 <= kernel + 0.3 ms and <= 1.0 ms,
   8x4096 <= kernel + 0.5 ms, decode <= 0.5 ms; the same document over the framed socket
-  (`kda_client.framed.FramedExchange`), and its PING beside ``/health/live``;
+  (`kda_client.framed.FramedExchange`), and its PING beside ``/health/live``; and over the
+  socket once more on the server's second layer, whose gate parameters the server holds
+  (``--gate-params``), so the request sends no A_log, dt_bias or lower_bound (an engine's
+  call once configured);
 - POSIX shared memory from a CPU client: the inputs lie in a registered /dev/shm region;
   goal 1x4096 <= kernel + DMA + 0.3 ms, DMA being a pinned host -> device copy of the input
   bytes and device -> host of the output bytes, timed here;
@@ -299,9 +302,16 @@ def kernel_paths(inputs: dict[str, torch.Tensor], case: GpuCase, calls: int, war
     return figures, means
 
 
-def _doc(case: GpuCase, layout: Any, region: str, base: int, slots: Sequence[str], finals: bool = True) -> bytes:
+SERVER_GATES_LAYER = 1
+"""The GPU server's layer whose gate parameters it holds itself (``--gate-params``): its
+requests send no A_log, dt_bias or lower_bound, as an engine's would once configured."""
+
+
+def _doc(case: GpuCase, layout: Any, region: str, base: int, slots: Sequence[str], finals: bool = True,
+         server_gates: bool = False) -> bytes:
     """The request document on named ``slots``; ``finals``: the final states asked for
-    (an engine's decode step, whose states stay in the pool, declines them)."""
+    (an engine's decode step, whose states stay in the pool, declines them);
+    ``server_gates``: on `SERVER_GATES_LAYER`, without the gate parameters."""
     from bench.cuda_ipc import prefill_doc
 
     doc = prefill_doc(_as_ipc_case(case), layout, region, base)
@@ -309,7 +319,23 @@ def _doc(case: GpuCase, layout: Any, region: str, base: int, slots: Sequence[str
     if not finals:
         doc["return_final_state"] = False
         del doc["outputs"]["final_state"]
+    if server_gates:
+        doc["layer"] = SERVER_GATES_LAYER
+        for name in ("A_log", "dt_bias", "lower_bound"):
+            doc.pop(name, None)
     return json.dumps(doc).encode()
+
+
+def write_server_gates(path: Path, heads: int, dim: int) -> None:
+    """A ``--gate-params`` file for `SERVER_GATES_LAYER` (the serving gate: A_log, dt_bias,
+    lower bound -5)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(7)
+    prefix = f"layers.{SERVER_GATES_LAYER}."
+    save_file({prefix + "A_log": torch.rand(heads, generator=gen),
+               prefix + "dt_bias": torch.randn(heads, dim, generator=gen),
+               prefix + "lower_bound": torch.tensor([-5.0])}, str(path))
 
 
 def _as_ipc_case(case: GpuCase) -> Any:
@@ -425,11 +451,14 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
                                       args.profile and args.profile / f"{case.name}_cuda_ipc.txt", args.server_pid)
         framed_walls, framed_timings = _timed_frames(framed, doc, args.calls, args.warmup, args.profile and
                                                      args.profile / f"{case.name}_framed.txt", args.server_pid)
+        gated = _timed_frames(framed, _doc(case, layout, name, base, slots, server_gates=True), args.calls,
+                              args.warmup)
     finally:
         http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
     ipc = figure(f"{case.name} CUDA IPC end to end", walls, timings)
     ipc_framed = figure(f"{case.name} CUDA IPC over the framed socket", framed_walls, framed_timings)
-    figures += [ipc, ipc_framed]
+    ipc_gated = figure(f"{case.name} CUDA IPC over the framed socket, the server's gate parameters", *gated)
+    figures += [ipc, ipc_framed, ipc_gated]
     if case.length == 1:  # the decode step as an engine sends it: the states stay in the pool
         base = register(http, name, memory)
         try:
@@ -439,12 +468,16 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
             framed_walls, framed_timings = _timed_frames(framed, doc, args.calls, args.warmup, args.profile and
                                                          args.profile / f"{case.name}_framed_lean.txt",
                                                          args.server_pid)
+            gated = _timed_frames(framed, _doc(case, layout, name, base, slots, finals=False, server_gates=True),
+                                  args.calls, args.warmup)
         finally:
             http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
         lean = figure(f"{case.name} CUDA IPC end to end, final states declined", walls, timings)
         lean_framed = figure(f"{case.name} CUDA IPC over the framed socket, final states declined", framed_walls,
                              framed_timings)
-        figures += [lean, lean_framed]
+        lean_gated = figure(f"{case.name} CUDA IPC over the framed socket, final states declined, the server's "
+                            "gate parameters", *gated)
+        figures += [lean, lean_framed, lean_gated]
 
     shm_name = f"kda-latency-{os.getpid()}-{index}-host"
     path = f"/dev/shm/{shm_name}"
@@ -483,10 +516,14 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
         records.append(goal(f"{case.name} decode step over CUDA IPC, final states declined (ms)", lean.p50, 0.5))
         records.append(goal(f"{case.name} decode step over the framed socket, final states declined (ms)",
                             lean_framed.p50, 0.5))
+        records.append(goal(f"{case.name} decode step over the framed socket, final states declined, the server's "
+                            "gate parameters (ms)", lean_gated.p50, 0.5))
     elif case.sequences == 1:
         records.append(goal(f"{case.name} CUDA IPC <= kernel + 0.3 ms", ipc.p50, kernel + 0.3))
         records.append(goal(f"{case.name} CUDA IPC <= 1.0 ms", ipc.p50, 1.0))
         records.append(goal(f"{case.name} CUDA IPC over the framed socket <= 1.0 ms", ipc_framed.p50, 1.0))
+        records.append(goal(f"{case.name} CUDA IPC over the framed socket, the server's gate parameters <= 1.0 ms",
+                            ipc_gated.p50, 1.0))
         in_bytes = sum(layout.inputs[n].byte_size for n in layout.inputs)
         dma = _dma_ms(in_bytes, layout.o.byte_size + layout.final_state.byte_size, args.calls)
         print(f"{case.name} DMA of the request's bytes (pinned, in + out): {dma:.3f} ms")
@@ -532,9 +569,12 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     cases = [c for c in (GpuCase(1, 4096), GpuCase(8, 4096), GpuCase(256, 1))
              if args.cases is None or c.name in args.cases.split(",")]
     framed_socket = framed_path()
-    server = start_server(["--device", "cuda:0", "--backend", "triton", "--num-layers", "1", "--num-slots", "512",
-                           "--num-heads", str(HEADS), "--head-dim", str(DIM), "--framed-socket", framed_socket,
-                           *args.server_arg], timeout_s=600)
+    gates = Path(f"/tmp/kda-latency-gates-{os.getpid()}.safetensors")
+    write_server_gates(gates, HEADS, DIM)
+    server = start_server(["--device", "cuda:0", "--backend", "triton", "--num-layers", str(SERVER_GATES_LAYER + 1),
+                           "--num-slots", "512", "--num-heads", str(HEADS), "--head-dim", str(DIM),
+                           "--gate-params", str(gates), "--framed-socket", framed_socket, *args.server_arg],
+                          timeout_s=600)
     figures, records = [], []
     args.server_pid = server.process.pid
     try:

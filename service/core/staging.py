@@ -15,6 +15,7 @@ kernels): a stream made current for a block without `torch.cuda.stream`'s device
 """
 from __future__ import annotations
 
+from array import array
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -38,7 +39,7 @@ def host_ints_to(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """int64 [len(values)] on ``device``. On a GPU through page-locked memory with an
     asynchronous copy: a plain copy of a host list would wait for everything queued on the
     stream first (copies from pageable memory synchronize), here the inputs' copies."""
-    host = torch.tensor(values, dtype=torch.int64)
+    host = torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
