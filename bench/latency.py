@@ -363,53 +363,49 @@ def _py_spy(pid: Optional[int], out: Optional[Path]) -> Iterator[None]:
         print(f"py-spy -> {out}: {err.decode(errors='replace').strip().splitlines()[-1:]}", flush=True)
 
 
-def _timed_posts(small: SmallExchange, body: bytes, calls: int, warmup: int, profile: Optional[Path] = None,
-                 server_pid: Optional[int] = None) -> tuple[list[float], list[dict[str, float]]]:
-    """POST /prefill of the shared memory document ``body`` through `KDAClient`'s path for
-    small requests (`SmallExchange`, one kept-alive connection), as an engine's call goes.
-    ``profile``: py-spy's samples of the server (``server_pid``) during the timed calls."""
-    from service.shm.prefill import SHM_JSON
+Timings = tuple[list[float], list[dict[str, float]]]
 
-    def post() -> tuple[float, Any]:
+
+def _timed_calls(call: Callable[[], Any], what: str, calls: int, warmup: int, profile: Optional[Path],
+                 server_pid: Optional[int]) -> Timings:
+    """Wall seconds and ``Server-Timing`` phases of ``calls`` calls of ``call`` (a response
+    with ``status`` and ``headers``; ``what`` names it when it is not 200), after ``warmup``
+    untimed ones. ``profile``: py-spy's samples of the server (``server_pid``) meanwhile."""
+    def timed() -> tuple[float, Any]:
         t0 = time.perf_counter()
-        r = small.request("POST", "/prefill", {"content-type": SHM_JSON, "content-length": str(len(body))}, [body])
+        r = call()
         wall = time.perf_counter() - t0
         if r.status != 200:
-            raise RuntimeError(f"/prefill answered {r.status}: {bytes(r.body)!r}")
+            raise RuntimeError(f"{what} answered {r.status}: {bytes(r.body)!r}")
         return wall, r
 
     for _ in range(warmup):
-        post()
+        timed()
     walls, timings = [], []
     with _py_spy(server_pid, profile):
         for _ in range(calls):
-            wall, r = post()
+            wall, r = timed()
             walls.append(wall)
             timings.append(_server_timing(r.headers))
     return walls, timings
+
+
+def _timed_posts(small: SmallExchange, body: bytes, calls: int, warmup: int, profile: Optional[Path] = None,
+                 server_pid: Optional[int] = None) -> Timings:
+    """POST /prefill of the shared memory document ``body`` through `KDAClient`'s path for
+    small requests (`SmallExchange`, one kept-alive connection), as an engine's call goes."""
+    from service.shm.prefill import SHM_JSON
+
+    headers = {"content-type": SHM_JSON, "content-length": str(len(body))}
+    return _timed_calls(lambda: small.request("POST", "/prefill", headers, [body]), "/prefill", calls, warmup,
+                        profile, server_pid)
 
 
 def _timed_frames(framed: FramedExchange, body: bytes, calls: int, warmup: int, profile: Optional[Path] = None,
-                  server_pid: Optional[int] = None) -> tuple[list[float], list[dict[str, float]]]:
-    """The same shared memory document as `_timed_posts`, over the server's framed socket
-    (``profile``: py-spy's samples of the server during the timed calls)."""
-    def send() -> tuple[float, Any]:
-        t0 = time.perf_counter()
-        r = framed.request(Op.PREFILL, body)
-        wall = time.perf_counter() - t0
-        if r.status != 200:
-            raise RuntimeError(f"framed PREFILL answered {r.status}: {bytes(r.body)!r}")
-        return wall, r
-
-    for _ in range(warmup):
-        send()
-    walls, timings = [], []
-    with _py_spy(server_pid, profile):
-        for _ in range(calls):
-            wall, r = send()
-            walls.append(wall)
-            timings.append(_server_timing(r.headers))
-    return walls, timings
+                  server_pid: Optional[int] = None) -> Timings:
+    """The same shared memory document over the server's framed socket."""
+    return _timed_calls(lambda: framed.request(Op.PREFILL, body), "framed PREFILL", calls, warmup, profile,
+                        server_pid)
 
 
 def _dma_ms(in_bytes: int, out_bytes: int, calls: int) -> float:
