@@ -86,7 +86,11 @@ class Figure:
 
     def row(self) -> str:
         phases = ", ".join(f"{p} {self.phases[p]:.3f}" for p in PHASES if p in self.phases)
-        rest = f"; rest {self.p50 - sum(self.phases.values()):.3f}" if self.phases else ""
+        inner = sum(self.phases[p] for p in PHASES if p in self.phases)
+        rest = f"; rest {self.p50 - inner:.3f}" if self.phases else ""
+        if "total" in self.phases:  # the framed socket's: the server's whole time on the request
+            total = self.phases["total"]
+            rest += f" (in the server {total - inner:.3f}, outside it {self.p50 - total:.3f})"
         return f"| {self.name} | {self.n} | {self.p50:.3f} | {self.p90:.3f} | {phases}{rest} |"
 
 
@@ -99,7 +103,7 @@ def quantile(values: Sequence[float], q: float) -> float:
 def figure(name: str, seconds: Sequence[float], timings: Sequence[dict[str, float]] = ()) -> Figure:
     """The figure of per-call wall ``seconds`` and their Server-Timing ``timings`` (ms)."""
     ms = [s * 1e3 for s in seconds]
-    phases = {p: statistics.median(t[p] for t in timings if p in t) for p in PHASES
+    phases = {p: statistics.median(t[p] for t in timings if p in t) for p in (*PHASES, "total")
               if any(p in t for t in timings)}
     return Figure(name, len(ms), statistics.median(ms), quantile(ms, 0.9), phases)
 

@@ -5,7 +5,7 @@ A prefill runs as ``POST /prefill`` runs a shared memory request: the document p
 regions leased, the inputs copied out (`service.shm.prefill.read_request`), the core's
 validation, ordering and batching, the outputs written into the client's regions
 (`write_result`), the reply's timing in ``Server-Timing`` form (decode, validate, kernel,
-encode). What it leaves out is HTTP: no request line or headers to parse, no ASGI
+encode, and total: from the request's last byte read to its reply's write). What it leaves out is HTTP: no request line or headers to parse, no ASGI
 middleware, one small frame each way. Errors are the app's own problem documents with
 their HTTP statuses (``render``), so a client handles them as it does over HTTP; bad input
 never changes a slot, as on every front end. Slots a prefill created are freed when its
@@ -118,6 +118,8 @@ class FramedServer:
             op, payload = request
             started = time.perf_counter()
             status, timing, body, created = await self._answer(op, payload, authorized)
+            if timing:  # the request's whole time in the server, its phases and all between them
+                timing += f", total;dur={(time.perf_counter() - started) * 1000:.3f}"
             authorized = authorized or (op == Op.AUTH and status < 400)
             name = Op(op).name.lower() if op in Op._value2member_map_ else "unknown"
             try:
