@@ -31,15 +31,24 @@ class SlotOrdering:
     """
 
     def __init__(self) -> None:
-        self._queues: dict[Hashable, deque[_Ticket]] = {}
+        self._first: dict[Hashable, _Ticket] = {}  # each key's first holder (running, or waiting on other keys)
+        self._behind: dict[Hashable, deque[_Ticket]] = {}  # those queued after it, for contended keys only
 
     @asynccontextmanager
     async def hold(self, keys: Iterable[Hashable]) -> AsyncIterator[None]:
         """``async with ordering.hold([(slot_id, layer), ...]):`` run the body holding those keys."""
         ticket = _Ticket(frozenset(keys), asyncio.get_running_loop().create_future())
+        first, behind, alone = self._first, self._behind, True
         for key in ticket.keys:
-            self._queues.setdefault(key, deque()).append(ticket)
-        self._grant_if_first(ticket)
+            if key in first:
+                behind.setdefault(key, deque()).append(ticket)
+                alone = False
+            else:
+                first[key] = ticket
+        if alone:  # first on every key: no one to wait for (the common case; a decode step names hundreds)
+            ticket.turn.set_result(None)
+        else:
+            self._grant_if_first(ticket)
         try:
             await ticket.turn
             yield
@@ -48,21 +57,27 @@ class SlotOrdering:
 
     def queued(self, key: Hashable) -> int:
         """Holders of ``key``, running or waiting."""
-        return len(self._queues.get(key, ()))
+        return (key in self._first) + len(self._behind.get(key, ()))
 
     def _grant_if_first(self, ticket: _Ticket) -> None:
-        if not ticket.turn.done() and all(self._queues[key][0] is ticket for key in ticket.keys):
+        if not ticket.turn.done() and all(self._first.get(key) is ticket for key in ticket.keys):
             ticket.turn.set_result(None)
 
     def _leave(self, ticket: _Ticket) -> None:
         """Remove ``ticket`` from its queues and grant whoever that puts first everywhere."""
-        successors = []
+        first, behind, successors = self._first, self._behind, []
         for key in ticket.keys:
-            queue = self._queues[key]
-            queue.remove(ticket)
-            if queue:
-                successors.append(queue[0])
+            queue = behind.get(key)
+            if first.get(key) is ticket:
+                if queue:
+                    first[key] = queue.popleft()
+                    successors.append(first[key])
+                else:
+                    del first[key]
             else:
-                del self._queues[key]
+                assert queue is not None
+                queue.remove(ticket)
+            if queue is not None and not queue:
+                del behind[key]
         for successor in successors:
             self._grant_if_first(successor)

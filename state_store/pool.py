@@ -190,6 +190,23 @@ class StatePool:
         return [slot.row for slot in slots]
 
     @_locked
+    def rows_checked(self, slot_ids: Sequence[str]) -> tuple[list[int], Optional[str]]:
+        """`rows` and `first_lost` in one pass under one lock (a launch's check of hundreds
+        of slots): the rows of ``slot_ids`` in order and the first of them flagged
+        state_lost, or None. UnknownSlot for the first id that is not live, having resolved
+        none; otherwise every slot is marked used."""
+        if isinstance(slot_ids, str):
+            raise TypeError("rows_checked() takes a sequence of slot ids, not one id")
+        slots = [self._resolve(slot_id) for slot_id in slot_ids]
+        now = self._clock()
+        lost = None
+        for slot_id, slot in zip(slot_ids, slots):
+            slot.last_used = now
+            if slot.state_lost and lost is None:
+                lost = slot_id
+        return [slot.row for slot in slots], lost
+
+    @_locked
     def read_state(self, slot_id: str) -> torch.Tensor:
         """A copy of the slot's state, [L, HV, V, K] in the pool dtype, on the pool device."""
         row = self._touch(slot_id).row
@@ -249,7 +266,7 @@ class StatePool:
         layer = self._layer_index(layer)
         if len(slot_ids) != len(counts):
             raise ValueError(f"{len(slot_ids)} slot ids but {len(counts)} counts")
-        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in counts):
+        if counts and (not set(map(type, counts)) <= {int} or min(counts) < 0):  # C loops: hundreds of counts
             raise ValueError(f"counts must be non-negative integers, got {list(counts)[:8]}")
         slots = [self._resolve(slot_id) for slot_id in slot_ids]
         now = self._clock()

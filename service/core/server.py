@@ -453,11 +453,10 @@ class ServerCore:
         live, rows = [], []
         for i, job in enumerate(jobs):
             try:
-                job_rows = self.pool.rows(job.slots)
+                job_rows, lost = self.pool.rows_checked(job.slots)
             except UnknownSlot as e:
                 outcomes[i] = e
                 continue
-            lost = self.pool.first_lost(job.slots)
             if lost is not None:
                 outcomes[i] = StateLost(lost)
                 continue

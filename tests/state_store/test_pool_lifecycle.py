@@ -339,6 +339,22 @@ def test_first_lost_names_the_first_flagged_slot():
         pool.first_lost([a, "gone", b])
 
 
+def test_rows_checked_gives_the_rows_and_the_first_lost_slot_and_marks_them_used(clock):
+    pool = make_pool(clock=clock)
+    a, b, c = pool.alloc(3)
+    expected = pool.rows([a, c, b])
+    before = pool.slot_info(b).last_used
+    assert pool.rows_checked([a, c, b]) == (expected, None)
+    pool.mark_lost([c, b])
+    clock.advance(5.0)
+    assert pool.rows_checked([a, c, b]) == (expected, c)
+    assert all(pool.slot_info(s).last_used == before + 5.0 for s in (a, b, c))
+    with pytest.raises(UnknownSlot):
+        pool.rows_checked([a, "gone"])
+    with pytest.raises(TypeError):
+        pool.rows_checked(a)
+
+
 def test_mark_lost_flags_until_the_state_is_replaced():
     pool = make_pool()
     a, b = pool.alloc(2)
