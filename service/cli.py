@@ -7,20 +7,22 @@ or KDA_* variables.
     python -m service.cli --help
 
 Start-up, in order: the pool is allocated and the gate file loaded (`create_app`), the
-port is bound (the gRPC port checked), the snapshot restored; then uvicorn starts, and
+port is bound (the gRPC port and the framed socket's path checked), the snapshot restored; then uvicorn starts, and
 once it listens, ``kda-serve: listening on http://HOST:PORT (...)`` is printed on stdout.
 The kernels warm up in the background after that (logged with their duration;
 ``/health/ready`` answers 200 once they passed their self-test). A start refused on the way
-(a pool larger than the device's memory, a bad gate file, a port in use, a snapshot that
-cannot be used, a bad setting) prints one line, ``kda-serve: <why>``, on stderr and exits 2,
+(a pool larger than the device's memory, a bad gate file, a port in use, a framed socket
+that cannot be made, a snapshot that cannot be used, a bad setting) prints one line, ``kda-serve: <why>``, on stderr and exits 2,
 with no traceback. Logs go to stderr in one format (`service.logs`; ``--log-format json``).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import stat
 import sys
 from typing import NoReturn, Optional, Sequence
 
@@ -79,6 +81,17 @@ def _check_grpc_port(host: str, port: int) -> None:
             raise StartRefused(f"cannot serve gRPC on {address}: {e.strerror or e}") from None
 
 
+def _check_framed_socket(path: str) -> None:
+    """Refuse now a framed socket the server could not create at start: its folder missing,
+    or a file that is not a socket at ``path`` (a stale socket is replaced, as
+    `service.framed.FramedServer.start` does)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise StartRefused(f"cannot serve the framed socket {path}: no folder {folder}")
+    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise StartRefused(f"cannot serve the framed socket {path}: a file that is not a socket is there")
+
+
 def banner(settings: Settings, app: FastAPI, sock: socket.socket) -> str:
     """The line printed once the server listens."""
     core = app.state.core
@@ -119,6 +132,8 @@ def run(settings: Settings) -> None:
     try:
         if settings.grpc_port:
             _check_grpc_port(settings.host, settings.grpc_port)
+        if settings.framed_socket:
+            _check_framed_socket(settings.framed_socket)
         protocol, fallback = choose_protocol()
         if fallback is not None:
             log.warning("%s", fallback_warning(fallback))

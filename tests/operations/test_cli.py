@@ -1,8 +1,8 @@
 """``kda-serve`` as a user runs it (`service.cli`, in a subprocess): ``--version``; each start
-refused (too large a pool, a bad gate file, a port in use, a snapshot that cannot be used)
-is one line on stderr and exit status 2, with no traceback; the banner comes only once the
-port listens and the snapshot is restored; warm-up is logged with its duration; one log
-format, and ``--log-format json`` gives one JSON object per line."""
+refused (too large a pool, a bad gate file, a port in use, a framed socket that cannot be made,
+a snapshot that cannot be used) is one line on stderr and exit status 2, with no traceback;
+the banner comes only once the port listens and the snapshot is restored; warm-up is logged
+with its duration; one log format, and ``--log-format json`` gives one JSON object per line."""
 from __future__ import annotations
 
 import json
@@ -64,6 +64,15 @@ def test_a_port_in_use_is_refused_in_one_line() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         assert_refused(cli([*TOY, "--port", str(port)]), rf"cannot listen on 127\.0\.0\.1:{port}: Address already in use")
+
+
+def test_a_framed_socket_that_cannot_be_made_is_refused_in_one_line(tmp_path: Path) -> None:
+    assert_refused(cli([*TOY, "--port", "0", "--framed-socket", str(tmp_path / "no-such-folder" / "kda.sock")]),
+                   "framed socket .*no folder")
+    (tmp_path / "a-file").write_text("not a socket")
+    assert_refused(cli([*TOY, "--port", "0", "--framed-socket", str(tmp_path / "a-file")]),
+                   "framed socket .*not a socket")
+    assert (tmp_path / "a-file").read_text() == "not a socket"
 
 
 def test_a_snapshot_that_cannot_be_used_is_refused_in_one_line(tmp_path: Path) -> None:
