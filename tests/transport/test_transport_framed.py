@@ -214,3 +214,21 @@ def test_framed_socket_asks_for_the_api_key(tmp_path: Path, gen: torch.Generator
             wrong.close()
     finally:
         assert srv.stop() == 0
+
+
+def test_a_stale_socket_file_is_replaced(tmp_path: Path) -> None:
+    """A socket file left by a server that did not exit cleanly does not stop the next one."""
+    path = _socket_path(tmp_path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # the file stays, nobody listens
+    srv = start_server([*GEOMETRY_ARGS, "--framed-socket", path], tmp_path / "kda.log")
+    try:
+        exchange = FramedExchange(path, None, 30)
+        try:
+            assert exchange.request(Op.PING, b"").status == 200
+        finally:
+            exchange.close()
+    finally:
+        assert srv.stop() == 0
+    assert not os.path.exists(path)
