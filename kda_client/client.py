@@ -50,7 +50,7 @@ from typing import (
 import httpx
 import torch
 
-from .framed import FramedExchange
+from .framed import AsyncFramedExchange, FramedExchange
 from .small import MAX_BODY, SmallExchange
 from .transport import StdlibTransport
 from .shm import (
@@ -591,17 +591,26 @@ class KDAClient:
 
 
 class AsyncKDAClient:
-    """`KDAClient`'s asyncio twin: the same methods, as coroutines."""
+    """`KDAClient`'s asyncio twin: the same methods, as coroutines (``framed_socket`` too,
+    through `kda_client.framed.AsyncFramedExchange`)."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: Optional[str] = None,
                  encoding: Encoding = "safetensors", timeout: float = 300.0, transport: Transport = "http",
-                 shm_ttl_s: float = 300.0, shm_views: bool = False) -> None:
+                 shm_ttl_s: float = 300.0, shm_views: bool = False, framed_socket: Optional[str] = None) -> None:
+        if framed_socket is not None and transport == "http":
+            raise ValueError("framed_socket carries shared memory prefills: it needs transport='shm' or 'cuda'")
+        self._framed = None if framed_socket is None else AsyncFramedExchange(framed_socket, api_key, timeout)
         self._calls = _Calls(encoding)
         self._arena = _arena(transport, shm_ttl_s, shm_views)
         self._arena_lock = asyncio.Lock()  # one region: one shared memory prefill at a time
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_client_headers(api_key))
 
     async def _run(self, call: _Call[_T]) -> _T:
+        if self._framed is not None and call.content_type == SHM_JSON:  # as `KDAClient._run`
+            assert isinstance(call.body, (bytes, bytearray))
+            answer = await self._framed.request(Op.PREFILL, bytes(call.body))
+            _raise_for(answer.status, answer.headers, answer.body)
+            return call.parse(answer.headers, answer.body)
         content = None if call.body is None else _achunks(call.body)
         async with self._http.stream(call.method, call.path, content=content, headers=call.headers()) as r:
             length = r.headers.get("content-length")
@@ -696,6 +705,8 @@ class AsyncKDAClient:
                 with suppress(httpx.TransportError, KDAError):
                     await self._run(self._calls.unregister_region(self._arena, name))
         finally:
+            if self._framed is not None:
+                await self._framed.aclose_connection()
             await self._http.aclose()
 
     async def __aenter__(self) -> "AsyncKDAClient":

@@ -1,5 +1,6 @@
-"""`FramedExchange`: `KDAClient`'s path to a server's framed socket (``kda-serve
---framed-socket PATH``), for shared memory and CUDA IPC prefills on the same host.
+"""`FramedExchange` (`KDAClient`'s) and `AsyncFramedExchange` (`AsyncKDAClient`'s): the
+path to a server's framed socket (``kda-serve --framed-socket PATH``), for shared memory and
+CUDA IPC prefills on the same host.
 
 One request frame out, one reply frame back, on a kept-alive Unix socket (the format:
 `service.wire.frames`); no HTTP request line, headers or parser on either side. A reply
@@ -11,6 +12,7 @@ replaced before a request is sent on it; a request whose reply was lost is not r
 """
 from __future__ import annotations
 
+import asyncio
 import select
 import socket
 import struct
@@ -83,14 +85,7 @@ class FramedExchange:
 
     def _read(self, sock: socket.socket) -> Response:
         head = self._exactly(sock, 4)
-        (size,) = struct.unpack(">I", head)
-        if size < 4:
-            raise httpx.RemoteProtocolError(f"a reply frame of {size} bytes is shorter than its status")
-        status, timing, body = split_reply(self._exactly(sock, size))
-        headers = {"content-type": PROBLEM if status >= 400 else JSON}
-        if timing:
-            headers["server-timing"] = timing
-        return Response(status, headers, bytearray(body))
+        return _response(self._exactly(sock, _reply_size(head)))
 
     @staticmethod
     def _exactly(sock: socket.socket, n: int) -> bytes:
@@ -112,3 +107,88 @@ class FramedExchange:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class AsyncFramedExchange:
+    """`FramedExchange` for asyncio (`AsyncKDAClient`): the same frames, errors and key, on
+    one kept connection, requests one at a time."""
+
+    def __init__(self, path: str, api_key: Optional[str], timeout: float) -> None:
+        self.path, self.timeout = path, timeout
+        self.key = None if api_key is None else api_key.encode("utf-8")
+        self._streams: Optional[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = None
+        self._lock = asyncio.Lock()
+
+    async def request(self, op: Op, payload: bytes) -> Response:
+        """``op`` with ``payload``, and its reply (a refused API key's 401 in its place)."""
+        async with self._lock:
+            try:
+                streams, refused = await self._connected()
+                if refused is not None:
+                    await self.aclose_connection()
+                    return refused
+                return await self._exchange(streams, request_frame(op, payload))
+            except BaseException:
+                await self.aclose_connection()
+                raise
+
+    async def aclose_connection(self) -> None:
+        """Close the kept connection (the next request opens a new one)."""
+        if self._streams is not None:
+            _, writer = self._streams
+            self._streams = None
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass  # already reset by the server
+
+    async def _connected(self) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], Optional[Response]]:
+        """The kept connection unless the server closed it, else a new one, authorized
+        when a key is set (with the AUTH reply when that was refused)."""
+        if self._streams is not None and not self._streams[0].at_eof():
+            return self._streams, None
+        await self.aclose_connection()
+        try:
+            streams = await asyncio.wait_for(asyncio.open_unix_connection(self.path), self.timeout)
+        except (OSError, TimeoutError) as e:
+            raise httpx.ConnectError(f"framed socket {self.path}: {e}") from e
+        self._streams = streams
+        if self.key is not None:
+            answer = await self._exchange(streams, request_frame(Op.AUTH, self.key))
+            if answer.status >= 400:
+                return streams, answer
+        return streams, None
+
+    async def _exchange(self, streams: tuple[asyncio.StreamReader, asyncio.StreamWriter], frame: bytes) -> Response:
+        reader, writer = streams
+        try:
+            writer.write(frame)
+            await writer.drain()
+        except OSError as e:
+            raise httpx.WriteError(f"framed socket: {e}") from e
+        try:
+            async with asyncio.timeout(self.timeout):
+                head = await reader.readexactly(4)
+                return _response(await reader.readexactly(_reply_size(head)))
+        except TimeoutError as e:
+            raise httpx.ReadTimeout("no reply from the framed socket in time") from e
+        except (OSError, asyncio.IncompleteReadError) as e:
+            raise httpx.ReadError("the server closed the framed socket connection before its reply") from e
+
+
+def _reply_size(head: bytes) -> int:
+    """A reply's length from its first 4 bytes (at least its status and timing length)."""
+    (size,) = struct.unpack(">I", head)
+    if size < 4:
+        raise httpx.RemoteProtocolError(f"a reply frame of {size} bytes is shorter than its status")
+    return size
+
+
+def _response(frame: bytes) -> Response:
+    """A reply (its bytes after the length) as an HTTP response's status, headers and body."""
+    status, timing, body = split_reply(frame)
+    headers = {"content-type": PROBLEM if status >= 400 else JSON}
+    if timing:
+        headers["server-timing"] = timing
+    return Response(status, headers, bytearray(body))

@@ -5,6 +5,7 @@ op never take the server down; the socket is its user's alone and asks for the A
 where the server has one; slots made for a client that left are freed."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -21,7 +22,7 @@ from transport_helpers import (
 )
 from server_harness import metric, wait_for
 
-from kda_client.client import KDAClient
+from kda_client.client import AsyncKDAClient, BadRequest, KDAClient
 from kda_client.framed import FramedExchange
 from service.wire.frames import MAX_FRAME, Op, request_frame, split_reply
 
@@ -232,3 +233,35 @@ def test_a_stale_socket_file_is_replaced(tmp_path: Path) -> None:
     finally:
         assert srv.stop() == 0
     assert not os.path.exists(path)
+
+
+async def prefill_and_continue_async(client: AsyncKDAClient, first: list, second: list) -> tuple:
+    """`prefill_and_continue` through an `AsyncKDAClient`."""
+    a = await client.prefill(0, [(None, *s) for s in first])
+    b = await client.prefill(0, [(slot, *s) for slot, s in zip(a.slots, second)])
+    return a, b
+
+
+def test_async_client_over_the_framed_socket_equals_http(framed: tuple[Server, str], gen: torch.Generator) -> None:
+    """`AsyncKDAClient(framed_socket=...)`: the same numbers as the sync client over HTTP
+    (a prefill and its continuation), and a refusal raised as over HTTP."""
+    server, path = framed
+    first, second = [make_sequence(33, gen)], [make_sequence(70, gen)]
+
+    async def over_frames() -> tuple:
+        async with AsyncKDAClient(server.url, transport="shm", framed_socket=path) as client:
+            out = await prefill_and_continue_async(client, first, second)
+            with pytest.raises(BadRequest) as refused:
+                await client.prefill(0, [(out[0].slots[0], *make_sequence(5, gen, heads=HV + 1))])
+            assert refused.value.problem["status"] == 400
+            for slot in out[0].slots:
+                await client.free(slot)
+            return out
+
+    a, b = asyncio.run(over_frames())
+    with KDAClient(server.url, transport="shm") as over_http:
+        x, y = prefill_and_continue(over_http, first, second)
+        for slot in x.slots:
+            over_http.free(slot)
+    assert torch.equal(a.o_packed, x.o_packed) and torch.equal(b.final_state, y.final_state)
+    assert "total" in b.server_timing
