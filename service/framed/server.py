@@ -39,6 +39,10 @@ Render = Callable[[Exception], Awaitable[tuple[int, bytes]]]
 """An exception's (HTTP status, problem+json body), as the HTTP app renders it."""
 
 
+_OP_NAMES = {int(op): op.name.lower() for op in Op}
+"""Each op's name in the metrics (``unknown`` for any other byte)."""
+
+
 class _Refusal(ServiceError):
     """A framing-level refusal (unknown op, missing API key): ``status`` given per instance."""
 
@@ -121,7 +125,7 @@ class FramedServer:
             if timing:  # the request's whole time in the server, its phases and all between them
                 timing += f", total;dur={(time.perf_counter() - started) * 1000:.3f}"
             authorized = authorized or (op == Op.AUTH and status < 400)
-            name = Op(op).name.lower() if op in Op._value2member_map_ else "unknown"
+            name = _OP_NAMES.get(op, "unknown")
             try:
                 await self._reply(writer, name, status, body, timing)
             except ConnectionError:
