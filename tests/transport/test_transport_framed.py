@@ -1,8 +1,10 @@
 """The framed socket front end (``--framed-socket``) against live servers: shared memory
-prefills equal the HTTP path bit for bit and the float64 reference; refusals are the same
-problem documents and change no slot; frames too large, empty, cut short or of an unknown
-op never take the server down; the socket is its user's alone and asks for the API key
-where the server has one; slots made for a client that left are freed."""
+prefills equal the HTTP path bit for bit and the float64 reference (sync and async
+clients); refusals are the same problem documents and change no slot; frames too large,
+empty, cut short, stalled or of an unknown op never take the server down; the socket is its
+user's alone and asks for the API key where the server has one; slots made for a client
+that left are freed; a stale socket file is replaced; the client replaces a connection the
+server closed."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +12,7 @@ import json
 import os
 import socket
 import struct
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -265,3 +268,39 @@ def test_async_client_over_the_framed_socket_equals_http(framed: tuple[Server, s
             over_http.free(slot)
     assert torch.equal(a.o_packed, x.o_packed) and torch.equal(b.final_state, y.final_state)
     assert "total" in b.server_timing
+
+
+def test_the_client_replaces_a_connection_the_server_closed(tmp_path: Path) -> None:
+    """A server restarted between two requests: the kept connection, closed by the old
+    one, is replaced before the next request goes out, with no error."""
+    path = _socket_path(tmp_path)
+    exchange = FramedExchange(path, None, 30)
+    try:
+        for run in range(2):
+            srv = start_server([*GEOMETRY_ARGS, "--framed-socket", path], tmp_path / f"kda-{run}.log")
+            try:
+                assert exchange.request(Op.PING, b"").status == 200
+            finally:
+                assert srv.stop() == 0
+    finally:
+        exchange.close()
+
+
+def test_a_frame_that_stops_arriving_has_its_connection_closed(tmp_path: Path) -> None:
+    """Half a frame, then nothing: the connection is closed after --body-timeout-s, with no
+    reply, and the server serves on."""
+    path = _socket_path(tmp_path)
+    srv = start_server([*GEOMETRY_ARGS, "--framed-socket", path, "--body-timeout-s", "0.5"], tmp_path / "kda.log")
+    try:
+        with _raw(path) as sock:
+            sock.sendall(struct.pack(">I", 100) + b"\x01{")
+            started = time.monotonic()
+            assert sock.recv(16) == b""  # closed, unanswered
+            assert 0.4 < time.monotonic() - started < 10
+        exchange = FramedExchange(path, None, 30)
+        try:
+            assert exchange.request(Op.PING, b"").status == 200
+        finally:
+            exchange.close()
+    finally:
+        assert srv.stop() == 0
