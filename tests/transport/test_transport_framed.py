@@ -20,8 +20,8 @@ import httpx
 import pytest
 import torch
 from transport_helpers import (
-    GEOMETRY_ARGS, HV, K, TOL, Region, Server, make_sequence, pool_image, prefill_and_continue, reference, rel,
-    shm_request, start_server,
+    GEOMETRY_ARGS, HV, K, TOL, Region, Server, assert_continuation_matches, make_sequence, pool_image,
+    prefill_and_continue, reference, rel, shm_request, start_server,
 )
 from server_harness import metric, wait_for
 
@@ -66,6 +66,15 @@ def _raw(path: str) -> socket.socket:
     return sock
 
 
+def _ping(path: str) -> int:
+    """The status of a PING on a new connection."""
+    exchange = FramedExchange(path, None, 30)
+    try:
+        return exchange.request(Op.PING, b"").status
+    finally:
+        exchange.close()
+
+
 def _read_reply(sock: socket.socket) -> tuple[int, str, bytes]:
     data = b""
     while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
@@ -82,19 +91,12 @@ def test_framed_prefill_equals_http_and_reference(framed: tuple[Server, str], ge
     with KDAClient(server.url, transport="shm") as over_http, \
             KDAClient(server.url, transport="shm", framed_socket=path) as over_frames:
         outs = [prefill_and_continue(client, first, second, use_qk_l2norm=True) for client in (over_http, over_frames)]
-        for x, y in zip(outs[0], outs[1]):
-            assert torch.equal(x.o_packed, y.o_packed)
-            assert torch.equal(x.final_state, y.final_state)
         timing = outs[1][1].server_timing
         assert set(timing) == {"decode", "validate", "kernel", "encode", "total"}
         assert timing["total"] >= sum(timing[p] for p in ("decode", "validate", "kernel", "encode"))
         for slot in outs[0][0].slots + outs[1][0].slots:
             over_http.free(slot)
-    o1, h1 = reference(first, use_qk_l2norm=True)
-    o2, h2 = reference(second, initial=h1, use_qk_l2norm=True)
-    a, b = outs[1]
-    assert rel(a.o_packed, o1) < TOL and rel(a.final_state, h1) < TOL
-    assert rel(b.o_packed, o2) < TOL and rel(b.final_state, h2) < TOL
+    assert_continuation_matches(first, second, outs, use_qk_l2norm=True)
 
 
 @pytest.mark.parametrize("case", ["bad shape", "NaN input", "unknown region", "output past the end",
@@ -159,11 +161,7 @@ def test_framed_bad_frames_never_take_the_server_down(framed: tuple[Server, str]
     text = httpx.get(f"{server.url}/metrics").text
     assert metric(text, "kda_framed_requests_total", op="unknown", status="400") >= 1
     assert metric(text, "kda_framed_requests_total", op="frame", status="413") >= 1
-    exchange = FramedExchange(path, None, 30)
-    try:
-        assert exchange.request(Op.PING, b"").status == 200
-    finally:
-        exchange.close()
+    assert _ping(path) == 200
     assert httpx.get(f"{server.url}/health/live").status_code == 200
 
 
@@ -228,11 +226,7 @@ def test_a_stale_socket_file_is_replaced(tmp_path: Path) -> None:
     stale.close()  # the file stays, nobody listens
     srv = start_server([*GEOMETRY_ARGS, "--framed-socket", path], tmp_path / "kda.log")
     try:
-        exchange = FramedExchange(path, None, 30)
-        try:
-            assert exchange.request(Op.PING, b"").status == 200
-        finally:
-            exchange.close()
+        assert _ping(path) == 200
     finally:
         assert srv.stop() == 0
     assert not os.path.exists(path)
@@ -297,10 +291,6 @@ def test_a_frame_that_stops_arriving_has_its_connection_closed(tmp_path: Path) -
             started = time.monotonic()
             assert sock.recv(16) == b""  # closed, unanswered
             assert 0.4 < time.monotonic() - started < 10
-        exchange = FramedExchange(path, None, 30)
-        try:
-            assert exchange.request(Op.PING, b"").status == 200
-        finally:
-            exchange.close()
+        assert _ping(path) == 200
     finally:
         assert srv.stop() == 0

@@ -113,6 +113,20 @@ def prefill_and_continue(client: KDAClient, first: Sequence[Sequence[torch.Tenso
     return a, b
 
 
+def assert_continuation_matches(first: Sequence[Sequence[torch.Tensor]], second: Sequence[Sequence[torch.Tensor]],
+                                outs: Sequence[tuple[PrefillOutput, PrefillOutput]], **options: Any) -> None:
+    """``outs``: `prefill_and_continue` of ``first`` then ``second`` through two transports.
+    Both equal bit for bit, and the second within `TOL` of the float64 reference."""
+    for x, y in zip(outs[0], outs[1]):
+        assert torch.equal(x.o_packed, y.o_packed)
+        assert torch.equal(x.final_state, y.final_state)
+    o1, h1 = reference(first, **options)
+    o2, h2 = reference(second, initial=h1, **options)
+    a, b = outs[1]
+    assert rel(a.o_packed, o1) < TOL and rel(a.final_state, h1) < TOL
+    assert rel(b.o_packed, o2) < TOL and rel(b.final_state, h2) < TOL
+
+
 def dumps(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc).encode()
 
