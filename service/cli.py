@@ -7,22 +7,21 @@ or KDA_* variables.
     python -m service.cli --help
 
 Start-up, in order: the pool is allocated and the gate file loaded (`create_app`), the
-port is bound (the gRPC port and the framed socket's path checked), the snapshot restored; then uvicorn starts, and
-once it listens, ``kda-serve: listening on http://HOST:PORT (...)`` is printed on stdout.
-The kernels warm up in the background after that (logged with their duration;
-``/health/ready`` answers 200 once they passed their self-test). A start refused on the way
-(a pool larger than the device's memory, a bad gate file, a port in use, a framed socket
-that cannot be made, a snapshot that cannot be used, a bad setting) prints one line, ``kda-serve: <why>``, on stderr and exits 2,
-with no traceback. Logs go to stderr in one format (`service.logs`; ``--log-format json``).
+port is bound (the gRPC port and the framed socket's path checked), the snapshot restored;
+then uvicorn starts, and once it listens, ``kda-serve: listening on http://HOST:PORT (...)``
+is printed on stdout. The kernels warm up in the background after that (logged with their
+duration; ``/health/ready`` answers 200 once they passed their self-test). A start refused
+on the way (a pool larger than the device's memory, a bad gate file, a port in use, a framed
+socket that cannot be made, a snapshot that cannot be used, a bad setting) prints one line,
+``kda-serve: <why>``, on stderr and exits 2, with no traceback. Logs go to stderr in one
+format (`service.logs`; ``--log-format json``).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
-import stat
 import sys
 from typing import NoReturn, Optional, Sequence
 
@@ -32,6 +31,7 @@ from fastapi import FastAPI
 from state_store import PoolError
 
 from .config import Settings, parse_settings
+from .framed import socket_path_problem
 from .http.app import create_app
 from .http.protocol_choice import choose_protocol, fallback_warning
 from .http.request_id import RequestIdFilter
@@ -82,14 +82,9 @@ def _check_grpc_port(host: str, port: int) -> None:
 
 
 def _check_framed_socket(path: str) -> None:
-    """Refuse now a framed socket the server could not create at start: its folder missing,
-    or a file that is not a socket at ``path`` (a stale socket is replaced, as
-    `service.framed.FramedServer.start` does)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise StartRefused(f"cannot serve the framed socket {path}: no folder {folder}")
-    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise StartRefused(f"cannot serve the framed socket {path}: a file that is not a socket is there")
+    """Refuse now a framed socket the server could not make at start (`socket_path_problem`)."""
+    if (why := socket_path_problem(path)) is not None:
+        raise StartRefused(f"cannot serve the framed socket {path}: {why}")
 
 
 def banner(settings: Settings, app: FastAPI, sock: socket.socket) -> str:

@@ -5,11 +5,12 @@ A prefill runs as ``POST /prefill`` runs a shared memory request: the document p
 regions leased, the inputs copied out (`service.shm.prefill.read_request`), the core's
 validation, ordering and batching, the outputs written into the client's regions
 (`write_result`), the reply's timing in ``Server-Timing`` form (decode, validate, kernel,
-encode, and total: from the request's last byte read to its reply's write). What it leaves out is HTTP: no request line or headers to parse, no ASGI
-middleware, one small frame each way. Errors are the app's own problem documents with
-their HTTP statuses (``render``), so a client handles them as it does over HTTP; bad input
-never changes a slot, as on every front end. Slots a prefill created are freed when its
-reply cannot be delivered (the client left).
+encode, and total: from the request's last byte read to its reply's write). What it leaves
+out is HTTP: no request line or headers to parse, no ASGI middleware, one small frame each
+way. Errors are the app's own problem documents with their HTTP statuses (``render``), so
+a client handles them as it does over HTTP; bad input never changes a slot, as on every
+front end. Slots a prefill created are freed when its reply cannot be delivered (the
+client left).
 
 The socket file is created with mode 0600: only the server's user (and root) can connect.
 A server with an API key also asks for it, once per connection (`Op.AUTH`).
@@ -43,6 +44,17 @@ _OP_NAMES = {int(op): op.name.lower() for op in Op}
 """Each op's name in the metrics (``unknown`` for any other byte)."""
 
 
+def socket_path_problem(path: str) -> Optional[str]:
+    """Why a framed socket cannot be made at ``path`` (its folder missing, or a file that is
+    not a socket there), or None; a stale socket there is replaced by `FramedServer.start`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"no folder {folder}"
+    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+        return "a file that is not a socket is there"
+    return None
+
+
 class _Refusal(ServiceError):
     """A framing-level refusal (unknown op, missing API key): ``status`` given per instance."""
 
@@ -68,10 +80,10 @@ class FramedServer:
 
     async def start(self) -> None:
         """Listen on the socket. A stale socket file (a server that did not close) is
-        replaced; any other file there is an error (FileExistsError)."""
+        replaced; a path `socket_path_problem` refuses is an OSError."""
+        if (why := socket_path_problem(self.path)) is not None:
+            raise OSError(f"--framed-socket {self.path}: {why}")
         if os.path.lexists(self.path):
-            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                raise FileExistsError(f"--framed-socket {self.path}: a file that is not a socket is there")
             os.unlink(self.path)
         old = os.umask(0o177)  # the socket is made 0600, with no window in which others could connect
         try:
