@@ -77,6 +77,8 @@ class Metrics:
                                        ["op", "status"], registry=r)
         self.framed_latency = Histogram("kda_framed_request_seconds", "Framed socket request latency by op",
                                         ["op"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prepared = Gauge("kda_prepared_prefills", "Prepared prefills held (framed socket PREPARE, not yet "
+                              "released)", registry=r)
         self.tokens = Counter("kda_prefill_tokens", "Tokens prefilled", registry=r)
         self.sequences = Counter("kda_prefill_sequences", "Sequences prefilled", registry=r)
         self.batch_requests = Histogram("kda_batch_requests", "Requests merged into one kernel launch",

@@ -57,7 +57,8 @@ from .metrics import Metrics, build_info
 from .self_test import SelfTestReport, run_self_test
 from .staging import PinnedStaging, host_ints_to
 from .transaction import LaunchTransaction
-from .validation import ValidPrefill, validate_prefill, validate_state
+from .prepared import Deliver, PreparedPrefill, Refill
+from .validation import ValidPrefill, validate_form, validate_prefill, validate_state
 from .worker import DeviceWorker, off_loop
 
 log = logging.getLogger("kda_serve.core")
@@ -116,6 +117,7 @@ class ServerCore:
         # host inputs reach a GPU through pinned memory (`_launch`, on the worker thread only)
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
         self._device_gates = DeviceGates(device)  # requests' gate tensors, copied once per distinct gate
+        self._graphs: Optional[object] = None  # the memory pool of prepared prefills' CUDA graphs, made at first use
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
             self._run_batch, self.worker, self.metrics,
             window_s=settings.batch_window_ms / 1000.0, max_tokens=settings.max_batch_tokens,
@@ -428,6 +430,70 @@ class ServerCore:
             if created:
                 await self.worker.run(self._free_all, created)
             raise
+
+    async def prepare(self, inputs: PrefillInputs, refill: Refill, deliver: Deliver) -> PreparedPrefill:
+        """A prefill prepared to run many times (`service.core.prepared`): ``inputs``' form
+        checked now (`validate_form`: 400), its slots named and live (404, 409), no
+        checkpoints (400); on a GPU its launch captured as a CUDA graph. Its packed tensors
+        are the buffers ``refill`` fills before each run; ``deliver`` gets each run's result.
+        Nothing runs and no slot changes here."""
+        await self.check_ready()
+        valid = validate_form(inputs, self.geometry, self.gates)
+        for i, slot in enumerate(inputs.slots):
+            if slot is None:
+                raise InvalidRequest(f"sequence {i} has no slot: a prepared prefill runs on slots that exist "
+                                     "(allocate them first)", field=f"sequences[{i}].slot")
+        if inputs.checkpoints and any(inputs.checkpoints):
+            raise InvalidRequest("a prepared prefill stores no checkpoints", field="checkpoints")
+        slots = [s for s in inputs.slots if s is not None]
+        rows, lost = self.pool.rows_checked(slots)  # or UnknownSlot
+        if lost is not None:
+            raise StateLost(lost)
+        device = self.geometry.device
+        if device.type == "cuda" and self._graphs is None:
+            self._graphs = torch.cuda.graph_pool_handle()
+
+        def build() -> PreparedPrefill:
+            A_log, dt_bias = self._device_gates.tensors(valid.gate)
+            prepared = PreparedPrefill(valid, rows, host_ints_to(rows, device), self.pool.layer_view(inputs.params.layer),
+                                       A_log, dt_bias, self.backend, refill, deliver, self._graphs)
+            prepared.capture()
+            return prepared
+
+        return await self.worker.run(build)
+
+    async def run_prepared(self, prepared: PreparedPrefill) -> PrefillResult:
+        """One run of ``prepared`` (see `PreparedPrefill.launch` for its refusals), in
+        arrival order with the other work on its slots; UnknownSlot (404) or StateLost (409)
+        when a slot was freed or lost since. Its slots count the tokens, as a prefill's do."""
+        if self.self_test_report is not None and not self.self_test_report.passed:
+            raise NotReady(self.self_test_report.describe())
+        if prepared.closed:
+            raise InvalidRequest("this prepared prefill was released", field="prepared")
+        async with self.ordering.hold(prepared.keys):
+            return await self.worker.run(self._run_prepared, prepared)
+
+    def _run_prepared(self, prepared: PreparedPrefill) -> PrefillResult:
+        rows, lost = self.pool.rows_checked(prepared.slots)
+        if lost is not None:
+            raise StateLost(lost)
+        assert rows == prepared.rows, "a live slot's row never changes"
+        if self.persistence is not None:
+            self.persistence.advancing(prepared.slots)
+        start = time.perf_counter()
+        prepared.refill()
+        o, finals = prepared.launch(lambda: self.pool.mark_lost(prepared.slots))
+        inputs = prepared.valid.inputs
+        result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], time.perf_counter() - start)
+        self.pool.record_tokens_many(prepared.slots, inputs.params.layer, inputs.lengths)
+        self.metrics.tokens.inc(prepared.tokens)
+        self.metrics.sequences.inc(len(inputs.lengths))
+        prepared.deliver(result)  # the slots advanced even when the outputs cannot be delivered
+        return result
+
+    async def release_prepared(self, prepared: PreparedPrefill) -> None:
+        """Let go of ``prepared``'s graph and buffers (on the device thread: never under a run)."""
+        await self.worker.run(prepared.close)
 
     def _tokens_before(self, slots: Sequence[Optional[str]], layer: int) -> list[int]:
         """Each slot's tokens on ``layer`` (0 for a slot still to be allocated)."""

@@ -52,12 +52,7 @@ class DeferredCheck:
 
     def problem(self, host: torch.Tensor) -> Optional[InvalidRequest]:
         """The 400 `read`'s values call for (the first failing tensor), or None."""
-        for name, described, (neg_lo, hi, bad) in zip(self.names, self.described, host.tolist()):
-            lo, hi = (math.nan, math.nan) if bad > 0 else (-neg_lo, hi)
-            why = _value_problem(name, described, lo, hi, self.log_decay)
-            if why is not None:
-                return why
-        return None
+        return packed_value_problem(self.names, self.described, host.tolist(), self.log_decay)
 
 
 @dataclass(frozen=True)
@@ -249,8 +244,43 @@ def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Map
     heads = _check_tensors(x, geometry)
     gate = _resolve_gate(x, geometry, server_gates.get(x.params.layer))
     deferred = _check_values(x, gate, defer)
-    key = (x.params.launch_key, heads, tuple(getattr(x, n).dtype for n in REQUIRED_TENSORS), gate.key)
-    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=key, deferred=deferred)
+    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=_batch_key(x, heads, gate), deferred=deferred)
+
+
+def validate_form(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mapping[int, Gate]) -> ValidPrefill:
+    """`validate_prefill` but for the values of the packed tensors (q, k, v, g, beta): the
+    checks of a prepared prefill, whose packed inputs get new values at every run and are
+    checked then (`packed_value_problem`); the scale and the request's gate tensors
+    (A_log, dt_bias), which stay as they are, are checked here."""
+    _check_sequences(x, geometry)
+    heads = _check_tensors(x, geometry)
+    gate = _resolve_gate(x, geometry, server_gates.get(x.params.layer))
+    scale = x.params.scale
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise _fail("scale", f"scale must be a finite number > 0, got {scale}")
+    named = [(name, t) for name in OPTIONAL_TENSORS if (t := getattr(x, name)) is not None and t.numel()]
+    for (name, t), ends in zip(named, extremes([t for _, t in named])):
+        if ends is not None and (why := _value_problem(name, t, *ends, not gate.fused)):
+            raise why
+    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=_batch_key(x, heads, gate))
+
+
+def packed_value_problem(names: Sequence[str], tensors: Sequence[Union[str, torch.Tensor]],
+                         ends: Sequence[Sequence[float]], log_decay: bool) -> Optional[InvalidRequest]:
+    """The 400 for the first of ``tensors`` (named ``names``; each the tensor or its
+    description) whose values fail: ``ends``
+    holds each one's (-min, max, bad) as `value_extremes` computes them (bad > 0: a NaN or
+    an Inf); ``log_decay``: g is the log decay (no gate), so its values must be <= 0."""
+    for name, t, (neg_lo, hi, bad) in zip(names, tensors, ends):
+        lo, hi = (math.nan, math.nan) if bad > 0 else (-neg_lo, hi)
+        if (why := _value_problem(name, t, lo, hi, log_decay)) is not None:
+            return why
+    return None
+
+
+def _batch_key(x: PrefillInputs, heads: int, gate: Gate) -> Hashable:
+    """What requests must share to run in one launch (`ValidPrefill.batch_key`)."""
+    return (x.params.launch_key, heads, tuple(getattr(x, n).dtype for n in REQUIRED_TENSORS), gate.key)
 
 
 def validate_state(state: torch.Tensor, geometry: PoolGeometry, field: str = "state") -> None:

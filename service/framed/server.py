@@ -30,9 +30,10 @@ from ..core.server import ServerCore
 from ..core.worker import off_loop
 from ..errors import API_KEY_REQUIRED, ServiceError
 from ..shm.prefill import host_bytes, input_refs, parse_shm_request, read_request, region_names, write_result
+from ..shm.prepared import ShmPrepared, prepare_shm
 from ..shm.registry import ShmRegistry
 from ..wire.buffers import WarmBuffers
-from ..wire.frames import EmptyFrame, FrameTooLarge, Op, read_request as read_frame, reply_frame
+from ..wire.frames import PREPARED_ID, EmptyFrame, FrameTooLarge, Op, read_request as read_frame, reply_frame
 
 log = logging.getLogger("kda_serve.framed")
 
@@ -42,6 +43,9 @@ Render = Callable[[Exception], Awaitable[tuple[int, bytes]]]
 
 _OP_NAMES = {int(op): op.name.lower() for op in Op}
 """Each op's name in the metrics (``unknown`` for any other byte)."""
+
+MAX_PREPARED = 256
+"""Prepared prefills one connection may hold at once (a model's layers times its shapes)."""
 
 
 def socket_path_problem(path: str) -> Optional[str]:
@@ -109,16 +113,21 @@ class FramedServer:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        prepared = _Prepared()  # this connection's
         try:
-            await self._serve(reader, writer)
+            await self._serve(reader, writer, prepared)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, asyncio.CancelledError):
             pass  # the client left, stalled inside a frame, or the server is closing: nothing to answer
         finally:
             self._connections.discard(task)
             writer.close()
+            for held in prepared.held.values():
+                await self._release(held)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Requests one at a time until the client closes the connection."""
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     prepared: "_Prepared") -> None:
+        """Requests one at a time until the client closes the connection; ``prepared``
+        holds the connection's prepared prefills."""
         authorized = self.key is None
         while True:
             try:
@@ -133,7 +142,7 @@ class FramedServer:
                 return
             op, payload = request
             started = time.perf_counter()
-            status, timing, body, created = await self._answer(op, payload, authorized)
+            status, timing, body, created = await self._answer(op, payload, authorized, prepared)
             if timing:  # the request's whole time in the server, its phases and all between them
                 timing += f", total;dur={(time.perf_counter() - started) * 1000:.3f}"
             authorized = authorized or (op == Op.AUTH and status < 400)
@@ -151,7 +160,8 @@ class FramedServer:
         await writer.drain()
         self.core.metrics.framed_requests.labels(op, str(status)).inc()
 
-    async def _answer(self, op: int, payload: bytes, authorized: bool) -> tuple[int, str, bytes, list[str]]:
+    async def _answer(self, op: int, payload: bytes, authorized: bool, prepared: "_Prepared"
+                      ) -> tuple[int, str, bytes, list[str]]:
         """(status, timing, body, slots created) of one request."""
         try:
             if op == Op.AUTH:
@@ -165,10 +175,17 @@ class FramedServer:
                 return 200, "", b"", []
             if op == Op.PREFILL:
                 return await self._prefill(payload)
+            if op == Op.RUN:
+                return await self._run(prepared.named(payload))
+            if op == Op.PREPARE:
+                return await self._prepare(payload, prepared)
+            if op == Op.RELEASE:
+                await self._release(prepared.pop(payload))
+                return 204, "", b"", []
             raise _Refusal(400, "unknown-op", "Unknown op",
                            f"op {op} is none of {', '.join(f'{o.name} ({int(o)})' for o in Op)}")
         except Exception as e:  # every refusal, and a bug: the app's problem for it (500 for a bug)
-            if not isinstance(e, ServiceError):
+            if not isinstance(e, (ServiceError, *self.core.slot_missing)):
                 log.exception("internal error answering a framed request (op %d)", op)
             status, body = await self.render(e)
             return status, "", body, []
@@ -195,3 +212,58 @@ class FramedServer:
                   ("encode", encode_s))
         timing = ", ".join(f"{name};dur={s * 1000:.3f}" for name, s in phases)
         return 200, timing, json.dumps(doc, separators=(",", ":")).encode(), result.allocated
+
+    async def _prepare(self, payload: bytes, prepared: "_Prepared") -> tuple[int, str, bytes, list[str]]:
+        """PREPARE: the document checked and kept under the connection's next id."""
+        if len(prepared.held) >= MAX_PREPARED:
+            raise _Refusal(400, "too-many-prepared", "Too many prepared prefills",
+                           f"this connection holds {len(prepared.held)} prepared prefills, the most it may: "
+                           "release some")
+        held = await prepare_shm(parse_shm_request(payload), self.regions, self.core)
+        number = prepared.add(held)
+        self.core.metrics.prepared.inc()
+        doc = {"prepared": number, "slots": held.prepared.slots}
+        return 201, "", json.dumps(doc, separators=(",", ":")).encode(), []
+
+    async def _release(self, held: ShmPrepared) -> None:
+        self.core.metrics.prepared.dec()
+        await held.release(self.core)
+
+    async def _run(self, held: ShmPrepared) -> tuple[int, str, bytes, list[str]]:
+        """RUN: one run of a prepared prefill, its outputs in place when it answers."""
+        result = await self.core.run_prepared(held.prepared)
+        return 200, f"kernel;dur={result.kernel_s * 1000:.3f}", b"", []
+
+
+class _Prepared:
+    """A connection's prepared prefills by id (ids count from 1 and are never reused on
+    the connection, so a stale id is a 404, never another prefill)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, ShmPrepared] = {}
+        self._next = 1
+
+    def add(self, held: ShmPrepared) -> int:
+        number, self._next = self._next, self._next + 1
+        self.held[number] = held
+        return number
+
+    def named(self, payload: bytes) -> ShmPrepared:
+        """The prepared prefill a RUN or RELEASE payload names (400 for a payload that is
+        not an id, 404 for an id this connection does not hold)."""
+        if len(payload) != PREPARED_ID.size:
+            raise _Refusal(400, "malformed-body", "Malformed request frame",
+                           f"a RUN or RELEASE payload is a {PREPARED_ID.size}-byte prepared id, got {len(payload)} "
+                           "bytes")
+        (number,) = PREPARED_ID.unpack(payload)
+        held = self.held.get(number)
+        if held is None:
+            raise _Refusal(404, "unknown-prepared", "Unknown prepared prefill",
+                           f"this connection holds no prepared prefill {number} (ids are per connection)")
+        return held
+
+    def pop(self, payload: bytes) -> ShmPrepared:
+        """`named`, no longer held."""
+        held = self.named(payload)
+        del self.held[PREPARED_ID.unpack(payload)[0]]
+        return held

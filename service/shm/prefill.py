@@ -156,6 +156,18 @@ def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: S
     against ``core``'s geometry, then copy the inputs out (into a buffer from ``warm``): a
     `ShmPlan`. InvalidRequest (400) naming the field on any violation, before anything is
     copied."""
+    sources, o_dtype, final = checked_request(request, regions, core)
+    device = core.geometry.device
+    loaded = copy_out(sources, regions, warm, device, to_device=REQUIRED_TENSORS)
+    device_outputs = device.type == "cuda"  # written from the device into any region (`write_result`)
+    return ShmPlan(prefill_inputs_of(request, loaded, device_outputs), request.outputs.o, o_dtype, final)
+
+
+def checked_request(request: PrefillShmRequest, regions: dict[str, Region], core: ServerCore
+                    ) -> tuple[dict[str, ShmInput], torch.dtype, Optional[ShmRef]]:
+    """`read_request`'s checks: every input's bytes, where they lie, and the outputs' room
+    (InvalidRequest, 400, naming the field). Returns the inputs by name, o's dtype and where
+    the final states go (None when declined)."""
     tensors = _tensors(request)
     for name, t in tensors.items():
         want = nbytes(t.shape, JSON_DTYPES[t.dtype])
@@ -174,10 +186,7 @@ def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: S
                                  field="outputs.final_state")
         _room(regions, final, N * g.num_heads * g.head_v_dim * g.head_k_dim * g.dtype.itemsize,
               "outputs.final_state")
-    sources = {name: ShmInput(t.shm, JSON_DTYPES[t.dtype], t.shape) for name, t in tensors.items()}
-    loaded = copy_out(sources, regions, warm, g.device, to_device=REQUIRED_TENSORS)
-    device_outputs = g.device.type == "cuda"  # written from the device into any region (`write_result`)
-    return ShmPlan(prefill_inputs_of(request, loaded, device_outputs), request.outputs.o, o_dtype, final)
+    return {name: ShmInput(t.shm, JSON_DTYPES[t.dtype], t.shape) for name, t in tensors.items()}, o_dtype, final
 
 
 def _placed(t: torch.Tensor, ref: ShmRef) -> dict[str, Any]:

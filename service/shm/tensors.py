@@ -18,7 +18,7 @@ that truncates its object gets a 400, never a SIGBUS (`service.shm.registry`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Collection, Mapping, NamedTuple, Sequence
+from typing import Annotated, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -163,3 +163,45 @@ def copy_out(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], warm
     if on_device:
         loaded.update(_to_device(on_device, regions, device))
     return {name: loaded[name] for name in inputs}
+
+
+def refillable(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], device: torch.device,
+               to_device: Collection[str]) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """Buffers of their own for ``inputs`` (those named in ``to_device`` on ``device`` when
+    it is a GPU, read in place where their region lends its bytes; the rest in one host
+    buffer), by name, and the function that copies the regions' current bytes into them:
+    a prepared prefill's inputs, refilled before each run. On a GPU the copies run on the
+    copy streams and the device's current stream waits for them, so a launch queued after
+    the refill reads the new bytes."""
+    on_device = {n: x for n, x in inputs.items() if device.type == "cuda" and n in to_device}
+    on_host = {n: x for n, x in inputs.items() if n not in on_device}
+    tensors: dict[str, torch.Tensor] = {}
+    copies: list[tuple[str, int, torch.Tensor]] = []  # (region, offset, destination as uint8)
+    lent = {n: regions[x.ref.region].lend(x.ref.offset, x.ref.byte_size, device) for n, x in on_device.items()}
+    copied = {n: x for n, x in on_device.items() if lent[n] is None or x.ref.offset % x.dtype.itemsize}
+    if copied:
+        runs, where, total = _copy_runs(copied)
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        copies += [(region, offset, buf[at:at + size]) for region, offset, size, at in runs]
+        tensors.update({n: buf[where[n]:where[n] + nbytes(x.shape, x.dtype)].view(x.dtype).view(x.shape)
+                        for n, x in copied.items()})
+    tensors.update({n: t.view(on_device[n].dtype).view(on_device[n].shape) for n, t in lent.items()
+                    if n not in copied and t is not None})
+    host_reads: list[tuple[str, int, memoryview]] = []
+    if on_host:
+        offsets, size = _packed_offsets(on_host)
+        host = bytearray(size)
+        view = memoryview(host)
+        host_reads = [(x.ref.region, x.ref.offset, view[offsets[n]:offsets[n] + x.ref.byte_size])
+                      for n, x in on_host.items()]
+        tensors.update({n: view_tensor(host, offsets[n], x.dtype, x.shape) for n, x in on_host.items()})
+
+    def refill() -> None:
+        for region, offset, dest in host_reads:
+            regions[region].read_into(offset, dest)
+        for region, offset, dest_t in copies:
+            regions[region].read_into_tensor(offset, dest_t)
+        if copies:
+            torch.cuda.current_stream(device).wait_stream(copy_stream(device))
+
+    return {name: tensors[name] for name in inputs}, refill

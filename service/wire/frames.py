@@ -35,6 +35,20 @@ class Op(enum.IntEnum):
     AUTH = 2
     """Payload: the server's API key (UTF-8); 204. Required first on a connection to a
     server started with ``--api-key`` (anything else is 401 until then)."""
+    PREPARE = 3
+    """Payload: a PREFILL document whose slots all exist, without checkpoints; 201 with
+    ``{"prepared": id, "slots": [...]}``. Nothing runs: the prefill is checked and kept
+    (on a GPU captured as a CUDA graph) for RUN, on this connection, until RELEASE or the
+    connection's end."""
+    RUN = 4
+    """Payload: a prepared id (`PREPARED_ID`); 200 with an empty body once the outputs are
+    in place: the prepared prefill run on what its input bytes hold now."""
+    RELEASE = 5
+    """Payload: a prepared id (`PREPARED_ID`); 204."""
+
+
+PREPARED_ID = struct.Struct(">I")
+"""The payload of RUN and RELEASE: the id PREPARE answered."""
 
 
 class FrameTooLarge(Exception):

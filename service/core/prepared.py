@@ -1,0 +1,190 @@
+"""Prepared prefills: one prefill's form checked once, then run many times with new values.
+
+An engine calls the same layer with the same batch shape step after step (a decode step of
+N sequences, a prefill chunk of fixed size). `PreparedPrefill` holds everything of such a
+call that does not change between its runs: the checked form (`validation.validate_form`:
+layer, slots, lengths, shapes, dtypes, gate), the pool rows, the launch's device tensors,
+and where its inputs come from and its outputs go (``refill`` and ``deliver``, given by the
+front end that owns them). A run is then: refill the packed inputs in place, launch,
+synchronize once, check, deliver: no parsing, no validation of the form, no batching, no
+host-to-device copies of indices or bounds.
+
+On a GPU the launch is a CUDA graph captured at preparation (`capture`): the inputs' value
+check (`value_extremes`), the transaction's copy of the rows it writes, the flags, every
+kernel of the pipeline and the final states' gather, replayed by one call. Graphs of one
+core share one memory pool: runs are serialized on the device thread, and every tensor a
+graph reads after its replay (o, the final states, the copied rows, the flags and value
+checks) is held by its `_Step`, so no other graph's replay can reuse its memory meanwhile.
+When capture fails the call runs the same steps eagerly, so it stays correct (logged).
+On a CPU every run is eager.
+
+The guarantees of every prefill hold: inputs with a NaN or Inf (or a given log decay > 0)
+are refused 400 and rolled back; an update that diverges is refused 422 and rolled back; a
+failed launch restores every row (`LaunchTransaction`). The core keeps per-slot ordering,
+the slots' liveness and token counts around each run (`ServerCore.run_prepared`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+import kernels
+from kernels.problem import PrefillProblem, packed_problem
+
+from .inputs import REQUIRED_TENSORS, PrefillResult
+from .transaction import LaunchTransaction
+from .validation import ValidPrefill, extremes, packed_value_problem
+
+log = logging.getLogger("kda_serve.core")
+
+Refill = Callable[[], None]
+"""Brings a run's new input values into the prepared input tensors, in place (on a GPU:
+queued ahead of the launch on the device's current stream, or on a stream it waits for)."""
+Deliver = Callable[[PrefillResult], None]
+"""Puts a successful run's outputs where the caller wants them (its shared memory)."""
+
+
+@dataclass
+class _Step:
+    """What one launch leaves to read after it: o [T, HV, V] in v's dtype, the final
+    states [N, HV, V, K] (None when declined), the transaction (rows copied before the
+    kernels, non-finite flags) and the packed inputs' value extremes [5, 3] float32
+    (`value_extremes`' (-min, max, bad) rows)."""
+
+    o: torch.Tensor
+    finals: Optional[torch.Tensor]
+    transaction: LaunchTransaction
+    ends: torch.Tensor
+
+
+class PreparedPrefill:
+    """A checked prefill (``valid``: its inputs' tensors are the buffers ``refill`` fills)
+    on ``pool_layer`` ([S, HV, V, K], one layer of the pool) at ``rows`` (host ints, one
+    per sequence, the rows of ``valid.inputs.slots``), with the gate tensors ``A_log``
+    [HV] / ``dt_bias`` [HV, K] on the pool's device (or None), run by ``backend``.
+    ``graphs``: the memory pool shared by the core's CUDA graphs (None: run eagerly)."""
+
+    def __init__(self, valid: ValidPrefill, rows: Sequence[int], indices: torch.Tensor, pool_layer: torch.Tensor,
+                 A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], backend: str,
+                 refill: Refill, deliver: Deliver, graphs: Optional[object]) -> None:
+        self.valid = valid
+        self.slots: list[str] = [s for s in valid.inputs.slots if s is not None]
+        self.rows = list(rows)
+        self.keys = [(s, valid.inputs.params.layer) for s in self.slots]
+        self.tokens = sum(valid.inputs.lengths)
+        self.refill, self.deliver = refill, deliver
+        self._indices = indices
+        self._layer = pool_layer
+        self._gate = (A_log, dt_bias)
+        self._backend = backend
+        self._graph_pool = graphs
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._captured: Optional[_Step] = None
+        self.closed = False
+
+    @property
+    def graphed(self) -> bool:
+        """Whether runs replay a CUDA graph."""
+        return self._graph is not None
+
+    def capture(self) -> None:
+        """On a GPU (on the device thread): compile and warm the kernels on scratch rows,
+        then capture the launch as a CUDA graph; eager runs when capture fails."""
+        if self._graph_pool is None:
+            return
+        device = self._layer.device
+        scratch = torch.zeros((len(self.rows), *self._layer.shape[1:]), dtype=self._layer.dtype, device=device)
+        rows = torch.arange(len(self.rows), dtype=torch.int64, device=device)
+        nonfinite = torch.zeros(len(self.rows) + 1, dtype=torch.int32, device=device)
+        kernels.run_problem(self._problem(scratch, rows, nonfinite), self._backend)  # compiles, caches the plan
+        torch.cuda.current_stream(device).synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                self._captured = self._step(LaunchTransaction(self._layer, self._indices, self._requests()))
+        except RuntimeError as e:
+            log.warning("a prepared prefill of %d sequence(s) could not be captured as a CUDA graph; it runs "
+                        "eagerly: %s", len(self.rows), e)
+            self._captured = None
+            return
+        self._graph = graph
+
+    def launch(self, mark_lost: Callable[[], None]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One run (on the device thread, after ``refill``): o [T, HV, V] and the final
+        states [N, HV, V, K] (or None), complete. InvalidRequest (400) when an input holds
+        a NaN or Inf (or a given log decay > 0), UpdateDiverged (422) when the update is
+        not finite: both rolled back; LaunchFailed when the kernels failed (every row
+        restored, or ``mark_lost`` called when that failed too)."""
+        step: Optional[_Step] = None
+        transaction = self._captured.transaction if self._graph is not None else None
+        try:
+            if self._graph is not None:
+                self._graph.replay()
+                step = self._captured
+            else:
+                transaction = LaunchTransaction(self._layer, self._indices, self._requests())
+                step = self._step(transaction)
+            assert step is not None
+            refused = step.transaction.settle(step.o)  # the one synchronization
+            values = packed_value_problem(REQUIRED_TENSORS, [getattr(self.valid.inputs, n) for n in REQUIRED_TENSORS],
+                                          step.ends.tolist(), not self.valid.gate.fused)
+        except Exception as e:
+            if transaction is None:
+                raise
+            raise transaction.abort(e, mark_lost) from e
+        if values is not None:
+            step.transaction.roll_back()
+            raise values
+        if refused:
+            raise refused[0]
+        return step.o, step.finals
+
+    def close(self) -> None:
+        """Let go of the graph and its tensors (their memory returns to the core's pool)."""
+        self.closed = True
+        self._graph = None
+        self._captured = None
+
+    def _requests(self) -> list[tuple[Sequence[int], Sequence[Optional[str]]]]:
+        return [(self.valid.inputs.lengths, self.valid.inputs.slots)]
+
+    def _problem(self, pool: torch.Tensor, indices: torch.Tensor, nonfinite: torch.Tensor) -> PrefillProblem:
+        x, gate = self.valid.inputs, self.valid.gate
+        A_log, dt_bias = self._gate
+        bounds = [0]
+        for n in x.lengths:
+            bounds.append(bounds[-1] + n)
+        return packed_problem(
+            x.q, x.k, x.v, x.g, x.beta, bounds=bounds, pool=pool, indices=indices, scale=x.params.scale,
+            A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, use_qk_l2norm=x.params.use_qk_l2norm,
+            use_beta_sigmoid=x.params.use_beta_sigmoid, allow_neg_eigval=x.params.allow_neg_eigval,
+            nonfinite=nonfinite,
+        )
+
+    def _step(self, transaction: LaunchTransaction) -> _Step:
+        """Queue one launch (inside a capture, or eagerly): the value check, the kernels on
+        the pool rows, the final states' gather."""
+        x = self.valid.inputs
+        packed = [getattr(x, name) for name in REQUIRED_TENSORS]
+        ends = _value_ends(packed)
+        o, _ = kernels.run_problem(self._problem(self._layer, self._indices, transaction.flags), self._backend)
+        finals = self._layer.index_select(0, self._indices) if x.params.return_final_state else None
+        return _Step(o, finals, transaction, ends)
+
+
+def _value_ends(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[n, 3] float32 (-min, max, bad) of each tensor (`value_extremes`' rows): on a GPU one
+    launch on the current stream (capturable), on a CPU from `extremes` (NaN rows when a
+    value is not finite: min and max propagate it)."""
+    if tensors[0].is_cuda:
+        from kernels.triton_kernels.extremes import value_extremes  # Triton: only where a GPU runs it
+
+        return value_extremes(tensors)
+    rows = []
+    for ends in extremes(tensors):  # every packed tensor has a token at least
+        assert ends is not None
+        rows.append((-ends[0], ends[1], 0.0))
+    return torch.tensor(rows, dtype=torch.float32)

@@ -1,0 +1,224 @@
+"""Prepared prefills over the framed socket (PREPARE, RUN, RELEASE) against a live server:
+each run equals a PREFILL of the same document bit for bit and the float64 reference, step
+after step and interleaved with plain prefills of the same slots; a run with bad values or
+on a freed slot or an unregistered region is refused and changes nothing, and the next run
+goes on; what PREPARE refuses changes nothing; ids are per connection and never reused; a
+connection that ends releases what it prepared."""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator, Sequence
+
+import httpx
+import pytest
+import torch
+from transport_helpers import TOL, Region, Server, dumps, make_sequence, pool_image, reference, rel, shm_request
+from server_harness import metric, wait_for
+
+from kda_client.client import KDAClient
+from kda_client.framed import FramedExchange
+from kda_client.small import Response
+from service.wire.frames import PREPARED_ID, Op
+
+LENGTHS = (70, 1, 130)  # two chunked sequences around a one-token (recurrent) one
+
+
+@pytest.fixture
+def region(server: Server) -> Iterator[Region]:
+    """A registered POSIX shared memory region of 1 MiB."""
+    r = Region(1 << 20)
+    assert httpx.post(f"{server.url}/shm/regions", json=r.registration()).status_code == 201
+    yield r
+    httpx.delete(f"{server.url}/shm/regions/{r.name}")
+    r.unlink()
+
+
+@pytest.fixture
+def frames(framed_socket: str) -> Iterator[FramedExchange]:
+    exchange = FramedExchange(framed_socket, None, 60)
+    yield exchange
+    exchange.close()
+
+
+@pytest.fixture
+def slots(server: Server) -> Iterator[list[str]]:
+    """Three new slots, freed after the test (those still live)."""
+    with KDAClient(server.url) as client:
+        made = client.alloc(len(LENGTHS))
+        yield made
+        for slot in made:
+            if httpx.get(f"{server.url}/slots/{slot}").status_code == 200:
+                client.free(slot)
+
+
+def _sequences(gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    return [make_sequence(n, gen) for n in LENGTHS]
+
+
+def _prepare(frames: FramedExchange, doc: dict[str, Any]) -> bytes:
+    """PREPARE ``doc``: the RUN / RELEASE payload of its id."""
+    answer = frames.request(Op.PREPARE, dumps(doc))
+    assert answer.status == 201, answer.body
+    reply = json.loads(answer.body)
+    assert reply["slots"] == [s["slot"] for s in doc["sequences"]]
+    return PREPARED_ID.pack(reply["prepared"])
+
+
+def _outputs(region: Region, doc: dict[str, Any], seqs: Sequence[Sequence[torch.Tensor]]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """o and the final states where ``doc`` put them."""
+    T, N = sum(int(s[0].shape[0]) for s in seqs), len(seqs)
+    out = doc["outputs"]
+    o = region.get({"dtype": "float32", "shape": [T, *seqs[0][2].shape[1:]], "shm": out["o"]})
+    final = region.get({"dtype": "float32", "shape": [N, *seqs[0][2].shape[1:], seqs[0][0].shape[2]],
+                        "shm": out["final_state"]})
+    return o, final
+
+
+def _problem(answer: Response, status: int) -> dict[str, Any]:
+    problem = json.loads(answer.body)
+    assert answer.status == status and problem["status"] == status, problem
+    assert problem["type"].startswith("urn:kda-serve:problem:") and problem["detail"]
+    return problem
+
+
+def test_prepared_runs_equal_prefills_and_the_reference(server: Server, frames: FramedExchange, region: Region,
+                                                        slots: list[str], gen: torch.Generator) -> None:
+    with KDAClient(server.url) as client:
+        twins = client.alloc(len(LENGTHS))
+    options = dict(use_qk_l2norm=True, use_beta_sigmoid=True)
+    prepared = _prepare(frames, shm_request(region, slots, _sequences(gen), **options))
+    state = None
+    for _ in range(3):  # each run starts from the states the last one left
+        seqs = _sequences(gen)
+        doc = shm_request(region, twins, seqs, **options)  # the new inputs, where the prepared prefill reads them
+        assert frames.request(Op.PREFILL, dumps(doc)).status == 200
+        o_plain, final_plain = _outputs(region, doc, seqs)
+        answer = frames.request(Op.RUN, prepared)
+        assert answer.status == 200 and answer.body == b"", answer.body
+        assert "kernel;dur=" in answer.headers["server-timing"]
+        o_run, final_run = _outputs(region, doc, seqs)
+        assert torch.equal(o_run, o_plain) and torch.equal(final_run, final_plain)
+        o_ref, state = reference(seqs, initial=state, **options)
+        assert rel(o_run, o_ref) < TOL and rel(final_run, state) < TOL
+    for slot, n in zip(slots, LENGTHS):
+        assert httpx.get(f"{server.url}/slots/{slot}").json()["tokens_per_layer"][0] == 3 * n
+    assert frames.request(Op.RELEASE, prepared).status == 204
+    with KDAClient(server.url) as client:
+        for slot in twins:
+            client.free(slot)
+
+
+def test_prepared_runs_and_prefills_of_the_same_slots_follow_each_other(
+        server: Server, frames: FramedExchange, region: Region, slots: list[str], gen: torch.Generator) -> None:
+    prepared = _prepare(frames, shm_request(region, slots, _sequences(gen)))
+    state = None
+    for way in ("run", "prefill", "run"):
+        seqs = _sequences(gen)
+        doc = shm_request(region, slots, seqs)
+        answer = frames.request(Op.RUN, prepared) if way == "run" else frames.request(Op.PREFILL, dumps(doc))
+        assert answer.status == 200, answer.body
+        o, final = _outputs(region, doc, seqs)
+        o_ref, state = reference(seqs, initial=state)
+        assert rel(o, o_ref) < TOL and rel(final, state) < TOL, way
+
+
+@pytest.mark.parametrize("case", ["NaN in q", "Inf in beta", "a growing log decay", "a slot freed",
+                                  "its region unregistered"])
+def test_a_refused_run_changes_nothing(server: Server, frames: FramedExchange, region: Region, slots: list[str],
+                                       gen: torch.Generator, case: str) -> None:
+    seqs = _sequences(gen)
+    doc = shm_request(region, slots, seqs)
+    prepared = _prepare(frames, doc)
+    assert frames.request(Op.RUN, prepared).status == 200  # the slots hold states now
+    bad = [list(s) for s in _sequences(gen)]
+    if case == "NaN in q":
+        bad[2][0][5, 0, 1] = float("nan")
+    elif case == "Inf in beta":
+        bad[0][4][3, 1] = float("inf")
+    elif case == "a growing log decay":
+        bad[1][3][0, 0, 0] = 0.5
+    shm_request(region, slots, bad)
+    live = slots[1:] if case == "a slot freed" else slots
+    if case == "a slot freed":
+        assert httpx.delete(f"{server.url}/slots/{slots[0]}").status_code == 204
+    if case == "its region unregistered":
+        assert httpx.delete(f"{server.url}/shm/regions/{region.name}").status_code == 204
+    before = pool_image(server.url, live)
+    answer = frames.request(Op.RUN, prepared)
+    problem = _problem(answer, {"a slot freed": 404}.get(case, 400))
+    if case == "NaN in q" or case == "Inf in beta":
+        assert problem["field"] == case.split()[-1] and "non-finite" in problem["detail"]
+    if case == "a growing log decay":
+        assert problem["field"] == "g" and "0.5" in problem["detail"]
+    assert pool_image(server.url, live) == before
+    if case in ("a slot freed", "its region unregistered"):
+        return
+    after = _sequences(gen)  # good values again: the next run goes on from the states before the refusal
+    shm_request(region, slots, after)
+    assert frames.request(Op.RUN, prepared).status == 200
+    o, final = _outputs(region, doc, after)
+    o_ref, final_ref = reference(after, initial=reference(seqs)[1])
+    assert rel(o, o_ref) < TOL and rel(final, final_ref) < TOL
+
+
+@pytest.mark.parametrize("case", ["a new slot", "checkpoints", "an unknown slot", "a bad shape", "an unknown region"])
+def test_what_prepare_refuses_changes_nothing(server: Server, frames: FramedExchange, region: Region,
+                                             slots: list[str], gen: torch.Generator, case: str) -> None:
+    seqs = _sequences(gen)
+    named: list[Any] = list(slots)
+    if case == "a new slot":
+        named[1] = None
+    elif case == "an unknown slot":
+        named[2] = "no-such-slot"
+    doc = shm_request(region, named, seqs)
+    if case == "checkpoints":
+        doc["sequences"][0]["checkpoints"] = [{"offset": 64, "key": "k1"}]
+    elif case == "a bad shape":
+        doc["g"]["shape"][2] += 1
+        doc["g"]["shm"]["byte_size"] = doc["g"]["shm"]["byte_size"] // (doc["g"]["shape"][2] - 1) * doc["g"]["shape"][2]
+    elif case == "an unknown region":
+        doc["v"]["shm"]["region"] = "nobody"
+    before = pool_image(server.url, slots)
+    held = metric(httpx.get(f"{server.url}/metrics").text, "kda_prepared_prefills")
+    answer = frames.request(Op.PREPARE, dumps(doc))
+    problem = _problem(answer, 404 if case == "an unknown slot" else 400)
+    want_field = {"a new slot": "sequences[1].slot", "checkpoints": "checkpoints", "a bad shape": "g"}
+    if case in want_field:
+        assert problem["field"] == want_field[case], problem
+    assert pool_image(server.url, slots) == before
+    assert metric(httpx.get(f"{server.url}/metrics").text, "kda_prepared_prefills") == held
+
+
+def test_prepared_ids_are_per_connection_and_never_reused(server: Server, framed_socket: str, region: Region,
+                                                          slots: list[str], gen: torch.Generator) -> None:
+    doc = shm_request(region, slots, _sequences(gen))
+    first = FramedExchange(framed_socket, None, 60)
+    second = FramedExchange(framed_socket, None, 60)
+    try:
+        one = _prepare(first, doc)
+        assert first.request(Op.RELEASE, one).status == 204
+        two = _prepare(first, doc)
+        assert two != one
+        for stale in (one, PREPARED_ID.pack(999)):
+            assert _problem(first.request(Op.RUN, stale), 404)["type"].endswith("unknown-prepared")
+        _problem(second.request(Op.RUN, two), 404)  # another connection's id
+        _problem(first.request(Op.RUN, b"\x00\x01"), 400)  # not an id
+        assert first.request(Op.RUN, two).status == 200
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_connection_that_ends_releases_what_it_prepared(server: Server, framed_socket: str, region: Region,
+                                                          slots: list[str], gen: torch.Generator) -> None:
+    def held() -> float:
+        return metric(httpx.get(f"{server.url}/metrics").text, "kda_prepared_prefills")
+
+    before = held()
+    exchange = FramedExchange(framed_socket, None, 60)
+    for _ in range(2):
+        _prepare(exchange, shm_request(region, slots, _sequences(gen)))
+    assert held() == before + 2
+    exchange.close()
+    assert wait_for(lambda: held() == before, timeout=30)
