@@ -43,8 +43,10 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # memory tests unfiltered: their server is on the GPU there
     service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store || rc=1
         python3 -m pytest -q tests/transport/test_transport_shm.py || rc=1; exit $rc' ;;
-    # the CUDA IPC transport's tests alone (over HTTP and the framed socket)
-    cuda-ipc-tests) run_step "$name" "$limit" python3 -m pytest -q tests/transport/test_transport_cuda_ipc.py ;;
+    # the CUDA IPC transport's tests alone (over HTTP and the framed socket), and the prepared
+    # prefills' (their server on the GPU: CUDA graphs)
+    cuda-ipc-tests) run_step "$name" "$limit" python3 -m pytest -q tests/transport/test_transport_cuda_ipc.py \
+        tests/transport/test_transport_prepared.py ;;
     kernels) run_step "$name" "$limit" python3 bench/kernels.py --json "$OUT/kernels.json" ;;
     # every case against FlashKDA alone (fla's autotuning warm-up, ~190 s, left out)
     kernels-flashkda) run_step "$name" "$limit" python3 bench/kernels.py --peers FlashKDA --json "$OUT/kernels_flashkda.json" ;;

@@ -68,7 +68,7 @@ from bench.server_process import Server, start_server  # noqa: E402
 from kda_client.client import AsyncKDAClient, KDAClient, _server_timing  # noqa: E402
 from kda_client.framed import FramedExchange  # noqa: E402
 from kda_client.small import SmallExchange  # noqa: E402
-from service.wire.frames import Op  # noqa: E402
+from service.wire.frames import PREPARED_ID, Op  # noqa: E402
 from kda_client.transport import StdlibTransport  # noqa: E402
 
 PHASES = ("decode", "validate", "kernel", "encode")
@@ -412,6 +412,20 @@ def _timed_frames(framed: FramedExchange, body: bytes, calls: int, warmup: int, 
                         server_pid)
 
 
+def _timed_prepared(framed: FramedExchange, body: bytes, calls: int, warmup: int, profile: Optional[Path] = None,
+                    server_pid: Optional[int] = None) -> Timings:
+    """The same document prepared once (PREPARE), then run (RUN frames of its id): an
+    engine's fixed-shape call; released after."""
+    answer = framed.request(Op.PREPARE, body)
+    if answer.status != 201:
+        raise RuntimeError(f"PREPARE answered {answer.status}: {bytes(answer.body)!r}")
+    prepared = PREPARED_ID.pack(json.loads(answer.body)["prepared"])
+    try:
+        return _timed_calls(lambda: framed.request(Op.RUN, prepared), "RUN", calls, warmup, profile, server_pid)
+    finally:
+        framed.request(Op.RELEASE, prepared)
+
+
 def _dma_ms(in_bytes: int, out_bytes: int, calls: int) -> float:
     """p50 ms of a pinned host -> device copy of ``in_bytes`` plus device -> host of ``out_bytes``."""
     host_in = torch.empty(in_bytes, dtype=torch.uint8, pin_memory=True)
@@ -453,12 +467,19 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
                                                      args.profile / f"{case.name}_framed.txt", args.server_pid)
         gated = _timed_frames(framed, _doc(case, layout, name, base, slots, server_gates=True), args.calls,
                               args.warmup)
+        ran = _timed_prepared(framed, doc, args.calls, args.warmup, args.profile and
+                              args.profile / f"{case.name}_prepared.txt", args.server_pid)
+        ran_gated = _timed_prepared(framed, _doc(case, layout, name, base, slots, server_gates=True), args.calls,
+                                    args.warmup)
     finally:
         http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
     ipc = figure(f"{case.name} CUDA IPC end to end", walls, timings)
     ipc_framed = figure(f"{case.name} CUDA IPC over the framed socket", framed_walls, framed_timings)
     ipc_gated = figure(f"{case.name} CUDA IPC over the framed socket, the server's gate parameters", *gated)
-    figures += [ipc, ipc_framed, ipc_gated]
+    prepared = figure(f"{case.name} CUDA IPC prepared, RUN over the framed socket", *ran)
+    prepared_gated = figure(f"{case.name} CUDA IPC prepared, RUN over the framed socket, the server's gate "
+                            "parameters", *ran_gated)
+    figures += [ipc, ipc_framed, ipc_gated, prepared, prepared_gated]
     if case.length == 1:  # the decode step as an engine sends it: the states stay in the pool
         base = register(http, name, memory)
         try:
@@ -470,6 +491,9 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
                                                          args.server_pid)
             gated = _timed_frames(framed, _doc(case, layout, name, base, slots, finals=False, server_gates=True),
                                   args.calls, args.warmup)
+            ran_lean = _timed_prepared(framed, _doc(case, layout, name, base, slots, finals=False, server_gates=True),
+                                       args.calls, args.warmup, args.profile and
+                                       args.profile / f"{case.name}_prepared_lean.txt", args.server_pid)
         finally:
             http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
         lean = figure(f"{case.name} CUDA IPC end to end, final states declined", walls, timings)
@@ -477,7 +501,9 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
                              framed_timings)
         lean_gated = figure(f"{case.name} CUDA IPC over the framed socket, final states declined, the server's "
                             "gate parameters", *gated)
-        figures += [lean, lean_framed, lean_gated]
+        lean_prepared = figure(f"{case.name} CUDA IPC prepared, RUN over the framed socket, final states declined, "
+                               "the server's gate parameters", *ran_lean)
+        figures += [lean, lean_framed, lean_gated, lean_prepared]
 
     shm_name = f"kda-latency-{os.getpid()}-{index}-host"
     path = f"/dev/shm/{shm_name}"
@@ -518,18 +544,24 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
                             lean_framed.p50, 0.5))
         records.append(goal(f"{case.name} decode step over the framed socket, final states declined, the server's "
                             "gate parameters (ms)", lean_gated.p50, 0.5))
+        records.append(goal(f"{case.name} decode step prepared, final states declined, the server's gate "
+                            "parameters (ms)", lean_prepared.p50, 0.5))
     elif case.sequences == 1:
         records.append(goal(f"{case.name} CUDA IPC <= kernel + 0.3 ms", ipc.p50, kernel + 0.3))
         records.append(goal(f"{case.name} CUDA IPC <= 1.0 ms", ipc.p50, 1.0))
         records.append(goal(f"{case.name} CUDA IPC over the framed socket <= 1.0 ms", ipc_framed.p50, 1.0))
         records.append(goal(f"{case.name} CUDA IPC over the framed socket, the server's gate parameters <= 1.0 ms",
                             ipc_gated.p50, 1.0))
+        records.append(goal(f"{case.name} CUDA IPC prepared <= 1.0 ms", prepared.p50, 1.0))
+        records.append(goal(f"{case.name} CUDA IPC prepared, the server's gate parameters <= 1.0 ms",
+                            prepared_gated.p50, 1.0))
         in_bytes = sum(layout.inputs[n].byte_size for n in layout.inputs)
         dma = _dma_ms(in_bytes, layout.o.byte_size + layout.final_state.byte_size, args.calls)
         print(f"{case.name} DMA of the request's bytes (pinned, in + out): {dma:.3f} ms")
         records.append(goal(f"{case.name} POSIX shm <= kernel + DMA + 0.3 ms", shm.p50, kernel + dma + 0.3))
     else:
         records.append(goal(f"{case.name} CUDA IPC <= kernel + 0.5 ms", ipc.p50, kernel + 0.5))
+        records.append(goal(f"{case.name} CUDA IPC prepared <= kernel + 0.5 ms", prepared.p50, kernel + 0.5))
     for slot in slots:
         http.delete(f"/slots/{slot}")
     return figures, records

@@ -35,6 +35,7 @@ import logging
 import time
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -117,6 +118,7 @@ class ServerCore:
         # host inputs reach a GPU through pinned memory (`_launch`, on the worker thread only)
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
         self._device_gates = DeviceGates(device)  # requests' gate tensors, copied once per distinct gate
+        self._inline_tokens = settings.inline_tokens(device)  # prepared runs this small launch on the loop when idle
         self._graphs: Optional[object] = None  # the memory pool of prepared prefills' CUDA graphs, made at first use
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
             self._run_batch, self.worker, self.metrics,
@@ -465,12 +467,16 @@ class ServerCore:
     async def run_prepared(self, prepared: PreparedPrefill) -> PrefillResult:
         """One run of ``prepared`` (see `PreparedPrefill.launch` for its refusals), in
         arrival order with the other work on its slots; UnknownSlot (404) or StateLost (409)
-        when a slot was freed or lost since. Its slots count the tokens, as a prefill's do."""
+        when a slot was freed or lost since. Its slots count the tokens, as a prefill's do.
+        Like a lone prefill, a run that finds the device thread idle runs on the event loop
+        when it is small (``--inline-launch-tokens``): no hop to the thread and back."""
         if self.self_test_report is not None and not self.self_test_report.passed:
             raise NotReady(self.self_test_report.describe())
         if prepared.closed:
             raise InvalidRequest("this prepared prefill was released", field="prepared")
         async with self.ordering.hold(prepared.keys):
+            if prepared.tokens <= self._inline_tokens and self.worker.idle:  # as the batcher does a lone launch
+                return self.worker.run_inline(self._run_prepared, prepared)
             return await self.worker.run(self._run_prepared, prepared)
 
     def _run_prepared(self, prepared: PreparedPrefill) -> PrefillResult:
@@ -569,19 +575,22 @@ class ServerCore:
 
     def _launch(self, jobs: list[_Job], rows: list[int]) -> list[Union[PrefillResult, BaseException]]:
         """`_run_launch` with the jobs' checkpoints placed in the prefix cache for the launch
-        to write into (`PrefixCache.place`): committed for the jobs that stand, released in
-        every case, so a job rolled back or a failed launch stores none."""
-        wanted = [(key, offset) for job in jobs for _, key, offset in job.checkpoints]
-        if not wanted:  # the common launch: no trip through the cache's lock
-            return self._run_launch(jobs, rows, [])
-        targets = self.prefix_cache.place(jobs[0].valid.inputs.params.layer, wanted)
+        to write into (`PrefixCache.place`) when the launch first asks for their targets
+        (`_checkpoint_states`, its checkpoint provider: after its first stages are queued,
+        so the placement's host work runs while the device works): committed for the jobs
+        that stand, released in every case, so a job rolled back or a failed launch stores
+        none, and a launch that failed before it asked placed none."""
+        if not any(job.checkpoints for job in jobs):  # the common launch: no trip through the cache's lock
+            return self._run_launch(jobs, rows, None)
+        placed: list[tuple[CheckpointTarget, torch.Tensor]] = []  # (target, state written) once placed
         try:
-            return self._run_launch(jobs, rows, targets)
+            return self._run_launch(jobs, rows, placed)
         finally:
-            self.prefix_cache.release(targets)
+            self.prefix_cache.release([target for target, _ in placed])
 
-    def _run_launch(self, jobs: list[_Job], rows: list[int],
-                    targets: list[CheckpointTarget]) -> list[Union[PrefillResult, BaseException]]:
+    def _run_launch(
+        self, jobs: list[_Job], rows: list[int], placed: Optional[list[tuple[CheckpointTarget, torch.Tensor]]],
+    ) -> list[Union[PrefillResult, BaseException]]:
         device = self.geometry.device
         first = jobs[0].valid
         x, gate, layer = first.inputs.params, first.gate, first.inputs.params.layer
@@ -608,15 +617,16 @@ class ServerCore:
         for job, start_t in zip(jobs, starts):
             positions.extend(start_t + pos for pos, _, _ in job.checkpoints)
         try:
-            marks = self._checkpoint_states(targets, pool_layer)  # written by the launch itself (kernels.checkpoints)
             q, k, v, g, beta = staged or [packed(name) for name in REQUIRED_TENSORS]
             A_log, dt_bias = self._device_gates.tensors(gate)
+            # the checkpoints' targets, for the launch itself to write (kernels.checkpoints), placed when it asks
+            provider = None if placed is None else partial(self._checkpoint_states, jobs, pool_layer, placed)
             problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
                 q, k, v, g, beta, bounds=[0, *itertools.accumulate(lengths)], pool=pool_layer, indices=indices,
                 scale=x.scale, A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound,
                 use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
-                allow_neg_eigval=x.allow_neg_eigval, checkpoint_tokens=tuple(positions), checkpoint_states=marks,
-                nonfinite=transaction.flags,
+                allow_neg_eigval=x.allow_neg_eigval, checkpoint_tokens=tuple(positions), nonfinite=transaction.flags,
+                checkpoint_provider=provider,
             )
             o, _ = kernels.run_problem(problem, self.backend)
             # gathered, and the deferred input checks queued for the host, before the flags are read:
@@ -634,8 +644,8 @@ class ServerCore:
                 torch.cuda.current_stream(device).synchronize()  # or here; results complete before any response
         except Exception as e:
             raise transaction.abort(e, lambda: self.pool.mark_lost(slots)) from e
-        if targets:
-            self._store_checkpoints(jobs, refused, targets, marks)
+        if placed:
+            self._store_checkpoints(jobs, refused, placed)
         kernel_s = time.perf_counter() - start
         self.metrics.batch_sequences.observe(len(lengths))
         self.metrics.batch_tokens.observe(sum(lengths))
@@ -658,22 +668,34 @@ class ServerCore:
             t0, n0 = t1, n1
         return results
 
-    @staticmethod
-    def _checkpoint_states(targets: Sequence[CheckpointTarget], pool_layer: torch.Tensor) -> list[torch.Tensor]:
-        """Where the launch writes each checkpoint, [HV, V, K] each: its place in the prefix
-        cache, or a row of one scratch tensor for those the cache placed nowhere."""
-        spare = [i for i, t in enumerate(targets) if t.state is None]
-        rows = iter(torch.empty((len(spare), *pool_layer.shape[1:]), dtype=pool_layer.dtype,
-                                device=pool_layer.device).unbind(0) if spare else ())
-        return [t.state if t.state is not None else next(rows) for t in targets]
+    def _checkpoint_states(self, jobs: list[_Job], pool_layer: torch.Tensor,
+                           placed: list[tuple[CheckpointTarget, torch.Tensor]]) -> list[torch.Tensor]:
+        """The launch's checkpoint provider (`kernels.problem.PrefillProblem.checkpoint_provider`):
+        where it writes each of ``jobs``' checkpoints, in order, [HV, V, K] each in
+        ``pool_layer``'s dtype: its place in the prefix cache (`PrefixCache.place`, at the
+        first call), or a row of one scratch tensor for those the cache placed nowhere. The
+        (target, state) pairs are kept in ``placed``, for the commit and the release."""
+        if not placed:
+            wanted = [(key, offset) for job in jobs for _, key, offset in job.checkpoints]
+            targets = self.prefix_cache.place(jobs[0].valid.inputs.params.layer, wanted)
+            try:
+                spare = sum(1 for t in targets if t.state is None)
+                rows = iter(torch.empty((spare, *pool_layer.shape[1:]), dtype=pool_layer.dtype,
+                                        device=pool_layer.device).unbind(0) if spare else ())
+                states = [t.state if t.state is not None else next(rows) for t in targets]
+            except BaseException:
+                self.prefix_cache.release(targets)
+                raise
+            placed.extend(zip(targets, states))
+        return [state for _, state in placed]
 
     def _store_checkpoints(self, jobs: list[_Job], refused: Mapping[int, Exception],
-                           targets: Sequence[CheckpointTarget], written: Sequence[torch.Tensor]) -> None:
-        """Commit the launch's checkpoints (``targets``, the states ``written`` [HV, V, K]
-        each) to the prefix cache, but those of jobs rolled back (``refused``)."""
-        placed = iter(zip(targets, written))
+                           placed: Sequence[tuple[CheckpointTarget, torch.Tensor]]) -> None:
+        """Commit the launch's checkpoints (``placed``: each target with the state the launch
+        wrote, [HV, V, K]) to the prefix cache, but those of jobs rolled back (``refused``)."""
+        written = iter(placed)
         for j, job in enumerate(jobs):
-            for _, (target, state) in zip(job.checkpoints, placed):
+            for _, (target, state) in zip(job.checkpoints, written):
                 if j not in refused:
                     self.prefix_cache.commit(target, state)
         if self.persistence is not None:

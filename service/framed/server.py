@@ -222,7 +222,7 @@ class FramedServer:
         held = await prepare_shm(parse_shm_request(payload), self.regions, self.core)
         number = prepared.add(held)
         self.core.metrics.prepared.inc()
-        doc = {"prepared": number, "slots": held.prepared.slots}
+        doc = {"prepared": number, "slots": held.prepared.slots, "graphed": held.prepared.graphed}
         return 201, "", json.dumps(doc, separators=(",", ":")).encode(), []
 
     async def _release(self, held: ShmPrepared) -> None:

@@ -37,7 +37,7 @@ class Op(enum.IntEnum):
     server started with ``--api-key`` (anything else is 401 until then)."""
     PREPARE = 3
     """Payload: a PREFILL document whose slots all exist, without checkpoints; 201 with
-    ``{"prepared": id, "slots": [...]}``. Nothing runs: the prefill is checked and kept
+    ``{"prepared": id, "slots": [...], "graphed": bool}`` (graphed: runs replay a CUDA graph). Nothing runs: the prefill is checked and kept
     (on a GPU captured as a CUDA graph) for RUN, on this connection, until RELEASE or the
     connection's end."""
     RUN = 4

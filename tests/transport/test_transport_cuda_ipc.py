@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
+import math
 import pathlib
 
 import httpx
 import pytest
 import torch
 from transport_helpers import (
-    GEOMETRY_ARGS, HV, K, NAMES, SHM_JSON, TOL, V, Server, dumps, make_sequence, reference, rel, start_server,
+    GEOMETRY_ARGS, H, HV, K, NAMES, SHM_JSON, TOL, V, Server, dumps, make_sequence, reference, rel, start_server,
 )
 
 from kda_client.client import KDAClient
+from kda_client.framed import FramedExchange
 from kda_client.shm import cuda_ipc_handle
+from service.wire.frames import PREPARED_ID, Op
 from service.wire.tensors import JSON_NAMES
 
 pytestmark = [
@@ -186,3 +190,59 @@ def test_two_clients_whose_regions_share_an_allocator_block(server: Server, gen:
             assert torch.equal(out.o_packed.cpu(), want.o_packed)
         for slot in want.slots + a.slots + b.slots + c.slots:
             binary.free(slot)
+
+
+def test_prepared_cuda_ipc_runs_equal_binary_prefills(server: Server, framed_socket: str,
+                                                      gen: torch.Generator) -> None:
+    """A prepared prefill over CUDA IPC (PREPARE, then RUN frames: a CUDA graph replayed on
+    the server) run three times on new inputs equals binary prefills of the same inputs on
+    twin slots bit for bit, and the float64 reference, each run going on from the last."""
+    lengths = (70, 1, 130)
+    T, N = sum(lengths), len(lengths)
+    shapes = {"q": (T, H, K), "k": (T, H, K), "v": (T, HV, V), "g": (T, HV, K), "beta": (T, HV)}
+    offsets, at = {}, 0
+    for name, shape in shapes.items():
+        offsets[name], at = at, at + 4 * math.prod(shape)
+    o_at, final_at = at, at + T * HV * V * 4
+    memory = torch.zeros(final_at + N * HV * V * K * 4, dtype=torch.uint8, device="cuda:0")
+    handle, base = cuda_ipc_handle(memory)
+    with KDAClient(server.url) as binary:
+        slots, twins = binary.alloc(N), binary.alloc(N)
+    doc: dict = {"layer": 0, "sequences": [{"slot": s, "length": n} for s, n in zip(slots, lengths)],
+                 "outputs": {"o": {"region": "kda-prepared", "offset": base + o_at, "byte_size": final_at - o_at},
+                             "final_state": {"region": "kda-prepared", "offset": base + final_at,
+                                             "byte_size": memory.numel() - final_at}}}
+    for name, shape in shapes.items():
+        doc[name] = {"dtype": "float32", "shape": list(shape),
+                     "shm": {"region": "kda-prepared", "offset": base + offsets[name], "byte_size": 4 * math.prod(shape)}}
+    register = {"raw_handle": {"b64": base64.b64encode(handle).decode()}, "device_id": 0,
+                "byte_size": base + memory.numel()}
+    assert httpx.post(f"{server.url}/v2/cudasharedmemory/region/kda-prepared/register", json=register).status_code == 200
+    frames = FramedExchange(framed_socket, None, 120)
+    try:
+        answer = frames.request(Op.PREPARE, dumps(doc))
+        assert answer.status == 201 and json.loads(answer.body)["graphed"], answer.body
+        prepared = PREPARED_ID.pack(json.loads(answer.body)["prepared"])
+        state = None
+        with KDAClient(server.url) as binary:
+            for _ in range(3):
+                seqs = [make_sequence(n, gen) for n in lengths]
+                for i, name in enumerate(shapes):
+                    packed = torch.cat([s[i] for s in seqs]).contiguous().view(-1).view(torch.uint8)
+                    memory[offsets[name]:offsets[name] + packed.numel()].copy_(packed.cuda())
+                memory[o_at:].fill_(0xFF)  # poisoned: an output the run leaves unwritten shows as NaN
+                torch.cuda.synchronize()
+                answer = frames.request(Op.RUN, prepared)
+                assert answer.status == 200, answer.body
+                o = memory[o_at:final_at].view(torch.float32).view(T, HV, V).cpu()
+                final = memory[final_at:].view(torch.float32).view(N, HV, V, K).cpu()
+                want = binary.prefill(0, [(t, *s) for t, s in zip(twins, seqs)])
+                assert torch.equal(o, want.o_packed) and torch.equal(final, want.final_state)
+                o_ref, state = reference(seqs, initial=state)
+                assert rel(o, o_ref) < TOL and rel(final, state) < TOL
+            assert frames.request(Op.RELEASE, prepared).status == 204
+            for slot in slots + twins:
+                binary.free(slot)
+    finally:
+        frames.close()
+        httpx.post(f"{server.url}/v2/cudasharedmemory/region/kda-prepared/unregister")

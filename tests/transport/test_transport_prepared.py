@@ -61,6 +61,7 @@ def _prepare(frames: FramedExchange, doc: dict[str, Any]) -> bytes:
     assert answer.status == 201, answer.body
     reply = json.loads(answer.body)
     assert reply["slots"] == [s["slot"] for s in doc["sequences"]]
+    assert reply["graphed"] == torch.cuda.is_available()  # the server runs on the GPU where there is one
     return PREPARED_ID.pack(reply["prepared"])
 
 
