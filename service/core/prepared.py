@@ -98,16 +98,21 @@ class PreparedPrefill:
         device = self._layer.device
         scratch = torch.zeros((len(self.rows), *self._layer.shape[1:]), dtype=self._layer.dtype, device=device)
         rows = torch.arange(len(self.rows), dtype=torch.int64, device=device)
-        nonfinite = torch.zeros(len(self.rows) + 1, dtype=torch.int32, device=device)
-        kernels.run_problem(self._problem(scratch, rows, nonfinite), self._backend)  # compiles, caches the plan
+        self._step(LaunchTransaction(scratch, rows, self._requests()), scratch, rows)  # compiles, caches the plan
         torch.cuda.current_stream(device).synchronize()
         graph = torch.cuda.CUDAGraph()
+        inside: Optional[Exception] = None  # what failed inside the capture (ending it may raise another error)
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                self._captured = self._step(LaunchTransaction(self._layer, self._indices, self._requests()))
-        except RuntimeError as e:
+                try:
+                    self._captured = self._step(LaunchTransaction(self._layer, self._indices, self._requests()),
+                                                self._layer, self._indices)
+                except Exception as e:
+                    inside = e
+                    raise
+        except Exception as e:
             log.warning("a prepared prefill of %d sequence(s) could not be captured as a CUDA graph; it runs "
-                        "eagerly: %s", len(self.rows), e)
+                        "eagerly: %s: %s", len(self.rows), type(inside or e).__name__, inside or e)
             self._captured = None
             return
         self._graph = graph
@@ -126,7 +131,7 @@ class PreparedPrefill:
                 step = self._captured
             else:
                 transaction = LaunchTransaction(self._layer, self._indices, self._requests())
-                step = self._step(transaction)
+                step = self._step(transaction, self._layer, self._indices)
             assert step is not None
             refused = step.transaction.settle(step.o)  # the one synchronization
             values = packed_value_problem(REQUIRED_TENSORS, [getattr(self.valid.inputs, n) for n in REQUIRED_TENSORS],
@@ -164,14 +169,15 @@ class PreparedPrefill:
             nonfinite=nonfinite,
         )
 
-    def _step(self, transaction: LaunchTransaction) -> _Step:
-        """Queue one launch (inside a capture, or eagerly): the value check, the kernels on
-        the pool rows, the final states' gather."""
+    def _step(self, transaction: LaunchTransaction, pool: torch.Tensor, indices: torch.Tensor) -> _Step:
+        """Queue one launch on ``pool`` rows ``indices`` (inside a capture, or eagerly;
+        ``transaction`` made on the same rows): the value check, the kernels, the final
+        states' gather."""
         x = self.valid.inputs
         packed = [getattr(x, name) for name in REQUIRED_TENSORS]
         ends = _value_ends(packed)
-        o, _ = kernels.run_problem(self._problem(self._layer, self._indices, transaction.flags), self._backend)
-        finals = self._layer.index_select(0, self._indices) if x.params.return_final_state else None
+        o, _ = kernels.run_problem(self._problem(pool, indices, transaction.flags), self._backend)
+        finals = pool.index_select(0, indices) if x.params.return_final_state else None
         return _Step(o, finals, transaction, ends)
 
 
