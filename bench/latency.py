@@ -419,7 +419,9 @@ def _timed_prepared(framed: FramedExchange, body: bytes, calls: int, warmup: int
     answer = framed.request(Op.PREPARE, body)
     if answer.status != 201:
         raise RuntimeError(f"PREPARE answered {answer.status}: {bytes(answer.body)!r}")
-    prepared = PREPARED_ID.pack(json.loads(answer.body)["prepared"])
+    reply = json.loads(answer.body)
+    print(f"PREPARE answered {reply['prepared']}, graphed: {reply['graphed']}")
+    prepared = PREPARED_ID.pack(reply["prepared"])
     try:
         return _timed_calls(lambda: framed.request(Op.RUN, prepared), "RUN", calls, warmup, profile, server_pid)
     finally:

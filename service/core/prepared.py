@@ -26,6 +26,7 @@ the slots' liveness and token counts around each run (`ServerCore.run_prepared`)
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -45,6 +46,27 @@ Refill = Callable[[], None]
 queued ahead of the launch on the device's current stream, or on a stream it waits for)."""
 Deliver = Callable[[PrefillResult], None]
 """Puts a successful run's outputs where the caller wants them (its shared memory)."""
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """One run's result and the host's seconds in each phase: ``refill`` (the new inputs
+    queued into their buffers), ``launch`` (the graph or the kernels queued, the one
+    synchronization, the checks; ``queue`` of it until the synchronization), ``deliver``
+    (the outputs written into place). Its ``Server-Timing`` splits launch into queue and
+    wait, so the phases add up."""
+
+    result: PrefillResult
+    refill_s: float
+    queue_s: float
+    launch_s: float
+    deliver_s: float
+
+    def server_timing(self) -> str:
+        """The phases as a ``Server-Timing`` value (milliseconds)."""
+        phases = (("refill", self.refill_s), ("queue", self.queue_s), ("wait", self.launch_s - self.queue_s),
+                  ("deliver", self.deliver_s))
+        return ", ".join(f"{name};dur={s * 1000:.3f}" for name, s in phases)
 
 
 @dataclass
@@ -117,14 +139,16 @@ class PreparedPrefill:
             return
         self._graph = graph
 
-    def launch(self, mark_lost: Callable[[], None]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def launch(self, mark_lost: Callable[[], None]) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
         """One run (on the device thread, after ``refill``): o [T, HV, V] and the final
-        states [N, HV, V, K] (or None), complete. InvalidRequest (400) when an input holds
+        states [N, HV, V, K] (or None), complete, and the host's seconds until the launch
+        was queued (before its synchronization). InvalidRequest (400) when an input holds
         a NaN or Inf (or a given log decay > 0), UpdateDiverged (422) when the update is
         not finite: both rolled back; LaunchFailed when the kernels failed (every row
         restored, or ``mark_lost`` called when that failed too)."""
         step: Optional[_Step] = None
         transaction = self._captured.transaction if self._graph is not None else None
+        start = time.perf_counter()
         try:
             if self._graph is not None:
                 self._graph.replay()
@@ -133,6 +157,7 @@ class PreparedPrefill:
                 transaction = LaunchTransaction(self._layer, self._indices, self._requests())
                 step = self._step(transaction, self._layer, self._indices)
             assert step is not None
+            queued_s = time.perf_counter() - start
             refused = step.transaction.settle(step.o)  # the one synchronization
             values = packed_value_problem(REQUIRED_TENSORS, [getattr(self.valid.inputs, n) for n in REQUIRED_TENSORS],
                                           step.ends.tolist(), not self.valid.gate.fused)
@@ -145,7 +170,7 @@ class PreparedPrefill:
             raise values
         if refused:
             raise refused[0]
-        return step.o, step.finals
+        return step.o, step.finals, queued_s
 
     def close(self) -> None:
         """Let go of the graph and its tensors (their memory returns to the core's pool)."""

@@ -231,8 +231,8 @@ class FramedServer:
 
     async def _run(self, held: ShmPrepared) -> tuple[int, str, bytes, list[str]]:
         """RUN: one run of a prepared prefill, its outputs in place when it answers."""
-        result = await self.core.run_prepared(held.prepared)
-        return 200, f"kernel;dur={result.kernel_s * 1000:.3f}", b"", []
+        run = await self.core.run_prepared(held.prepared)
+        return 200, run.server_timing(), b"", []
 
 
 class _Prepared:

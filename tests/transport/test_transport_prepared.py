@@ -55,13 +55,14 @@ def _sequences(gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
     return [make_sequence(n, gen) for n in LENGTHS]
 
 
-def _prepare(frames: FramedExchange, doc: dict[str, Any]) -> bytes:
+def _prepare(frames: FramedExchange, doc: dict[str, Any], server: Server) -> bytes:
     """PREPARE ``doc``: the RUN / RELEASE payload of its id."""
     answer = frames.request(Op.PREPARE, dumps(doc))
     assert answer.status == 201, answer.body
     reply = json.loads(answer.body)
     assert reply["slots"] == [s["slot"] for s in doc["sequences"]]
-    assert reply["graphed"] == torch.cuda.is_available()  # the server runs on the GPU where there is one
+    # the server runs on the GPU where there is one, and captures there
+    assert reply["graphed"] == torch.cuda.is_available(), server.log_text()[-3000:]
     return PREPARED_ID.pack(reply["prepared"])
 
 
@@ -88,7 +89,7 @@ def test_prepared_runs_equal_prefills_and_the_reference(server: Server, frames: 
     with KDAClient(server.url) as client:
         twins = client.alloc(len(LENGTHS))
     options = dict(use_qk_l2norm=True, use_beta_sigmoid=True)
-    prepared = _prepare(frames, shm_request(region, slots, _sequences(gen), **options))
+    prepared = _prepare(frames, shm_request(region, slots, _sequences(gen), **options), server)
     state = None
     for _ in range(3):  # each run starts from the states the last one left
         seqs = _sequences(gen)
@@ -97,7 +98,8 @@ def test_prepared_runs_equal_prefills_and_the_reference(server: Server, frames: 
         o_plain, final_plain = _outputs(region, doc, seqs)
         answer = frames.request(Op.RUN, prepared)
         assert answer.status == 200 and answer.body == b"", answer.body
-        assert "kernel;dur=" in answer.headers["server-timing"]
+        assert [p.split(";")[0] for p in answer.headers["server-timing"].split(", ")] == [
+            "refill", "queue", "wait", "deliver", "total"]
         o_run, final_run = _outputs(region, doc, seqs)
         assert torch.equal(o_run, o_plain) and torch.equal(final_run, final_plain)
         o_ref, state = reference(seqs, initial=state, **options)
@@ -112,7 +114,7 @@ def test_prepared_runs_equal_prefills_and_the_reference(server: Server, frames: 
 
 def test_prepared_runs_and_prefills_of_the_same_slots_follow_each_other(
         server: Server, frames: FramedExchange, region: Region, slots: list[str], gen: torch.Generator) -> None:
-    prepared = _prepare(frames, shm_request(region, slots, _sequences(gen)))
+    prepared = _prepare(frames, shm_request(region, slots, _sequences(gen)), server)
     state = None
     for way in ("run", "prefill", "run"):
         seqs = _sequences(gen)
@@ -130,7 +132,7 @@ def test_a_refused_run_changes_nothing(server: Server, frames: FramedExchange, r
                                        gen: torch.Generator, case: str) -> None:
     seqs = _sequences(gen)
     doc = shm_request(region, slots, seqs)
-    prepared = _prepare(frames, doc)
+    prepared = _prepare(frames, doc, server)
     assert frames.request(Op.RUN, prepared).status == 200  # the slots hold states now
     bad = [list(s) for s in _sequences(gen)]
     if case == "NaN in q":
@@ -197,9 +199,9 @@ def test_prepared_ids_are_per_connection_and_never_reused(server: Server, framed
     first = FramedExchange(framed_socket, None, 60)
     second = FramedExchange(framed_socket, None, 60)
     try:
-        one = _prepare(first, doc)
+        one = _prepare(first, doc, server)
         assert first.request(Op.RELEASE, one).status == 204
-        two = _prepare(first, doc)
+        two = _prepare(first, doc, server)
         assert two != one
         for stale in (one, PREPARED_ID.pack(999)):
             assert _problem(first.request(Op.RUN, stale), 404)["type"].endswith("unknown-prepared")
@@ -219,7 +221,7 @@ def test_a_connection_that_ends_releases_what_it_prepared(server: Server, framed
     before = held()
     exchange = FramedExchange(framed_socket, None, 60)
     for _ in range(2):
-        _prepare(exchange, shm_request(region, slots, _sequences(gen)))
+        _prepare(exchange, shm_request(region, slots, _sequences(gen)), server)
     assert held() == before + 2
     exchange.close()
     assert wait_for(lambda: held() == before, timeout=30)
