@@ -4,16 +4,19 @@
    as bench/transaction.py: bf16 inputs, H = HV = 32, K = V = 128, lower-bound gate, fused
    l2norm and beta sigmoid, an fp32 pool) of 8 x 4096 tokens, plain against the same launch
    writing a checkpoint every 1024 tokens of every sequence (32 states) straight into
-   `PrefixCache` entries placed for it and committed after, as `ServerCore._launch` does.
-   Goal: at most 5% more over a prefill (medians of CUDA-event times, interleaved). A
-   prefill's first layer stores every checkpoint into a new entry, its other layers into
-   the entries present: both are timed, and the --layers prefill's mean is printed. In the
-   same run, for comparison: the old path (a launch buffer copied into the entries), the
-   checkpoints stored from inside the chunk loop instead of at segment ends
-   (`LaunchConfig.state_ckpt_levels` 0), with their addresses loaded right before each store
-   instead of a chunk ahead (`LaunchConfig.state_ckpt_prefetch` off), the state pass held to
-   2 pipeline stages (the rule before its stages were chosen by what fits), and the kernel
-   alone. ``--every N``: a checkpoint every N tokens instead; ``--where``: per-kernel device
+   `PrefixCache` entries placed for it and committed after, as `ServerCore._launch` does:
+   placed when the launch first asks for its targets (`PrefillProblem.checkpoint_provider`,
+   after the first piece's parallel stages are queued, so `PrefixCache.place` runs while the
+   device works). Goal: at most 5% more over a prefill (medians of CUDA-event times,
+   interleaved). A prefill's first layer stores every checkpoint into a new entry, its other
+   layers into the entries present: both are timed, and the --layers prefill's mean is
+   printed, with the host time of `place` alone. In the same run, for comparison: the
+   entries placed before the launch (the server's path until issue 21's last change), the
+   old path (a launch buffer copied into the entries), the checkpoints stored from inside
+   the chunk loop instead of at segment ends (`LaunchConfig.state_ckpt_levels` 0), with
+   their addresses loaded right before each store instead of a chunk ahead
+   (`LaunchConfig.state_ckpt_prefetch` off), the state pass held to 2 pipeline stages (the
+   rule before its stages were chosen by what fits), and the kernel alone. ``--every N``: a checkpoint every N tokens instead; ``--where``: per-kernel device
    times of the two ways to store them, on problems built once.
 2. Restore: a 48-layer entry ([48, 32, 128, 128] fp32, 96 MiB) into a pool slot, as
    `ServerCore._alloc_prefix` does (`StatePool.alloc_copies` inside `PrefixCache.restoring`:
@@ -32,7 +35,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from dataclasses import replace
+from typing import Callable, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,8 +45,10 @@ import torch  # noqa: E402
 import kernels  # noqa: E402
 from bench.serving_case import K, V, launch, make_case, problem_of  # noqa: E402
 from bench.serving_case import event_ms as timed_ms  # noqa: E402
+from kernels.problem import CheckpointProvider  # noqa: E402
+from kernels.triton_backend import run_triton  # noqa: E402
 from kernels.triton_kernels import LaunchConfig, select_config  # noqa: E402
-from state_store import PrefixCache, StatePool  # noqa: E402
+from state_store import CheckpointTarget, PrefixCache, StatePool  # noqa: E402
 
 EVERY = 1024
 
@@ -73,6 +79,30 @@ def host_ms(fn: Callable[[], object], device: torch.device) -> float:
     return elapsed
 
 
+def launch_provided(c: dict, backend: str, positions: tuple[int, ...], provider: CheckpointProvider,
+                    config: Optional[LaunchConfig]) -> torch.Tensor:
+    """`serving_case.launch` with checkpoints at ``positions`` whose targets the launch asks
+    ``provider`` for when it first needs them; o [T, HV, V]."""
+    problem = replace(problem_of(c, checkpoint_tokens=positions), checkpoint_provider=provider)
+    if config is not None:
+        return run_triton(problem, config)[0]
+    return kernels.run_problem(problem, backend)[0]
+
+
+def place_us(cache: PrefixCache, layer: int, wanted: Sequence[tuple[str, int]], setup: Callable[[], object],
+             reps: int) -> float:
+    """Median host time of `PrefixCache.place` (the targets of ``wanted`` on ``layer``) alone, in us,
+    each call after ``setup`` (untimed) and released after (untimed)."""
+    times = []
+    for _ in range(reps):
+        setup()
+        start = time.perf_counter()
+        targets = cache.place(layer, wanted)
+        times.append((time.perf_counter() - start) * 1e6)
+        cache.release(targets)
+    return statistics.median(times)
+
+
 Variant = tuple[Callable[[], object], Callable[[], object]]  # (untimed setup, the timed call after it)
 
 
@@ -99,9 +129,22 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     default = config()
 
     def into_entries(layer: int, config: Optional[LaunchConfig] = default) -> None:
-        """The server's path (`ServerCore._launch`): targets placed, written by the launch, committed."""
+        """The server's path (`ServerCore._launch`): targets placed when the launch asks for
+        them (after its first stages are queued), written by it, committed."""
+        targets: list[CheckpointTarget] = []
+
+        def provide() -> list[torch.Tensor]:
+            targets.extend(cache.place(layer, wanted))
+            return [t.state for t in targets]
+        launch_provided(c, backend, positions, provide, config)
+        for target in targets:
+            cache.commit(target)
+        cache.release(targets)
+
+    def placed_before(layer: int) -> None:
+        """The server's path until issue 21's last change: targets placed before the launch."""
         targets = cache.place(layer, wanted)
-        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=[t.state for t in targets], config=config)
+        launch(c, backend, checkpoint_tokens=positions, checkpoint_states=[t.state for t in targets], config=default)
         for target in targets:
             cache.commit(target)
         cache.release(targets)
@@ -130,8 +173,10 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     variants: dict[str, Variant] = {
         "plain": (nothing, lambda: launch(c, backend, config=default)),
         "first layer: into new entries (the server's path)": (no_entries, lambda: into_entries(0)),
+        "first layer: into new entries, placed before the launch": (no_entries, lambda: placed_before(0)),
         "first layer: a buffer copied into new entries (the old path)": (no_entries, lambda: copied(0)),
         "later layer: into the entries (the server's path)": (first_layer_only, lambda: into_entries(1)),
+        "later layer: into the entries, placed before the launch": (first_layer_only, lambda: placed_before(1)),
         "later layer: a buffer copied into the entries (the old path)": (first_layer_only, lambda: copied(1)),
         "first layer: into new entries, addresses at the store": (no_entries, lambda: into_entries(0, at_store)),
         "later layer: into the entries, addresses at the store": (first_layer_only, lambda: into_entries(1, at_store)),
@@ -160,6 +205,8 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
     for name, m in medians.items():
         print(f"  {name}: {m:.3f} ms ({100 * (m / p - 1):+.2f}% against plain)")
     paths = {"the server's path": ("into new entries (the server's path)", "into the entries (the server's path)"),
+             "the server's path, placed before the launch": ("into new entries, placed before the launch",
+                                                             "into the entries, placed before the launch"),
              "the old path": ("a buffer copied into new entries", "a buffer copied into the entries"),
              "the server's path, addresses at the store": ("into new entries, addresses at the store",
                                                            "into the entries, addresses at the store"),
@@ -171,6 +218,12 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         prefill = (first + (args.layers - 1) * later) / args.layers
         print(f"  a {args.layers}-layer prefill, {path}: {100 * (prefill / p - 1):+.2f}% against plain "
               f"(goal <= +5%)")
+    reps = max(100, args.reps)
+    first_us = place_us(cache, 0, wanted, no_entries, reps)
+    later_us = place_us(cache, 1, wanted, first_layer_only, reps)
+    print(f"  host time of PrefixCache.place alone ({C} targets, medians of {reps}): first layer (new entries) "
+          f"{first_us:.1f} us, later layer (in place) {later_us:.1f} us: before the first launch when placed before "
+          f"it, under the device's work on the server's path")
 
 
 def bench_where(args: argparse.Namespace, device: torch.device) -> None:
@@ -183,7 +236,6 @@ def bench_where(args: argparse.Namespace, device: torch.device) -> None:
     then the registers and spills of every compiled state-pass variant."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels.triton_backend import run_triton
     from kernels.triton_kernels import chunk_state_kernel
 
     n_seq, length = map(int, args.case.split("x"))

@@ -9,7 +9,9 @@ only the state between chunks, so these are the states they have without a secon
 Each checkpoint has its own target tensor, one pool row's shape ([HV, V, K], or
 [HV, K, V] when not V-first) in the pool's dtype and on its device; the targets may live
 anywhere in memory (a caller's cache entries, say) but share one set of strides, so the
-kernels address each by its base alone. A [C, HV, ., .] tensor gives its rows.
+kernels address each by its base alone. A [C, HV, ., .] tensor gives its rows. A problem
+may carry, instead of its targets, a provider of them (`PrefillProblem.checkpoint_provider`)
+that its backend asks once, when it first needs them (`checkpoint_targets`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .problem import CHUNK_SIZE
+from .problem import CHUNK_SIZE, PrefillProblem
 
 Targets = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -48,6 +50,17 @@ def check_checkpoints(
             f"one sequence n; not so: {bad[:8]} (cu_seqlens {list(bounds)[:17]})"
         )
     return positions, targets
+
+
+def checkpoint_targets(p: PrefillProblem) -> tuple[torch.Tensor, ...]:
+    """The targets of ``p``'s checkpoints, one per position (see the module docstring):
+    ``p.checkpoint_states``, or what ``p.checkpoint_provider`` returns, called here and
+    checked as a caller's targets are (ValueError naming what does not fit); the provider is
+    never called for a problem without checkpoints. A backend calls this once, when it
+    first needs the targets."""
+    if p.checkpoint_provider is None or not p.checkpoint_tokens:
+        return p.checkpoint_states
+    return _targets(p.checkpoint_provider(), len(p.checkpoint_tokens), p.pool)
 
 
 def _targets(states: Targets, count: int, pool: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -36,6 +36,10 @@ def head_dims_error(K: int, V: int) -> Optional[str]:
     return None
 
 
+# Returns the targets of a problem's checkpoints (see `PrefillProblem.checkpoint_provider`).
+CheckpointProvider = Callable[[], Sequence[torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class PrefillProblem:
     """One varlen launch over packed sequences.
@@ -52,6 +56,11 @@ class PrefillProblem:
     (``bounds[n] + 64 j``, j >= 1, or ``bounds[n + 1]``), distinct; checkpoint_states: one
     target per position, each one pool row's shape, dtype and device, all with the same
     strides, anywhere in memory (`kernels.checkpoints`), receiving the state after it.
+    checkpoint_provider: None, or in place of checkpoint_states (then empty) a zero-argument
+    callable returning those targets: a backend calls it once, when it first needs them
+    (`kernels.checkpoints.checkpoint_targets`, which checks what it returns), so a caller's
+    host work to find them (placing cache entries) runs while the launch's first stages do;
+    never when there is no checkpoint.
     nonfinite: [N + 1] int32 on the device, zeros (None: not checked): the backend sets [n]
     to 1 when sequence n's final state or its tokens of o (as stored, in their dtypes) hold
     a NaN or Inf; a backend may set [N] instead of [n] for o (which sequence is then found
@@ -78,6 +87,7 @@ class PrefillProblem:
     checkpoint_tokens: tuple[int, ...] = ()
     checkpoint_states: tuple[torch.Tensor, ...] = ()
     nonfinite: Optional[torch.Tensor] = None
+    checkpoint_provider: Optional[CheckpointProvider] = None
 
     @property
     def lengths(self) -> list[int]:
@@ -111,13 +121,15 @@ def packed_problem(
     checkpoint_tokens: tuple[int, ...] = (),
     checkpoint_states: Sequence[torch.Tensor] = (),
     nonfinite: Optional[torch.Tensor] = None,
+    checkpoint_provider: Optional[CheckpointProvider] = None,
 ) -> PrefillProblem:
     """The problem of packed inputs its caller has checked against the contract above
     (shapes as `PrefillProblem` gives them, all on one device; nothing is checked here).
 
     ``bounds``: the host offsets [0, ..., T] of the N sequences; ``indices``: [N] int64 pool rows
     on that device; ``scale`` None means K ** -0.5; dt_bias [HV, K] or [HV * K];
-    checkpoints as `PrefillProblem` holds them (`kernels.checkpoints` checks them);
+    checkpoints as `PrefillProblem` holds them (`kernels.checkpoints` checks them; their
+    targets given, or ``checkpoint_provider`` to produce them when the launch needs them);
     ``nonfinite``: the [N + 1] int32 zeros that receive the non-finite flags, or None.
     """
     HV, K = v.shape[1], q.shape[2]
@@ -130,11 +142,13 @@ def packed_problem(
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
         allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
         checkpoint_tokens=checkpoint_tokens, checkpoint_states=tuple(checkpoint_states), nonfinite=nonfinite,
+        checkpoint_provider=checkpoint_provider,
     )
 
 
 # A backend runs a problem: returns o [T, HV, V] in v's dtype and, when
 # output_intermediate_states, h [NT, HV, V, K] (or [NT, HV, K, V]) in fp32: the state
 # before each chunk; final states are written into pool rows in place, and the state after
-# each checkpoint position into its checkpoint_states target; the flags into nonfinite.
+# each checkpoint position into its target (checkpoint_states, or the checkpoint_provider's,
+# asked once); the flags into nonfinite.
 Backend = Callable[[PrefillProblem], tuple[torch.Tensor, Optional[torch.Tensor]]]

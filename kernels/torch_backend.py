@@ -19,6 +19,7 @@ from typing import Optional, Union
 
 import torch
 
+from .checkpoints import checkpoint_targets
 from .transforms import beta_transform, l2norm, log_decay
 from .problem import CHUNK_SIZE, PrefillProblem
 
@@ -105,10 +106,11 @@ def _checkpoints_by_chunk(p: PrefillProblem) -> list[tuple[int, int, int]]:
 
 
 def _write_checkpoints(p: PrefillProblem, saved: dict[int, torch.Tensor]) -> None:
-    """Math-layout states [HV, K, V] by checkpoint into their ``p.checkpoint_states``
-    targets (pool layout and dtype)."""
+    """Math-layout states [HV, K, V] by checkpoint into their targets (pool layout and
+    dtype; `checkpoint_targets`, asked once)."""
+    targets = checkpoint_targets(p)
     for c, state in saved.items():
-        p.checkpoint_states[c].copy_(state.transpose(-1, -2) if p.state_v_first else state)
+        targets[c].copy_(state.transpose(-1, -2) if p.state_v_first else state)
 
 
 def recurrent_step(

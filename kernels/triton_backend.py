@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .checkpoints import checkpoint_targets
 from .problem import PrefillProblem
 from .triton_kernels import LaunchConfig, select_config
 from .triton_kernels.config import fuse_output, piece_chunks, state_launch
@@ -79,25 +80,26 @@ def _state_strides(p: PrefillProblem, x: torch.Tensor) -> tuple[int, int, int, i
     return (s[0], s[1], s[3], s[2]) if p.state_v_first else (s[0], s[1], s[2], s[3])
 
 
-def _target_strides(p: PrefillProblem) -> tuple[int, int, int]:
-    """(head, key, value) element strides shared by the checkpoint targets (zeros: none)."""
-    if not p.checkpoint_states:
+def _target_strides(p: PrefillProblem, targets: tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+    """(head, key, value) element strides shared by the checkpoint ``targets`` (zeros: none)."""
+    if not targets:
         return 0, 0, 0
-    s = p.checkpoint_states[0].stride()
+    s = targets[0].stride()
     return (s[0], s[2], s[1]) if p.state_v_first else (s[0], s[1], s[2])
 
 
 def state_targets(p: PrefillProblem, num_chunks: int, h: Optional[torch.Tensor], ckpt_chunks: list[int]
                   ) -> StateTargets:
     """The pool, h (or None), checkpoints (after the chunks ``ckpt_chunks``, h indices of
-    the ``num_chunks``) and non-finite flags of ``p`` as the state stages address them."""
+    the ``num_chunks``; their targets asked for here, `checkpoint_targets`) and non-finite
+    flags of ``p`` as the state stages address them."""
     K, V = p.q.shape[2], p.v.shape[2]
-    targets = p.checkpoint_states
+    targets = checkpoint_targets(p)
     return StateTargets(
         pool=p.pool, indices=p.indices, pool_strides=_state_strides(p, p.pool),
         h=h, h_strides=(1, K) if p.state_v_first else (V, 1),
         ckpt_addrs=checkpoint_addresses(num_chunks, ckpt_chunks, targets, p.q.device) if targets else None,
-        ckpt_strides=_target_strides(p), flags=p.nonfinite,
+        ckpt_strides=_target_strides(p, targets), flags=p.nonfinite,
     )
 
 
@@ -150,14 +152,14 @@ def run_triton(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run ``p``: returns o [T, HV, V] in v's dtype and, with output_intermediate_states,
     h [NT, HV, V, K] fp32 ([NT, HV, K, V] when not state_v_first). Final states go into
-    ``p.pool`` rows in place, checkpoints into ``p.checkpoint_states``' targets. ``config``
-    overrides the shape-chosen launch config (bench)."""
+    ``p.pool`` rows in place, checkpoints into their targets. ``config`` overrides the
+    shape-chosen launch config (bench)."""
     K, V = p.q.shape[2], p.v.shape[2]
     cfg = config or select_config(K, V, interpret=p.q.device.type != "cuda")  # CPU tensors: the interpreter
     configure_toolchain(p.q.device)  # before the first compile
     x = stage_inputs(p, cfg)
     n_multi = sum(1 for a, b in zip(p.bounds[:-1], p.bounds[1:]) if b - a > 1)
-    ckpt_chunks = checkpoint_chunks(p.bounds, p.checkpoint_tokens) if p.checkpoint_states else []
+    ckpt_chunks = checkpoint_chunks(p.bounds, p.checkpoint_tokens) if p.checkpoint_tokens else []
     plan, at_end = _plan(p.bounds, piece_chunks(cfg, x.HV, n_multi), x.device, ckpt_chunks, cfg.state_ckpt_levels)
     NT = plan.num_chunks
     o = torch.empty_like(x.v)
@@ -170,8 +172,9 @@ def run_triton(
     @cache
     def state_targets_once() -> StateTargets:
         """`state_targets`, built at first use: with no single-token sequence that is after
-        the first piece's parallel stages are queued, so the checkpoint address table's host
-        work overlaps them instead of holding up the first launch."""
+        the first piece's parallel stages are queued (at the end of its `parallel`, on the
+        caller's stream), so the host work of the checkpoint targets (a provider's, then the
+        address table) overlaps them instead of holding up the first launch."""
         st = state_targets(p, NT, h, ckpt_chunks)
         if not fused and h is None and plan.chunks.shape[0] > 0:  # the output stage's scratch states
             st = st.with_h(torch.empty(NT, x.HV, K, V, dtype=torch.float32, device=x.device), (V, 1))
@@ -193,6 +196,7 @@ def run_triton(
     def parallel(c0: int, c1: int) -> None:
         intra_stage(x, plan.chunks[c0:c1], intra, cfg)
         launch_wy(x, plan.chunks[c0:c1], intra.tb, intra.rqk, wy, cfg)
+        state_targets_once()  # after the first piece's stages, on the caller's stream (a provider allocates there)
 
     def sequential(pc: Piece) -> None:
         st = state_targets_once()

@@ -230,6 +230,85 @@ def test_a_failed_launch_stores_no_checkpoint(device: str, gen: torch.Generator,
     asyncio.run(main())
 
 
+def _failing_before_the_kernel(problem: PrefillProblem, backend: Optional[str] = None) -> Any:
+    raise RuntimeError("injected failure before the kernel ran")
+
+
+def _one_entry_settings(device: str) -> Settings:
+    """A server whose prefix cache has room for one entry, and no host tier."""
+    return Settings(device=device, num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V,
+                    batch_window_ms=0, prefix_cache_mb=LAYERS * HV * V * K * 4 / 2**20)
+
+
+def _checkpointed(slot: str, seq: tuple[torch.Tensor, ...], key: str) -> PrefillInputs:
+    """Layer 0 of ``slot`` prefilled with ``seq``, a checkpoint ``key`` at its end."""
+    from service.core.inputs import Checkpoint
+
+    tensors = dict(zip(("q", "k", "v", "g", "beta"), seq))
+    end = seq[0].shape[0]
+    return PrefillInputs.of(PrefillParams(layer=0), [slot], [end], tensors, checkpoints=[[Checkpoint(end, key)]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_launch_failing_before_the_kernel_asked_for_its_checkpoints_places_none(
+        device: str, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoints' places in the prefix cache are made when the kernel first asks for
+    them (`PrefillProblem.checkpoint_provider`): a launch that fails before makes no room
+    for its new entry, so the one entry the budget holds stays, nothing is evicted."""
+    from service.errors import UnknownPrefix
+
+    async def main() -> None:
+        core = ServerCore(_one_entry_settings(device))
+        await core.start()
+        try:
+            held, slot = await core.alloc(2)
+            await core.publish(held, "held")
+            monkeypatch.setattr(server_module.kernels, "run_problem", _failing_before_the_kernel)
+            with pytest.raises(LaunchFailed):
+                await core.prefill(_checkpointed(slot, make_sequence(64, gen), "fresh"))
+            assert core.prefix_cache.evictions() == {"device": 0, "host": 0}
+            assert (await core.prefix_info("held")).tier == "device"
+            with pytest.raises(UnknownPrefix):
+                await core.prefix_info("fresh")
+        finally:
+            await core.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_launch_failing_after_the_kernel_placed_its_checkpoints_releases_them(
+        device: str, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel asks for its checkpoint's place (a new entry: room made by evicting the one
+    entry the budget holds), writes it, and the launch fails: nothing is stored, and the
+    placement is released, so the same prefill run again stores its entry in that room."""
+    from service.errors import UnknownPrefix
+
+    async def main() -> None:
+        core = ServerCore(_one_entry_settings(device))
+        await core.start()
+        try:
+            held, slot = await core.alloc(2)
+            await core.publish(held, "held")
+            request = _checkpointed(slot, make_sequence(64, gen), "fresh")
+            real = server_module.kernels.run_problem
+            monkeypatch.setattr(server_module.kernels, "run_problem", _failing_kernel(real))
+            with pytest.raises(LaunchFailed):
+                await core.prefill(request)
+            monkeypatch.setattr(server_module.kernels, "run_problem", real)
+            assert core.prefix_cache.evictions()["device"] == 1  # the kernel asked: room was made for "fresh"
+            for key in ("held", "fresh"):
+                with pytest.raises(UnknownPrefix):
+                    await core.prefix_info(key)
+            await core.prefill(request)
+            fresh = await core.prefix_info("fresh")
+            assert (fresh.tier, fresh.layers, fresh.tokens) == ("device", 1, 64)
+        finally:
+            await core.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_inputs_failing_their_deferred_check_are_refused_after_the_launch_and_change_nothing(
         device: str, gen: torch.Generator) -> None:

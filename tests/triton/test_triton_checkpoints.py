@@ -3,16 +3,28 @@ every allowed position, written by the prefill's own launch, against the float64
 reference, into a NaN-poisoned buffer whose rows outside the checkpoints must stay
 bit-identical (`triton_cases.check_checkpoints`).
 
+Targets given by a provider (`PrefillProblem.checkpoint_provider`, as the server gives
+them: placed in the prefix cache when the launch asks) on both backends: asked once, after
+the first piece's parallel stages are queued, never without checkpoints, checked as given
+targets are, and written bit for bit as given targets are.
+
 Interpreted on the CPU without CUDA (CI), compiled on a GPU; the last tests run only
 there, at serving shapes.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
 import pytest
 import torch
 
+import kernels.triton_backend as triton_backend
+from kernels import run_problem
+from kernels.api import build_problem
+from kernels.problem import PrefillProblem
 from kernels.triton_kernels import config
-from triton_cases import Case, check_checkpoints
+from triton_cases import Case, Inputs, check_checkpoints, chunk_ends, make_inputs, same_bits
 
 FP32_TOL = 1e-4
 BF16_TOL = 1e-2
@@ -93,6 +105,113 @@ def test_checkpoints_torch_backend() -> None:
     check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=24, tol=FP32_TOL, backend="torch")
     check_checkpoints(Case((70, 1, 129), v_first=False, K=16, V=32), "cpu", seed=25, tol=FP32_TOL, backend="torch")
     check_checkpoints(Case(LENGTHS, gate="lower_bound"), "cpu", seed=28, tol=FP32_TOL, backend="torch", scattered=True)
+
+
+class Provider:
+    """A launch's provider of checkpoint targets: hands out ``targets`` and counts the calls."""
+
+    def __init__(self, targets: Sequence[torch.Tensor], on_call: Callable[[], None] = lambda: None) -> None:
+        self.targets, self.on_call, self.calls = list(targets), on_call, 0
+
+    def __call__(self) -> list[torch.Tensor]:
+        self.calls += 1
+        self.on_call()
+        return self.targets
+
+
+def poisoned_targets(inp: Inputs, count: int) -> list[torch.Tensor]:
+    """``count`` NaN-filled targets of one pool row each, scattered (a tensor of their own each)."""
+    return [torch.full(inp.pool.shape[1:], float("nan"), dtype=inp.pool.dtype, device=inp.pool.device)
+            for _ in range(count)]
+
+
+def problem_of(case: Case, inp: Inputs, pool: torch.Tensor, positions: Sequence[int],
+               targets: Sequence[torch.Tensor]) -> PrefillProblem:
+    """``case``'s problem on ``pool`` with checkpoints at ``positions`` into ``targets``
+    (checked as `chunk_kda` checks them; none when ``positions`` is empty)."""
+    gate = dict(A_log=None, dt_bias=None, lower_bound=None) | inp.gate_kwargs
+    tokens = torch.tensor(list(positions), dtype=torch.int64) if positions else None
+    return build_problem(
+        inp.q, inp.k, inp.v, inp.g, inp.beta, scale=None, pool=pool, indices=inp.indices, cu_seqlens=inp.cu_seqlens,
+        use_qk_l2norm=case.l2norm, use_beta_sigmoid=case.sigmoid, allow_neg_eigval=case.neg_eigval,
+        state_v_first=case.v_first, output_intermediate_states=case.intermediate,
+        checkpoint_tokens=tokens, checkpoint_states=list(targets) if positions else None, **gate,
+    )
+
+
+def provided(problem: PrefillProblem, provider: Provider) -> PrefillProblem:
+    """``problem`` with its checkpoint targets left to ``provider``."""
+    return replace(problem, checkpoint_states=(), checkpoint_provider=provider)
+
+
+@pytest.mark.parametrize("backend,pieces", [("triton", False), ("triton", True), ("torch", False)],
+                         ids=["triton, one piece", "triton, pieces", "torch"])
+def test_provided_targets_are_asked_once_and_written_bit_for_bit_as_given_ones(
+        device: str, backend: str, pieces: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same problem twice, on equal pools: its checkpoint targets given, and left to a
+    provider. o, h, the pool and every target are equal bit for bit; the provider was
+    asked exactly once."""
+    case = Case(LENGTHS, gate="lower_bound", intermediate=True)
+    if pieces:
+        monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 2 * case.HV)
+    inp = make_inputs(case, device, seed=33)
+    positions = chunk_ends(inp.cu_seqlens.tolist(), seed=33)
+    pools, targets = [inp.pool.clone(), inp.pool.clone()], [poisoned_targets(inp, len(positions)) for _ in range(2)]
+    given = problem_of(case, inp, pools[0], positions, targets[0])
+    provider = Provider(targets[1])
+    lazy = provided(problem_of(case, inp, pools[1], positions, targets[1]), provider)
+    (o_given, h_given), (o_lazy, h_lazy) = run_problem(given, backend), run_problem(lazy, backend)
+    assert provider.calls == 1
+    assert same_bits(o_given, o_lazy) and same_bits(h_given, h_lazy) and same_bits(pools[0], pools[1])
+    assert all(same_bits(a, b) for a, b in zip(*targets))
+    assert not any(torch.isnan(t).any() for t in targets[1])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_provider_is_never_asked_without_checkpoints(device: str, backend: str) -> None:
+    case = Case(LENGTHS, gate="lower_bound")
+    inp = make_inputs(case, device, seed=34)
+    provider = Provider([])
+    run_problem(provided(problem_of(case, inp, inp.pool, (), ()), provider), backend)
+    assert provider.calls == 0
+
+
+def test_the_provider_is_asked_after_the_first_pieces_parallel_stages_are_queued(
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of two chunks, no single-token sequence: the targets are asked for once the
+    first piece's WY stage is launched, before any state pass, so a provider's host work
+    (the server's placement in the prefix cache) runs while the device works."""
+    case = Case((130, 64, 200), gate="lower_bound")
+    monkeypatch.setattr(config, "PIECE_CHUNK_HEADS", 2 * case.HV)
+    events: list[str] = []
+
+    def recorded(name: str, launch: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            events.append(name)
+            return launch(*args, **kwargs)
+        return run
+
+    for name in ("launch_wy", "launch_state"):
+        monkeypatch.setattr(triton_backend, name, recorded(name, getattr(triton_backend, name)))
+    inp = make_inputs(case, device, seed=35)
+    positions = chunk_ends(inp.cu_seqlens.tolist(), seed=35)
+    provider = Provider(poisoned_targets(inp, len(positions)), on_call=lambda: events.append("provider"))
+    run_problem(provided(problem_of(case, inp, inp.pool, positions, provider.targets), provider), "triton")
+    assert events.count("launch_wy") > 1, "one piece: the test asks for several"
+    assert events[:3] == ["launch_wy", "provider", "launch_state"] and events.count("provider") == 1
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_providers_targets_are_checked_as_given_ones(device: str, backend: str) -> None:
+    """Targets of another dtype, or too few, from a provider: a ValueError, as for given ones."""
+    case = Case(LENGTHS, gate="lower_bound")
+    inp = make_inputs(case, device, seed=36)
+    positions = chunk_ends(inp.cu_seqlens.tolist(), seed=36)
+    problem = problem_of(case, inp, inp.pool, positions, poisoned_targets(inp, len(positions)))
+    for bad, message in (([t.double() for t in poisoned_targets(inp, len(positions))], "float32"),
+                         (poisoned_targets(inp, len(positions) - 1), f"{len(positions)} tensors")):
+        with pytest.raises(ValueError, match=message):
+            run_problem(provided(problem, Provider(bad)), backend)
 
 
 STORE_VARIANTS = {"in the loop, addresses a chunk ahead": dict(state_ckpt_levels=0),
