@@ -71,7 +71,8 @@ from kda_client.small import SmallExchange  # noqa: E402
 from service.wire.frames import PREPARED_ID, Op  # noqa: E402
 from kda_client.transport import StdlibTransport  # noqa: E402
 
-PHASES = ("decode", "validate", "kernel", "encode")
+PHASES = ("decode", "validate", "kernel", "encode",  # a prefill's
+          "refill", "queue", "wait", "deliver")  # a prepared prefill's RUN (`service.core.prepared.PreparedRun`)
 
 
 @dataclass

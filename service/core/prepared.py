@@ -11,11 +11,13 @@ host-to-device copies of indices or bounds.
 
 On a GPU the launch is a CUDA graph captured at preparation (`capture`): the inputs' value
 check (`value_extremes`), the transaction's copy of the rows it writes, the flags, every
-kernel of the pipeline and the final states' gather, replayed by one call. Graphs of one
-core share one memory pool: runs are serialized on the device thread, and every tensor a
-graph reads after its replay (o, the final states, the copied rows, the flags and value
-checks) is held by its `_Step`, so no other graph's replay can reuse its memory meanwhile.
-When capture fails the call runs the same steps eagerly, so it stays correct (logged).
+kernel of the pipeline and the final states' gather, replayed by one call. Each graph has
+a memory pool of its own (what its replays write: o, the final states, the copied rows,
+the intermediates), freed when the prepared prefill is released. (One pool shared by a
+core's graphs, through a pool handle, failed under torch 2.11 on the H200: an allocator
+assertion, ``use_count > 0``, when a graph was captured into a handle whose earlier graphs
+had been released.) When capture fails the call runs the same steps eagerly, so it stays
+correct (logged).
 On a CPU every run is eager.
 
 The guarantees of every prefill hold: inputs with a NaN or Inf (or a given log decay > 0)
@@ -86,12 +88,12 @@ class PreparedPrefill:
     """A checked prefill (``valid``: its inputs' tensors are the buffers ``refill`` fills)
     on ``pool_layer`` ([S, HV, V, K], one layer of the pool) at ``rows`` (host ints, one
     per sequence, the rows of ``valid.inputs.slots``), with the gate tensors ``A_log``
-    [HV] / ``dt_bias`` [HV, K] on the pool's device (or None), run by ``backend``.
-    ``graphs``: the memory pool shared by the core's CUDA graphs (None: run eagerly)."""
+    [HV] / ``dt_bias`` [HV, K] on the pool's device (or None), run by ``backend``; on a
+    GPU captured as a CUDA graph (`capture`)."""
 
     def __init__(self, valid: ValidPrefill, rows: Sequence[int], indices: torch.Tensor, pool_layer: torch.Tensor,
                  A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], backend: str,
-                 refill: Refill, deliver: Deliver, graphs: Optional[object]) -> None:
+                 refill: Refill, deliver: Deliver) -> None:
         self.valid = valid
         self.slots: list[str] = [s for s in valid.inputs.slots if s is not None]
         self.rows = list(rows)
@@ -102,7 +104,6 @@ class PreparedPrefill:
         self._layer = pool_layer
         self._gate = (A_log, dt_bias)
         self._backend = backend
-        self._graph_pool = graphs
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._captured: Optional[_Step] = None
         self.closed = False
@@ -115,9 +116,9 @@ class PreparedPrefill:
     def capture(self) -> None:
         """On a GPU (on the device thread): compile and warm the kernels on scratch rows,
         then capture the launch as a CUDA graph; eager runs when capture fails."""
-        if self._graph_pool is None:
-            return
         device = self._layer.device
+        if device.type != "cuda":
+            return
         scratch = torch.zeros((len(self.rows), *self._layer.shape[1:]), dtype=self._layer.dtype, device=device)
         rows = torch.arange(len(self.rows), dtype=torch.int64, device=device)
         self._step(LaunchTransaction(scratch, rows, self._requests()), scratch, rows)  # compiles, caches the plan
@@ -125,7 +126,7 @@ class PreparedPrefill:
         graph = torch.cuda.CUDAGraph()
         inside: Optional[Exception] = None  # what failed inside the capture (ending it may raise another error)
         try:
-            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 try:
                     self._captured = self._step(LaunchTransaction(self._layer, self._indices, self._requests()),
                                                 self._layer, self._indices)

@@ -58,7 +58,7 @@ from .metrics import Metrics, build_info
 from .self_test import SelfTestReport, run_self_test
 from .staging import PinnedStaging, host_ints_to
 from .transaction import LaunchTransaction
-from .prepared import Deliver, PreparedPrefill, Refill
+from .prepared import Deliver, PreparedPrefill, PreparedRun, Refill
 from .validation import ValidPrefill, validate_form, validate_prefill, validate_state
 from .worker import DeviceWorker, off_loop
 
@@ -119,7 +119,6 @@ class ServerCore:
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
         self._device_gates = DeviceGates(device)  # requests' gate tensors, copied once per distinct gate
         self._inline_tokens = settings.inline_tokens(device)  # prepared runs this small launch on the loop when idle
-        self._graphs: Optional[object] = None  # the memory pool of prepared prefills' CUDA graphs, made at first use
         self.batcher: Batcher[_Job, PrefillResult] = Batcher(
             self._run_batch, self.worker, self.metrics,
             window_s=settings.batch_window_ms / 1000.0, max_tokens=settings.max_batch_tokens,
@@ -452,19 +451,17 @@ class ServerCore:
         if lost is not None:
             raise StateLost(lost)
         device = self.geometry.device
-        if device.type == "cuda" and self._graphs is None:
-            self._graphs = torch.cuda.graph_pool_handle()
 
         def build() -> PreparedPrefill:
             A_log, dt_bias = self._device_gates.tensors(valid.gate)
             prepared = PreparedPrefill(valid, rows, host_ints_to(rows, device), self.pool.layer_view(inputs.params.layer),
-                                       A_log, dt_bias, self.backend, refill, deliver, self._graphs)
+                                       A_log, dt_bias, self.backend, refill, deliver)
             prepared.capture()
             return prepared
 
         return await self.worker.run(build)
 
-    async def run_prepared(self, prepared: PreparedPrefill) -> PrefillResult:
+    async def run_prepared(self, prepared: PreparedPrefill) -> PreparedRun:
         """One run of ``prepared`` (see `PreparedPrefill.launch` for its refusals), in
         arrival order with the other work on its slots; UnknownSlot (404) or StateLost (409)
         when a slot was freed or lost since. Its slots count the tokens, as a prefill's do.
@@ -479,23 +476,26 @@ class ServerCore:
                 return self.worker.run_inline(self._run_prepared, prepared)
             return await self.worker.run(self._run_prepared, prepared)
 
-    def _run_prepared(self, prepared: PreparedPrefill) -> PrefillResult:
+    def _run_prepared(self, prepared: PreparedPrefill) -> PreparedRun:
         rows, lost = self.pool.rows_checked(prepared.slots)
         if lost is not None:
             raise StateLost(lost)
         assert rows == prepared.rows, "a live slot's row never changes"
         if self.persistence is not None:
             self.persistence.advancing(prepared.slots)
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         prepared.refill()
-        o, finals = prepared.launch(lambda: self.pool.mark_lost(prepared.slots))
+        t1 = time.perf_counter()
+        o, finals, queued_s = prepared.launch(lambda: self.pool.mark_lost(prepared.slots))
+        t2 = time.perf_counter()
         inputs = prepared.valid.inputs
-        result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], time.perf_counter() - start)
+        result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], t2 - t0)
         self.pool.record_tokens_many(prepared.slots, inputs.params.layer, inputs.lengths)
         self.metrics.tokens.inc(prepared.tokens)
         self.metrics.sequences.inc(len(inputs.lengths))
         prepared.deliver(result)  # the slots advanced even when the outputs cannot be delivered
-        return result
+        return PreparedRun(result, refill_s=t1 - t0, queue_s=queued_s, launch_s=t2 - t1,
+                           deliver_s=time.perf_counter() - t2)
 
     async def release_prepared(self, prepared: PreparedPrefill) -> None:
         """Let go of ``prepared``'s graph and buffers (on the device thread: never under a run)."""
