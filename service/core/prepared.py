@@ -47,7 +47,21 @@ Refill = Callable[[], None]
 """Brings a run's new input values into the prepared input tensors, in place (on a GPU:
 queued ahead of the launch on the device's current stream, or on a stream it waits for)."""
 Deliver = Callable[[PrefillResult], None]
-"""Puts a successful run's outputs where the caller wants them (its shared memory)."""
+"""Puts a successful run's outputs where the caller wants them (its shared memory), but
+those the launch writes itself (`DeviceIO`)."""
+
+
+@dataclass(frozen=True)
+class DeviceIO:
+    """Copies a run queues on the pool's device as part of its launch (inside its CUDA
+    graph): ``inputs``, (source, destination) uint8 tensors of one size each, before the
+    value check (into the prepared input buffers); ``o`` [T, HV, V] in v's dtype and
+    ``final_state`` [N, HV, V, K] in the pool's dtype: where o and the final states are
+    copied after the kernels (None: `Deliver` writes them)."""
+
+    inputs: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    o: Optional[torch.Tensor] = None
+    final_state: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -88,18 +102,18 @@ class PreparedPrefill:
     """A checked prefill (``valid``: its inputs' tensors are the buffers ``refill`` fills)
     on ``pool_layer`` ([S, HV, V, K], one layer of the pool) at ``rows`` (host ints, one
     per sequence, the rows of ``valid.inputs.slots``), with the gate tensors ``A_log``
-    [HV] / ``dt_bias`` [HV, K] on the pool's device (or None), run by ``backend``; on a
-    GPU captured as a CUDA graph (`capture`)."""
+    [HV] / ``dt_bias`` [HV, K] on the pool's device (or None), run by ``backend``; ``io``:
+    the copies its launch makes itself; on a GPU captured as a CUDA graph (`capture`)."""
 
     def __init__(self, valid: ValidPrefill, rows: Sequence[int], indices: torch.Tensor, pool_layer: torch.Tensor,
                  A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], backend: str,
-                 refill: Refill, deliver: Deliver) -> None:
+                 refill: Refill, deliver: Deliver, io: DeviceIO) -> None:
         self.valid = valid
         self.slots: list[str] = [s for s in valid.inputs.slots if s is not None]
         self.rows = list(rows)
         self.keys = [(s, valid.inputs.params.layer) for s in self.slots]
         self.tokens = sum(valid.inputs.lengths)
-        self.refill, self.deliver = refill, deliver
+        self.refill, self.deliver, self.io = refill, deliver, io
         self._indices = indices
         self._layer = pool_layer
         self._gate = (A_log, dt_bias)
@@ -200,10 +214,16 @@ class PreparedPrefill:
         ``transaction`` made on the same rows): the value check, the kernels, the final
         states' gather."""
         x = self.valid.inputs
+        for source, dest in self.io.inputs:
+            dest.copy_(source)
         packed = [getattr(x, name) for name in REQUIRED_TENSORS]
         ends = _value_ends(packed)
         o, _ = kernels.run_problem(self._problem(pool, indices, transaction.flags), self._backend)
         finals = pool.index_select(0, indices) if x.params.return_final_state else None
+        if self.io.o is not None and pool is self._layer:  # not for the warm-up's scratch rows
+            self.io.o.copy_(o)
+        if self.io.final_state is not None and finals is not None and pool is self._layer:
+            self.io.final_state.copy_(finals)
         return _Step(o, finals, transaction, ends)
 
 

@@ -58,7 +58,7 @@ from .metrics import Metrics, build_info
 from .self_test import SelfTestReport, run_self_test
 from .staging import PinnedStaging, host_ints_to
 from .transaction import LaunchTransaction
-from .prepared import Deliver, PreparedPrefill, PreparedRun, Refill
+from .prepared import Deliver, DeviceIO, PreparedPrefill, PreparedRun, Refill
 from .validation import ValidPrefill, validate_form, validate_prefill, validate_state
 from .worker import DeviceWorker, off_loop
 
@@ -432,12 +432,14 @@ class ServerCore:
                 await self.worker.run(self._free_all, created)
             raise
 
-    async def prepare(self, inputs: PrefillInputs, refill: Refill, deliver: Deliver) -> PreparedPrefill:
+    async def prepare(self, inputs: PrefillInputs, refill: Refill, deliver: Deliver,
+                      io: DeviceIO = DeviceIO()) -> PreparedPrefill:
         """A prefill prepared to run many times (`service.core.prepared`): ``inputs``' form
         checked now (`validate_form`: 400), its slots named and live (404, 409), no
         checkpoints (400); on a GPU its launch captured as a CUDA graph. Its packed tensors
-        are the buffers ``refill`` fills before each run; ``deliver`` gets each run's result.
-        Nothing runs and no slot changes here."""
+        are the buffers ``refill`` fills before each run (and ``io.inputs`` copy into, in
+        the launch); ``deliver`` gets each run's result (``io``: the outputs the launch
+        copies into place itself). Nothing runs and no slot changes here."""
         await self.check_ready()
         valid = validate_form(inputs, self.geometry, self.gates)
         for i, slot in enumerate(inputs.slots):
@@ -455,7 +457,7 @@ class ServerCore:
         def build() -> PreparedPrefill:
             A_log, dt_bias = self._device_gates.tensors(valid.gate)
             prepared = PreparedPrefill(valid, rows, host_ints_to(rows, device), self.pool.layer_view(inputs.params.layer),
-                                       A_log, dt_bias, self.backend, refill, deliver)
+                                       A_log, dt_bias, self.backend, refill, deliver, io)
             prepared.capture()
             return prepared
 

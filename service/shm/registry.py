@@ -98,6 +98,13 @@ class _Region(ABC):
         region of a server started with ``--cuda-ipc-zero-copy`` lends its bytes."""
         return None
 
+    def device_bytes(self, offset: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
+        """The ``nbytes`` bytes at ``offset`` as a uint8 tensor on ``device`` for copies the
+        caller queues on that device itself (a prepared prefill's, inside its CUDA graph;
+        bounds checked by the caller), or None: copies go through `read_into_tensor` and
+        `write`. Only a CUDA region on ``device`` has them."""
+        return None
+
     @abstractmethod
     def read_into(self, offset: int, dest: memoryview) -> None:
         """Copy the ``dest.nbytes`` bytes at ``offset`` into host memory ``dest`` (bounds
@@ -301,9 +308,10 @@ class CudaRegion(_Region):
         self._in_place = in_place
 
     def lend(self, offset: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
-        if self._in_place and device == self._memory.device:
-            return self._tensor[offset:offset + nbytes]
-        return None
+        return self.device_bytes(offset, nbytes, device) if self._in_place else None
+
+    def device_bytes(self, offset: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
+        return self._tensor[offset:offset + nbytes] if device == self._memory.device else None
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         if dest.nbytes:

@@ -42,6 +42,14 @@ class ShmRef(BaseModel):
     byte_size: int = Field(ge=0, description="bytes of the tensor (inputs: exactly dtype x shape)")
 
 
+class DeviceCopy(NamedTuple):
+    """A copy of ``source`` into ``dest`` (uint8 tensors of one size on one device) that
+    its caller queues on that device (a prepared prefill's, in its CUDA graph)."""
+
+    source: torch.Tensor
+    dest: torch.Tensor
+
+
 class ShmInput(NamedTuple):
     """An input in shared memory: where it lies, its dtype and shape (``ref.byte_size``
     equal to their bytes, and the bytes inside the region: checked by the caller)."""
@@ -166,23 +174,31 @@ def copy_out(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], warm
 
 
 def refillable(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], device: torch.device,
-               to_device: Collection[str]) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+               to_device: Collection[str]) -> tuple[dict[str, torch.Tensor], Callable[[], None], list[DeviceCopy]]:
     """Buffers of their own for ``inputs`` (those named in ``to_device`` on ``device`` when
     it is a GPU, read in place where their region lends its bytes; the rest in one host
-    buffer), by name, and the function that copies the regions' current bytes into them:
-    a prepared prefill's inputs, refilled before each run. On a GPU the copies run on the
-    copy streams and the device's current stream waits for them, so a launch queued after
-    the refill reads the new bytes."""
+    buffer), by name; the function that copies the regions' current bytes into them; and
+    the copies that the caller queues on ``device`` itself instead (from CUDA regions on
+    that device, `Region.device_bytes`): a prepared prefill's inputs, refilled before each
+    run, those copies inside its CUDA graph. The function's own device copies (from system
+    regions, or CUDA regions of other devices) run on the copy streams, and the device's
+    current stream waits for them, so a launch queued after it reads the new bytes."""
     on_device = {n: x for n, x in inputs.items() if device.type == "cuda" and n in to_device}
     on_host = {n: x for n, x in inputs.items() if n not in on_device}
     tensors: dict[str, torch.Tensor] = {}
     copies: list[tuple[str, int, torch.Tensor]] = []  # (region, offset, destination as uint8)
+    queued: list[DeviceCopy] = []
     lent = {n: regions[x.ref.region].lend(x.ref.offset, x.ref.byte_size, device) for n, x in on_device.items()}
     copied = {n: x for n, x in on_device.items() if lent[n] is None or x.ref.offset % x.dtype.itemsize}
     if copied:
         runs, where, total = _copy_runs(copied)
         buf = torch.empty(total, dtype=torch.uint8, device=device)
-        copies += [(region, offset, buf[at:at + size]) for region, offset, size, at in runs]
+        for region, offset, size, at in runs:
+            source = regions[region].device_bytes(offset, size, device)
+            if source is not None:
+                queued.append(DeviceCopy(source, buf[at:at + size]))
+            else:
+                copies.append((region, offset, buf[at:at + size]))
         tensors.update({n: buf[where[n]:where[n] + nbytes(x.shape, x.dtype)].view(x.dtype).view(x.shape)
                         for n, x in copied.items()})
     tensors.update({n: t.view(on_device[n].dtype).view(on_device[n].shape) for n, t in lent.items()
@@ -204,4 +220,4 @@ def refillable(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], de
         if copies:
             torch.cuda.current_stream(device).wait_stream(copy_stream(device))
 
-    return {name: tensors[name] for name in inputs}, refill
+    return {name: tensors[name] for name in inputs}, refill, queued
