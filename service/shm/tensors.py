@@ -174,16 +174,17 @@ def copy_out(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], warm
 
 
 def refillable(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], device: torch.device,
-               to_device: Collection[str]) -> tuple[dict[str, torch.Tensor], Callable[[], None], list[DeviceCopy]]:
-    """Buffers of their own for ``inputs`` (those named in ``to_device`` on ``device`` when
-    it is a GPU, read in place where their region lends its bytes; the rest in one host
-    buffer), by name; the function that copies the regions' current bytes into them; and
-    the copies that the caller queues on ``device`` itself instead (from CUDA regions on
-    that device, `Region.device_bytes`): a prepared prefill's inputs, refilled before each
-    run, those copies inside its CUDA graph. The function's own device copies (from system
-    regions, or CUDA regions of other devices) run on the copy streams, and the device's
-    current stream waits for them, so a launch queued after it reads the new bytes."""
-    on_device = {n: x for n, x in inputs.items() if device.type == "cuda" and n in to_device}
+               packed: Collection[str]) -> tuple[dict[str, torch.Tensor], Callable[[], None], list[DeviceCopy]]:
+    """Buffers of their own for ``inputs``, by name: those named in ``packed`` (the ones a
+    prepared prefill reads anew at every run) on ``device`` when it is a GPU, read in place
+    where their region lends its bytes, the rest in one host buffer, read once here; the
+    function that copies the regions' current bytes into the ``packed`` buffers; and the
+    copies that the caller queues on ``device`` itself instead (from CUDA regions on that
+    device, `Region.device_bytes`: inside a prepared prefill's CUDA graph). The function's
+    own device copies (from system regions, or CUDA regions of other devices) run on the
+    copy streams, and the device's current stream waits for them, so a launch queued after
+    it reads the new bytes."""
+    on_device = {n: x for n, x in inputs.items() if device.type == "cuda" and n in packed}
     on_host = {n: x for n, x in inputs.items() if n not in on_device}
     tensors: dict[str, torch.Tensor] = {}
     copies: list[tuple[str, int, torch.Tensor]] = []  # (region, offset, destination as uint8)
@@ -203,17 +204,20 @@ def refillable(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], de
                         for n, x in copied.items()})
     tensors.update({n: t.view(on_device[n].dtype).view(on_device[n].shape) for n, t in lent.items()
                     if n not in copied and t is not None})
-    host_reads: list[tuple[str, int, memoryview]] = []
+    reads: list[tuple[str, int, memoryview]] = []  # (region, offset, host destination) of the packed ones
     if on_host:
         offsets, size = _packed_offsets(on_host)
         host = bytearray(size)
         view = memoryview(host)
-        host_reads = [(x.ref.region, x.ref.offset, view[offsets[n]:offsets[n] + x.ref.byte_size])
-                      for n, x in on_host.items()]
+        once = [(n, x.ref.region, x.ref.offset, view[offsets[n]:offsets[n] + x.ref.byte_size])
+                for n, x in on_host.items()]
+        for _, region, offset, dest in once:
+            regions[region].read_into(offset, dest)
+        reads = [(region, offset, dest) for n, region, offset, dest in once if n in packed]
         tensors.update({n: view_tensor(host, offsets[n], x.dtype, x.shape) for n, x in on_host.items()})
 
     def refill() -> None:
-        for region, offset, dest in host_reads:
+        for region, offset, dest in reads:
             regions[region].read_into(offset, dest)
         for region, offset, dest_t in copies:
             regions[region].read_into_tensor(offset, dest_t)

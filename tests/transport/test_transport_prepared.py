@@ -12,7 +12,9 @@ from typing import Any, Iterator, Sequence
 import httpx
 import pytest
 import torch
-from transport_helpers import TOL, Region, Server, dumps, make_sequence, pool_image, reference, rel, shm_request
+from transport_helpers import (
+    HV, K, TOL, Region, Server, dumps, make_sequence, pool_image, reference, rel, shm_request,
+)
 from server_harness import metric, wait_for
 
 from kda_client.client import KDAClient
@@ -107,6 +109,30 @@ def test_prepared_runs_equal_prefills_and_the_reference(server: Server, frames: 
     for slot, n in zip(slots, LENGTHS):
         assert httpx.get(f"{server.url}/slots/{slot}").json()["tokens_per_layer"][0] == 3 * n
     assert frames.request(Op.RELEASE, prepared).status == 204
+    with KDAClient(server.url) as client:
+        for slot in twins:
+            client.free(slot)
+
+
+def test_the_gate_tensors_are_read_once_when_prepared(server: Server, frames: FramedExchange, region: Region,
+                                                      slots: list[str], gen: torch.Generator) -> None:
+    """A_log and dt_bias of the document are read at PREPARE: bytes changed after it change
+    no run (the packed inputs are read anew at every run)."""
+    with KDAClient(server.url) as client:
+        twins = client.alloc(len(LENGTHS))
+    A_log, dt_bias = torch.rand(HV, generator=gen), torch.randn(HV, K, generator=gen)
+    seqs = [make_sequence(n, gen, raw_gate=True) for n in LENGTHS]
+    doc = shm_request(region, slots, seqs, lower_bound=-5.0)
+    doc["A_log"], doc["dt_bias"] = region.put(region.size - 8192, A_log), region.put(region.size - 4096, dt_bias)
+    prepared = _prepare(frames, doc, server)
+    region.put(region.size - 8192, A_log + 1.0)  # after PREPARE: not what the prepared prefill runs with
+    assert frames.request(Op.RUN, prepared).status == 200
+    o_run, final_run = _outputs(region, doc, seqs)
+    twin = dict(doc, sequences=[dict(s, slot=t) for s, t in zip(doc["sequences"], twins)],
+                A_log=region.put(region.size - 12288, A_log))
+    assert frames.request(Op.PREFILL, dumps(twin)).status == 200
+    o_plain, final_plain = _outputs(region, doc, seqs)
+    assert torch.equal(o_run, o_plain) and torch.equal(final_run, final_plain)
     with KDAClient(server.url) as client:
         for slot in twins:
             client.free(slot)
