@@ -42,7 +42,7 @@ import json
 import threading
 import urllib.parse
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import (
     Any, AsyncIterator, Callable, Generic, Iterator, Literal, Mapping, Optional, Sequence, TypeVar, Union,
 )
@@ -51,7 +51,9 @@ import httpx
 import torch
 
 from .framed import AsyncFramedExchange, FramedExchange
-from .small import MAX_BODY, SmallExchange
+from .outputs import PrefillOutput
+from .prepared import PreparedPrefill
+from .small import MAX_BODY, Response, SmallExchange
 from .transport import StdlibTransport
 from .shm import (
     SHM_JSON, Arena, CudaArena, Geometry, Placed, Registration, ShmArena, is_unknown_region, split_sequences,
@@ -148,25 +150,6 @@ def _raise_for(status: int, headers: Headers, body: bytearray) -> None:
 # -- results ---------------------------------------------------------------------------
 
 @dataclass
-class PrefillOutput:
-    """The result of `prefill`: ``slots`` (each sequence's slot id, new ones included),
-    ``lengths``, ``o_packed`` [T, HV, V] in v's dtype and ``final_state`` [N, HV, V, K]
-    (None when declined). ``o`` splits o_packed per sequence (views, no copy).
-    ``server_timing``: the server's phases in milliseconds (decode, validate, kernel, encode), from
-    its ``Server-Timing`` header."""
-
-    slots: list[str]
-    lengths: list[int]
-    o_packed: torch.Tensor
-    final_state: Optional[torch.Tensor]
-    server_timing: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def o(self) -> list[torch.Tensor]:
-        return list(self.o_packed.split(self.lengths))
-
-
-@dataclass
 class PrefixAlloc:
     """What `alloc` with a prefix gives: the new ``slots`` and the entry they start from:
     ``matched`` (1-based position among the keys sent, 0 for none), its ``key`` (None) and
@@ -222,6 +205,12 @@ def _media(encoding: Encoding) -> str:
     if encoding not in ("safetensors", "json"):
         raise ValueError(f"encoding must be 'safetensors' or 'json', got {encoding!r}")
     return SAFETENSORS if encoding == "safetensors" else JSON
+
+
+def _finished(answer: Response) -> dict[str, float]:
+    """The phases of a framed answer (its error raised, as `KDAClient` raises them)."""
+    _raise_for(answer.status, answer.headers, answer.body)
+    return _server_timing(answer.headers)
 
 
 def _server_timing(headers: Headers) -> dict[str, float]:
@@ -557,6 +546,48 @@ class KDAClient:
             arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
             self._register(arena, plan.need)
             return self._run(plan.call(arena))
+
+    def prepare(
+        self, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor] = None,
+        dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None, use_qk_l2norm: bool = False,
+        use_beta_sigmoid: bool = False, allow_neg_eigval: bool = False, scale: Optional[float] = None,
+        return_final_state: bool = True,
+    ) -> PreparedPrefill:
+        """Prepare a prefill of ``sequences`` (``(slot, q, k, v, g, beta)``, every slot an
+        existing one; the tensors give the shapes and dtypes, nothing runs) on ``layer``,
+        with the options of `prefill` (A_log and dt_bias are taken now, once), to run step
+        after step with new inputs (`PreparedPrefill.run`): one small frame per step, and on
+        a GPU server one CUDA graph replayed. Needs ``framed_socket`` (ValueError without);
+        its own region, released with it (`PreparedPrefill.release`, or a ``with`` block)."""
+        if self._framed is None or self._arena is None:
+            raise ValueError("prepare needs the server's framed socket: KDAClient(..., transport='shm' or 'cuda', "
+                             "framed_socket=PATH)")
+        if any(seq[0] is None for seq in sequences):
+            raise ValueError("a prepared prefill runs on existing slots: allocate them first")
+        if self._arena.geometry is None:
+            self._arena.geometry = Geometry.from_info(self.info())
+        arena = type(self._arena)(self._arena.ttl_s, self._arena.views)
+        arena.geometry = self._arena.geometry
+        plan = _shm_prefill(arena, layer, sequences, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                            use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+                            allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state)
+        self._register(arena, plan.need)
+
+        def unregister() -> None:
+            name = arena.close()
+            if name is not None:
+                with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
+                    self._run(self._calls.unregister_region(arena, name))
+
+        try:
+            answer = self._framed.request(Op.PREPARE, arena.fill(plan.tensors, plan.places, plan.options))
+            _raise_for(answer.status, answer.headers, answer.body)
+            number = json.loads(answer.body)["prepared"]
+        except BaseException:
+            unregister()
+            raise
+        slots = [str(seq[0]) for seq in sequences]
+        return PreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths, number, _finished, unregister)
 
     def _register(self, arena: Arena, need: int) -> None:
         registration = arena.create(need)

@@ -161,17 +161,11 @@ class _Arena:
         """Copy the inputs into the region (one copy each, from the host or any device); the
         request body naming them."""
         assert self._region is not None, "fill() without a region"
-        memory, name = self._region.memory, self._region.name
+        name = self._region.name
         doc = dict(options)
         for key, parts in tensors.items():
             place = places[key]
-            offset = place.offset
-            for part in parts:
-                n = part.numel() * place.dtype.itemsize
-                if n:
-                    memory[offset:offset + n].view(place.dtype).view(part.shape).copy_(part)
-                offset += n
-            size = offset - place.offset
+            size = self._copy_in(place, parts)
             doc[key] = {"dtype": JSON_NAMES[place.dtype], "shape": place.shape,
                         "shm": place.ref(name, self._region.base, size)}
         self._written()
@@ -179,6 +173,35 @@ class _Arena:
                    for key in ("o", "final_state") if key in places}
         doc["outputs"] = outputs
         return json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+    def put(self, tensors: dict[str, torch.Tensor], places: dict[str, Placed]) -> None:
+        """Copy each tensor of ``tensors`` (from the host or any device) to its place, as
+        laid out before (a prepared prefill's next inputs); readable by the server on return."""
+        for key, t in tensors.items():
+            place = places[key]
+            if list(t.shape) != place.shape or t.dtype != place.dtype:
+                raise ValueError(f"{key} must be {JSON_NAMES[place.dtype]}{place.shape} as prepared, got "
+                                 f"{JSON_NAMES.get(t.dtype, t.dtype)}{list(t.shape)}")
+            self._copy_in(place, [t])
+        self._written()
+
+    def read(self, place: Placed) -> torch.Tensor:
+        """The tensor at ``place`` (a copy unless ``views``)."""
+        assert self._region is not None
+        t = self._region.memory[place.offset:place.offset + place.nbytes]
+        t = t[:math.prod(place.shape) * place.dtype.itemsize].view(place.dtype).view(place.shape)
+        return t if self.views else t.clone()
+
+    def _copy_in(self, place: Placed, parts: Sequence[torch.Tensor]) -> int:
+        """``parts`` copied one after the other from ``place``'s offset; their bytes."""
+        assert self._region is not None
+        memory, offset = self._region.memory, place.offset
+        for part in parts:
+            n = part.numel() * place.dtype.itemsize
+            if n:
+                memory[offset:offset + n].view(place.dtype).view(part.shape).copy_(part)
+            offset += n
+        return offset - place.offset
 
     def _written(self) -> None:
         """The inputs' bytes are in the region, readable by the server (nothing to wait

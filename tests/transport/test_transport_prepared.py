@@ -17,7 +17,7 @@ from transport_helpers import (
 )
 from server_harness import metric, wait_for
 
-from kda_client.client import KDAClient
+from kda_client.client import BadRequest, KDAClient
 from kda_client.framed import FramedExchange
 from kda_client.small import Response
 from service.wire.frames import PREPARED_ID, Op
@@ -251,3 +251,41 @@ def test_a_connection_that_ends_releases_what_it_prepared(server: Server, framed
     assert held() == before + 2
     exchange.close()
     assert wait_for(lambda: held() == before, timeout=30)
+
+
+def test_client_prepared_runs_equal_prefills_and_the_reference(server: Server, framed_socket: str,
+                                                               gen: torch.Generator) -> None:
+    """`KDAClient.prepare`: each `run` of packed inputs equals `prefill` of the same inputs
+    on twin slots bit for bit and the reference; a refused step raises and changes nothing;
+    inputs of other shapes are refused before anything is sent; the region goes with it."""
+    regions = {r["name"] for r in httpx.get(f"{server.url}/shm/regions").json()}
+    with KDAClient(server.url, transport="shm", framed_socket=framed_socket) as client:
+        slots, twins = client.alloc(len(LENGTHS)), client.alloc(len(LENGTHS))
+        with client.prepare(0, [(s, *x) for s, x in zip(slots, _sequences(gen))], use_qk_l2norm=True) as prepared:
+            state = None
+            for _ in range(2):
+                seqs = _sequences(gen)
+                packed = [torch.cat([s[i] for s in seqs]) for i in range(5)]
+                out = prepared.run(*packed)
+                want = client.prefill(0, [(t, *x) for t, x in zip(twins, seqs)], use_qk_l2norm=True)
+                assert out.slots == slots and out.lengths == list(LENGTHS)
+                assert torch.equal(out.o_packed, want.o_packed) and torch.equal(out.final_state, want.final_state)
+                assert set(out.server_timing) == {"refill", "queue", "wait", "deliver", "total"}
+                o_ref, state = reference(seqs, initial=state, use_qk_l2norm=True)
+                assert rel(out.o_packed, o_ref) < TOL and rel(out.final_state, state) < TOL
+            before = pool_image(server.url, slots)
+            packed[0][0, 0, 0] = float("nan")
+            with pytest.raises(BadRequest) as refused:
+                prepared.run(*packed)
+            assert refused.value.problem["field"] == "q"
+            assert pool_image(server.url, slots) == before
+            with pytest.raises(ValueError, match="as prepared"):
+                prepared.run(packed[0][:-1], *packed[1:])
+            assert len({r["name"] for r in httpx.get(f"{server.url}/shm/regions").json()} - regions) >= 1
+        with pytest.raises(ValueError, match="released"):
+            prepared.run(*packed)
+        for slot in slots + twins:
+            client.free(slot)
+    assert {r["name"] for r in httpx.get(f"{server.url}/shm/regions").json()} == regions
+    with KDAClient(server.url, transport="shm") as client, pytest.raises(ValueError, match="framed socket"):
+        client.prepare(0, [("any", *_sequences(gen)[0])])

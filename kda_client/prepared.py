@@ -1,0 +1,71 @@
+"""`PreparedPrefill`: a prefill prepared on the server's framed socket (`KDAClient.prepare`),
+then run step after step with new inputs of the same shapes, as an engine calls a layer.
+
+It owns a shared memory region of its own (POSIX, or GPU memory with ``transport="cuda"``),
+laid out once: `run` copies the packed inputs into it and sends one RUN frame (a 4-byte id);
+the server refills its buffers from those bytes, replays its launch (a CUDA graph on a GPU
+server) and writes o and the final states behind them, so nothing is encoded, parsed or
+validated per step. The prepared prefill lives on the client's framed socket connection:
+a connection the server closed (a restart) takes it along, and the next `run` raises
+`SlotNotFound` (404, ``unknown-prepared``): prepare again.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from service.wire.frames import PREPARED_ID, Op
+
+from .framed import FramedExchange
+from .outputs import PrefillOutput
+from .shm import Arena, Placed
+from .small import Response
+
+
+class PreparedPrefill:
+    """One prepared prefill: ``slots`` and ``lengths`` as prepared, its ``number`` on the
+    connection of ``exchange``, its inputs' and outputs' ``places`` in ``arena``'s region.
+    ``finish`` raises the client's error for a refused answer and returns its phases;
+    ``unregister`` lets go of the region (`release`)."""
+
+    def __init__(self, exchange: FramedExchange, arena: Arena, places: dict[str, Placed], slots: list[str],
+                 lengths: list[int], number: int, finish: Callable[[Response], dict[str, float]],
+                 unregister: Callable[[], None]) -> None:
+        self.slots, self.lengths = slots, lengths
+        self._exchange, self._arena, self._places = exchange, arena, places
+        self._id = PREPARED_ID.pack(number)
+        self._finish, self._unregister = finish, unregister
+        self._released = False
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor) -> PrefillOutput:
+        """One step: q, k [T, H, K], v [T, HV, V], g [T, HV, K], beta [T, HV], the sequences'
+        tokens packed in order, of the shapes and dtypes prepared (ValueError otherwise; on
+        the host or any device). Returns o and the final states (unless declined when
+        prepared), copies unless the client was made with ``shm_views``; the server's errors
+        as `KDAClient.prefill` raises them (a refused step changes no slot)."""
+        if self._released:
+            raise ValueError("this prepared prefill was released")
+        self._arena.put({"q": q, "k": k, "v": v, "g": g, "beta": beta}, self._places)
+        timing = self._finish(self._exchange.request(Op.RUN, self._id))
+        final: Optional[torch.Tensor] = None
+        if "final_state" in self._places:
+            final = self._arena.read(self._places["final_state"])
+        return PrefillOutput(self.slots, self.lengths, self._arena.read(self._places["o"]), final, timing)
+
+    def release(self) -> None:
+        """Release it on the server and unregister its region (once; later calls do nothing)."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            self._finish(self._exchange.request(Op.RELEASE, self._id))
+        finally:
+            self._unregister()
+
+    def __enter__(self) -> "PreparedPrefill":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
