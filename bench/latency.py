@@ -151,7 +151,7 @@ def cpu_loopback(server: Server, framed: str, calls: int, warmup: int) -> tuple[
     and the framed socket's PING."""
     lengths = (1, 64)
     seqs = {n: small_sequence(n, 2, 16, n) for n in lengths}
-    rows = ["live", "ping", *(f"{way} {n}" for way in ("body", "shm", "framed") for n in lengths)]
+    rows = ["live", "ping", *(f"{way} {n}" for way in ("body", "shm", "framed", "prepared") for n in lengths)]
     walls: dict[str, list[float]] = {row: [] for row in rows}
     timings: dict[str, list[dict[str, float]]] = {row: [] for row in rows}
     ping = FramedExchange(framed, None, 60)
@@ -159,7 +159,8 @@ def cpu_loopback(server: Server, framed: str, calls: int, warmup: int) -> tuple[
             KDAClient(server.url, transport="shm", framed_socket=framed) as over_frames, \
             http_client(server.url) as http:
         clients = {"body": body, "shm": shm, "framed": over_frames}
-        slots = {(way, n): slot for way in clients for n, slot in zip(lengths, body.alloc(len(lengths)))}
+        slots = {(way, n): slot for way in (*clients, "prepared") for n, slot in zip(lengths, body.alloc(len(lengths)))}
+        prepared = {n: over_frames.prepare(0, [(slots["prepared", n], *seqs[n])]) for n in lengths}
 
         def live() -> None:
             if http.get("/health/live").status_code != 200:
@@ -182,17 +183,28 @@ def cpu_loopback(server: Server, framed: str, calls: int, warmup: int) -> tuple[
                     if i >= warmup:
                         walls[f"{way} {n}"].append(wall)
                         timings[f"{way} {n}"].append(dict(out.server_timing))
+            for n in lengths:
+                t0 = time.perf_counter()
+                out = prepared[n].run(*seqs[n])
+                if i >= warmup:
+                    walls[f"prepared {n}"].append(time.perf_counter() - t0)
+                    timings[f"prepared {n}"].append(dict(out.server_timing))
+        for n in lengths:
+            prepared[n].release()
     ping.close()
     names = {"live": "GET /health/live", "ping": "framed socket PING",
              **{f"{way} {n}": f"KDAClient prefill, {n} token(s), HV=2 K=V=16, {what}" for n in lengths
                 for way, what in (("body", "in the HTTP body"), ("shm", "POSIX shm over HTTP"),
-                                  ("framed", "POSIX shm over the framed socket"))}}
+                                  ("framed", "POSIX shm over the framed socket"),
+                                  ("prepared", "prepared, RUN over the framed socket"))}}
     figures = [figure(names[row], walls[row], timings[row]) for row in rows]
     by = {row: f.p50 for row, f in zip(rows, figures)}
     records = [goal("CPU 1-token prefill / GET /health/live (p50)", by["body 1"] / by["live"], 1.6),
                goal("CPU 64-token prefill / GET /health/live (p50)", by["body 64"] / by["live"], 2.0)]
     for n in lengths:
         print(f"{n}-token shm prefill, framed socket / HTTP (p50): {by[f'framed {n}'] / by[f'shm {n}']:.2f}x")
+        print(f"{n}-token prepared RUN / framed PREFILL (p50): {by[f'prepared {n}'] / by[f'framed {n}']:.2f}x, "
+              f"/ PING: {by[f'prepared {n}'] / by['ping']:.1f}x")
     return figures, records
 
 
