@@ -52,7 +52,7 @@ import torch
 
 from .framed import AsyncFramedExchange, FramedExchange
 from .outputs import PrefillOutput
-from .prepared import PreparedPrefill
+from .prepared import AsyncPreparedPrefill, PreparedPrefill
 from .small import MAX_BODY, Response, SmallExchange
 from .transport import StdlibTransport
 from .shm import (
@@ -205,6 +205,27 @@ def _media(encoding: Encoding) -> str:
     if encoding not in ("safetensors", "json"):
         raise ValueError(f"encoding must be 'safetensors' or 'json', got {encoding!r}")
     return SAFETENSORS if encoding == "safetensors" else JSON
+
+
+_NO_FRAMED_SOCKET = ("prepare needs the server's framed socket: a client made with transport='shm' or 'cuda' "
+                     "and framed_socket=PATH")
+
+
+def _slots_of(sequences: Sequence[SequenceInput]) -> list[str]:
+    """The slot of each sequence of a prepared prefill (ValueError for one without)."""
+    if any(seq[0] is None for seq in sequences):
+        raise ValueError("a prepared prefill runs on existing slots: allocate them first")
+    return [str(seq[0]) for seq in sequences]
+
+
+def _prepared_layout(base: Arena, layer: int, sequences: Sequence[SequenceInput], **options: Any
+                     ) -> tuple[Arena, "_ShmPrefill"]:
+    """A new arena like ``base`` (its geometry known) for a prepared prefill, and the
+    prefill's layout in it (``options``: `_shm_prefill`'s, checkpoints excepted)."""
+    _slots_of(sequences)
+    arena = type(base)(base.ttl_s, base.views)
+    arena.geometry = base.geometry
+    return arena, _shm_prefill(arena, layer, sequences, **options)
 
 
 def _finished(answer: Response) -> dict[str, float]:
@@ -560,17 +581,13 @@ class KDAClient:
         a GPU server one CUDA graph replayed. Needs ``framed_socket`` (ValueError without);
         its own region, released with it (`PreparedPrefill.release`, or a ``with`` block)."""
         if self._framed is None or self._arena is None:
-            raise ValueError("prepare needs the server's framed socket: KDAClient(..., transport='shm' or 'cuda', "
-                             "framed_socket=PATH)")
-        if any(seq[0] is None for seq in sequences):
-            raise ValueError("a prepared prefill runs on existing slots: allocate them first")
+            raise ValueError(_NO_FRAMED_SOCKET)
         if self._arena.geometry is None:
             self._arena.geometry = Geometry.from_info(self.info())
-        arena = type(self._arena)(self._arena.ttl_s, self._arena.views)
-        arena.geometry = self._arena.geometry
-        plan = _shm_prefill(arena, layer, sequences, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                            use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
-                            allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state)
+        arena, plan = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
+                                       lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+                                       use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
+                                       scale=scale, return_final_state=return_final_state)
         self._register(arena, plan.need)
 
         def unregister() -> None:
@@ -582,12 +599,11 @@ class KDAClient:
         try:
             answer = self._framed.request(Op.PREPARE, arena.fill(plan.tensors, plan.places, plan.options))
             _raise_for(answer.status, answer.headers, answer.body)
-            number = json.loads(answer.body)["prepared"]
         except BaseException:
             unregister()
             raise
-        slots = [str(seq[0]) for seq in sequences]
-        return PreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths, number, _finished, unregister)
+        return PreparedPrefill(self._framed, arena, plan.places, _slots_of(sequences), plan.lengths,
+                               json.loads(answer.body)["prepared"], _finished, unregister)
 
     def _register(self, arena: Arena, need: int) -> None:
         registration = arena.create(need)
@@ -716,6 +732,39 @@ class AsyncKDAClient:
             arena.forget()  # the server lost the region (a restart, the lease ran out): register a new one, once
             await self._register(arena, plan.need)
             return await self._run(plan.call(arena))
+
+    async def prepare(
+        self, layer: int, sequences: Sequence[SequenceInput], *, A_log: Optional[torch.Tensor] = None,
+        dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None, use_qk_l2norm: bool = False,
+        use_beta_sigmoid: bool = False, allow_neg_eigval: bool = False, scale: Optional[float] = None,
+        return_final_state: bool = True,
+    ) -> AsyncPreparedPrefill:
+        """`KDAClient.prepare` for asyncio: an `AsyncPreparedPrefill` (``await run(...)``,
+        ``await release()`` or ``async with``)."""
+        if self._framed is None or self._arena is None:
+            raise ValueError(_NO_FRAMED_SOCKET)
+        if self._arena.geometry is None:
+            self._arena.geometry = Geometry.from_info(await self.info())
+        arena, plan = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
+                                       lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+                                       use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
+                                       scale=scale, return_final_state=return_final_state)
+        await self._register(arena, plan.need)
+
+        async def unregister() -> None:
+            name = arena.close()
+            if name is not None:
+                with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
+                    await self._run(self._calls.unregister_region(arena, name))
+
+        try:
+            answer = await self._framed.request(Op.PREPARE, arena.fill(plan.tensors, plan.places, plan.options))
+            _raise_for(answer.status, answer.headers, answer.body)
+        except BaseException:
+            await unregister()
+            raise
+        return AsyncPreparedPrefill(self._framed, arena, plan.places, _slots_of(sequences), plan.lengths,
+                                    json.loads(answer.body)["prepared"], _finished, unregister)
 
     async def _register(self, arena: Arena, need: int) -> None:
         registration = arena.create(need)

@@ -1,4 +1,5 @@
-"""`PreparedPrefill`: a prefill prepared on the server's framed socket (`KDAClient.prepare`),
+"""`PreparedPrefill` (and `AsyncPreparedPrefill`): a prefill prepared on the server's framed
+socket (`KDAClient.prepare`, `AsyncKDAClient.prepare`),
 then run step after step with new inputs of the same shapes, as an engine calls a layer.
 
 It owns a shared memory region of its own (POSIX, or GPU memory with ``transport="cuda"``),
@@ -11,32 +12,54 @@ a connection the server closed (a restart) takes it along, and the next `run` ra
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import torch
 
 from service.wire.frames import PREPARED_ID, Op
 
-from .framed import FramedExchange
+from .framed import AsyncFramedExchange, FramedExchange
 from .outputs import PrefillOutput
 from .shm import Arena, Placed
 from .small import Response
 
 
-class PreparedPrefill:
-    """One prepared prefill: ``slots`` and ``lengths`` as prepared, its ``number`` on the
-    connection of ``exchange``, its inputs' and outputs' ``places`` in ``arena``'s region.
-    ``finish`` raises the client's error for a refused answer and returns its phases;
-    ``unregister`` lets go of the region (`release`)."""
+class _Prepared:
+    """What `PreparedPrefill` and `AsyncPreparedPrefill` share: ``slots`` and ``lengths``
+    as prepared, its ``number`` on its connection, its inputs' and outputs' ``places`` in
+    ``arena``'s region; ``finish`` raises the client's error for a refused answer and
+    returns its phases."""
+
+    def __init__(self, arena: Arena, places: dict[str, Placed], slots: list[str], lengths: list[int], number: int,
+                 finish: Callable[[Response], dict[str, float]]) -> None:
+        self.slots, self.lengths = slots, lengths
+        self._arena, self._places = arena, places
+        self._id = PREPARED_ID.pack(number)
+        self._finish = finish
+        self._released = False
+
+    def _put(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        if self._released:
+            raise ValueError("this prepared prefill was released")
+        self._arena.put({"q": q, "k": k, "v": v, "g": g, "beta": beta}, self._places)
+
+    def _output(self, answer: Response) -> PrefillOutput:
+        timing = self._finish(answer)
+        final: Optional[torch.Tensor] = None
+        if "final_state" in self._places:
+            final = self._arena.read(self._places["final_state"])
+        return PrefillOutput(self.slots, self.lengths, self._arena.read(self._places["o"]), final, timing)
+
+
+class PreparedPrefill(_Prepared):
+    """One prepared prefill on the sync client's framed socket ``exchange``;
+    ``unregister`` lets go of its region (`release`)."""
 
     def __init__(self, exchange: FramedExchange, arena: Arena, places: dict[str, Placed], slots: list[str],
                  lengths: list[int], number: int, finish: Callable[[Response], dict[str, float]],
                  unregister: Callable[[], None]) -> None:
-        self.slots, self.lengths = slots, lengths
-        self._exchange, self._arena, self._places = exchange, arena, places
-        self._id = PREPARED_ID.pack(number)
-        self._finish, self._unregister = finish, unregister
-        self._released = False
+        super().__init__(arena, places, slots, lengths, number, finish)
+        self._exchange, self._unregister = exchange, unregister
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor) -> PrefillOutput:
@@ -45,14 +68,8 @@ class PreparedPrefill:
         the host or any device). Returns o and the final states (unless declined when
         prepared), copies unless the client was made with ``shm_views``; the server's errors
         as `KDAClient.prefill` raises them (a refused step changes no slot)."""
-        if self._released:
-            raise ValueError("this prepared prefill was released")
-        self._arena.put({"q": q, "k": k, "v": v, "g": g, "beta": beta}, self._places)
-        timing = self._finish(self._exchange.request(Op.RUN, self._id))
-        final: Optional[torch.Tensor] = None
-        if "final_state" in self._places:
-            final = self._arena.read(self._places["final_state"])
-        return PrefillOutput(self.slots, self.lengths, self._arena.read(self._places["o"]), final, timing)
+        self._put(q, k, v, g, beta)
+        return self._output(self._exchange.request(Op.RUN, self._id))
 
     def release(self) -> None:
         """Release it on the server and unregister its region (once; later calls do nothing)."""
@@ -69,3 +86,35 @@ class PreparedPrefill:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class AsyncPreparedPrefill(_Prepared):
+    """`PreparedPrefill` for `AsyncKDAClient` (its ``exchange`` and ``unregister`` awaited)."""
+
+    def __init__(self, exchange: AsyncFramedExchange, arena: Arena, places: dict[str, Placed], slots: list[str],
+                 lengths: list[int], number: int, finish: Callable[[Response], dict[str, float]],
+                 unregister: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(arena, places, slots, lengths, number, finish)
+        self._exchange, self._unregister = exchange, unregister
+
+    async def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor) -> PrefillOutput:
+        """`PreparedPrefill.run`, awaited."""
+        self._put(q, k, v, g, beta)
+        return self._output(await self._exchange.request(Op.RUN, self._id))
+
+    async def release(self) -> None:
+        """`PreparedPrefill.release`, awaited."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            self._finish(await self._exchange.request(Op.RELEASE, self._id))
+        finally:
+            await self._unregister()
+
+    async def __aenter__(self) -> "AsyncPreparedPrefill":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()

@@ -3,9 +3,10 @@ each run equals a PREFILL of the same document bit for bit and the float64 refer
 after step and interleaved with plain prefills of the same slots; a run with bad values or
 on a freed slot or an unregistered region is refused and changes nothing, and the next run
 goes on; what PREPARE refuses changes nothing; ids are per connection and never reused; a
-connection that ends releases what it prepared."""
+connection that ends releases what it prepared; the sync and async clients' `prepare`."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Iterator, Sequence
 
@@ -17,7 +18,7 @@ from transport_helpers import (
 )
 from server_harness import metric, wait_for
 
-from kda_client.client import BadRequest, KDAClient
+from kda_client.client import AsyncKDAClient, BadRequest, KDAClient
 from kda_client.framed import FramedExchange
 from kda_client.small import Response
 from service.wire.frames import PREPARED_ID, Op
@@ -289,3 +290,28 @@ def test_client_prepared_runs_equal_prefills_and_the_reference(server: Server, f
     assert {r["name"] for r in httpx.get(f"{server.url}/shm/regions").json()} == regions
     with KDAClient(server.url, transport="shm") as client, pytest.raises(ValueError, match="framed socket"):
         client.prepare(0, [("any", *_sequences(gen)[0])])
+
+
+def test_async_client_prepared_runs_equal_the_sync_clients(server: Server, framed_socket: str,
+                                                           gen: torch.Generator) -> None:
+    """`AsyncKDAClient.prepare`: its runs give the sync client's numbers bit for bit, and its
+    region goes with it."""
+    steps = [_sequences(gen) for _ in range(2)]
+    first = _sequences(gen)
+    regions = {r["name"] for r in httpx.get(f"{server.url}/shm/regions").json()}
+
+    async def over_asyncio(slots: list[str]) -> list[Any]:
+        async with AsyncKDAClient(server.url, transport="shm", framed_socket=framed_socket) as client:
+            async with await client.prepare(0, [(s, *x) for s, x in zip(slots, first)]) as prepared:
+                return [await prepared.run(*(torch.cat([s[i] for s in seqs]) for i in range(5))) for seqs in steps]
+
+    with KDAClient(server.url, transport="shm", framed_socket=framed_socket) as client:
+        a, b = client.alloc(len(LENGTHS)), client.alloc(len(LENGTHS))
+        with client.prepare(0, [(s, *x) for s, x in zip(a, first)]) as prepared:
+            want = [prepared.run(*(torch.cat([s[i] for s in seqs]) for i in range(5))) for seqs in steps]
+        got = asyncio.run(over_asyncio(b))
+        for x, y in zip(want, got):
+            assert torch.equal(x.o_packed, y.o_packed) and torch.equal(x.final_state, y.final_state)
+        for slot in a + b:
+            client.free(slot)
+    assert {r["name"] for r in httpx.get(f"{server.url}/shm/regions").json()} == regions
