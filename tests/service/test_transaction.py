@@ -249,6 +249,16 @@ def _checkpointed(slot: str, seq: tuple[torch.Tensor, ...], key: str) -> Prefill
     return PrefillInputs.of(PrefillParams(layer=0), [slot], [end], tensors, checkpoints=[[Checkpoint(end, key)]])
 
 
+async def _core_holding_one_entry(device: str) -> tuple[ServerCore, str]:
+    """A started core whose prefix cache holds one entry, "held" (all its budget takes),
+    and a fresh slot."""
+    core = ServerCore(_one_entry_settings(device))
+    await core.start()
+    held, slot = await core.alloc(2)
+    await core.publish(held, "held")
+    return core, slot
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_launch_failing_before_the_kernel_asked_for_its_checkpoints_places_none(
         device: str, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,11 +268,8 @@ def test_a_launch_failing_before_the_kernel_asked_for_its_checkpoints_places_non
     from service.errors import UnknownPrefix
 
     async def main() -> None:
-        core = ServerCore(_one_entry_settings(device))
-        await core.start()
+        core, slot = await _core_holding_one_entry(device)
         try:
-            held, slot = await core.alloc(2)
-            await core.publish(held, "held")
             monkeypatch.setattr(server_module.kernels, "run_problem", _failing_before_the_kernel)
             with pytest.raises(LaunchFailed):
                 await core.prefill(_checkpointed(slot, make_sequence(64, gen), "fresh"))
@@ -285,11 +292,8 @@ def test_a_launch_failing_after_the_kernel_placed_its_checkpoints_releases_them(
     from service.errors import UnknownPrefix
 
     async def main() -> None:
-        core = ServerCore(_one_entry_settings(device))
-        await core.start()
+        core, slot = await _core_holding_one_entry(device)
         try:
-            held, slot = await core.alloc(2)
-            await core.publish(held, "held")
             request = _checkpointed(slot, make_sequence(64, gen), "fresh")
             real = server_module.kernels.run_problem
             monkeypatch.setattr(server_module.kernels, "run_problem", _failing_kernel(real))
