@@ -155,7 +155,8 @@ class PreparedPrefill:
         self._graph = graph
 
     def launch(self, mark_lost: Callable[[], None]) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
-        """One run (on the device thread, after ``refill``): o [T, HV, V] and the final
+        """One run (where the core runs device work: its device thread, or the event loop
+        while that thread is idle; after ``refill``): o [T, HV, V] and the final
         states [N, HV, V, K] (or None), complete, and the host's seconds until the launch
         was queued (before its synchronization). InvalidRequest (400) when an input holds
         a NaN or Inf (or a given log decay > 0), UpdateDiverged (422) when the update is
@@ -188,7 +189,7 @@ class PreparedPrefill:
         return step.o, step.finals, queued_s
 
     def close(self) -> None:
-        """Let go of the graph and its tensors (their memory returns to the core's pool)."""
+        """Let go of the graph and its tensors (its memory pool is freed with them)."""
         self.closed = True
         self._graph = None
         self._captured = None
