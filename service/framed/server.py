@@ -12,6 +12,11 @@ a client handles them as it does over HTTP; bad input never changes a slot, as o
 front end. Slots a prefill created are freed when its reply cannot be delivered (the
 client left).
 
+PREPARE, RUN and RELEASE frames serve prepared prefills (`service.shm.prepared` over
+`service.core.prepared`): a document checked once and kept on its connection under an id,
+then run by that id as often as the client asks, each run reading the document's input
+bytes anew; a connection's prepared prefills are released when it ends.
+
 The socket file is created with mode 0600: only the server's user (and root) can connect.
 A server with an API key also asks for it, once per connection (`Op.AUTH`).
 """
@@ -121,8 +126,11 @@ class FramedServer:
         finally:
             self._connections.discard(task)
             writer.close()
-            for held in prepared.held.values():
-                await self._release(held)
+            for held in prepared.held.values():  # what the connection prepared goes with it
+                try:
+                    await self._release(held)
+                except Exception:
+                    log.exception("releasing a prepared prefill of a closed connection failed")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      prepared: "_Prepared") -> None:
