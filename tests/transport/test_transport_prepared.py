@@ -1,6 +1,7 @@
 """Prepared prefills over the framed socket (PREPARE, RUN, RELEASE) against a live server:
 each run equals a PREFILL of the same document bit for bit and the float64 reference, step
-after step and interleaved with plain prefills of the same slots; a run with bad values or
+after step and interleaved with plain prefills of the same slots, journaled as they are (a kill -9 flags
+the slots a run advanced after the snapshot); a run with bad values or
 on a freed slot or an unregistered region is refused and changes nothing, and the next run
 goes on; what PREPARE refuses changes nothing; ids are per connection and never reused; a
 connection that ends releases what it prepared; the sync and async clients' `prepare`."""
@@ -8,15 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import httpx
 import pytest
 import torch
 from transport_helpers import (
-    HV, K, TOL, Region, Server, dumps, make_sequence, pool_image, reference, rel, shm_request,
+    GEOMETRY_ARGS, HV, K, TOL, Region, Server, dumps, make_sequence, pool_image, reference, rel, shm_request,
+    start_server,
 )
-from server_harness import metric, wait_for
+from server_harness import kill_9, metric, wait_for
 
 from kda_client.client import AsyncKDAClient, BadRequest, KDAClient
 from kda_client.framed import FramedExchange
@@ -315,3 +318,36 @@ def test_async_client_prepared_runs_equal_the_sync_clients(server: Server, frame
         for slot in a + b:
             client.free(slot)
     assert {r["name"] for r in httpx.get(f"{server.url}/shm/regions").json()} == regions
+
+
+def test_prepared_runs_are_journaled_so_a_kill_9_flags_their_slots(tmp_path: Path, gen: torch.Generator) -> None:
+    """A RUN advances its slots in place as a prefill does, journaled first: after a
+    snapshot at a clean stop, a slot advanced only by a RUN before a ``kill -9`` comes back
+    as of the snapshot and flagged state_lost; a slot the RUN did not name stays clean."""
+    path, sock = tmp_path / "pool.snapshot", str(tmp_path / "kda.sock")
+    args = [*GEOMETRY_ARGS, "--snapshot-path", str(path), "--snapshot-interval-s", "0", "--framed-socket", sock]
+    first = start_server(args, tmp_path / "first.log")
+    with KDAClient(first.url) as client:
+        ran, kept = client.alloc(2)
+        saved = {s: client.prefill(0, [(s, *make_sequence(20, gen))]).final_state[0] for s in (ran, kept)}
+    assert first.stop() == 0
+    second = start_server(args, tmp_path / "second.log")
+    region = Region(1 << 20)
+    try:
+        assert httpx.post(f"{second.url}/shm/regions", json=region.registration()).status_code == 201
+        frames = FramedExchange(sock, None, 60)
+        prepared = _prepare(frames, shm_request(region, [ran], [make_sequence(5, gen)]), second)
+        assert frames.request(Op.RUN, prepared).status == 200
+        kill_9(second)
+        frames.close()
+    finally:
+        region.unlink()
+    third = start_server(args, tmp_path / "third.log")
+    try:
+        with KDAClient(third.url) as client:
+            assert client.slot_info(ran)["state_lost"] and not client.slot_info(kept)["state_lost"]
+            for slot in (ran, kept):
+                assert torch.equal(client.get_state(slot)[0], saved[slot])
+                assert client.slot_info(slot)["tokens_per_layer"] == [20, 0]
+    finally:
+        assert third.stop() == 0
