@@ -219,13 +219,14 @@ def _slots_of(sequences: Sequence[SequenceInput]) -> list[str]:
 
 
 def _prepared_layout(base: Arena, layer: int, sequences: Sequence[SequenceInput], **options: Any
-                     ) -> tuple[Arena, "_ShmPrefill"]:
-    """A new arena like ``base`` (its geometry known) for a prepared prefill, and the
-    prefill's layout in it (``options``: `_shm_prefill`'s, checkpoints excepted)."""
-    _slots_of(sequences)
+                     ) -> tuple[Arena, "_ShmPrefill", list[str]]:
+    """A new arena like ``base`` (its geometry known) for a prepared prefill, the
+    prefill's layout in it (``options``: `_shm_prefill`'s, checkpoints excepted) and its
+    slots (`_slots_of`)."""
+    slots = _slots_of(sequences)
     arena = type(base)(base.ttl_s, base.views)
     arena.geometry = base.geometry
-    return arena, _shm_prefill(arena, layer, sequences, **options)
+    return arena, _shm_prefill(arena, layer, sequences, **options), slots
 
 
 def _finished(answer: Response) -> dict[str, float]:
@@ -584,7 +585,7 @@ class KDAClient:
             raise ValueError(_NO_FRAMED_SOCKET)
         if self._arena.geometry is None:
             self._arena.geometry = Geometry.from_info(self.info())
-        arena, plan = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
+        arena, plan, slots = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
                                        lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
                                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
                                        scale=scale, return_final_state=return_final_state)
@@ -602,7 +603,7 @@ class KDAClient:
         except BaseException:
             unregister()
             raise
-        return PreparedPrefill(self._framed, arena, plan.places, _slots_of(sequences), plan.lengths,
+        return PreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths,
                                json.loads(answer.body)["prepared"], _finished, unregister)
 
     def _register(self, arena: Arena, need: int) -> None:
@@ -745,7 +746,7 @@ class AsyncKDAClient:
             raise ValueError(_NO_FRAMED_SOCKET)
         if self._arena.geometry is None:
             self._arena.geometry = Geometry.from_info(await self.info())
-        arena, plan = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
+        arena, plan, slots = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
                                        lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
                                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
                                        scale=scale, return_final_state=return_final_state)
@@ -763,7 +764,7 @@ class AsyncKDAClient:
         except BaseException:
             await unregister()
             raise
-        return AsyncPreparedPrefill(self._framed, arena, plan.places, _slots_of(sequences), plan.lengths,
+        return AsyncPreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths,
                                     json.loads(answer.body)["prepared"], _finished, unregister)
 
     async def _register(self, arena: Arena, need: int) -> None:

@@ -113,6 +113,7 @@ class PreparedPrefill:
         self.rows = list(rows)
         self.keys = [(s, valid.inputs.params.layer) for s in self.slots]
         self.tokens = sum(valid.inputs.lengths)
+        self._packed = [getattr(valid.inputs, name) for name in REQUIRED_TENSORS]  # q, k, v, g, beta
         self.refill, self.deliver, self.io = refill, deliver, io
         self._indices = indices
         self._layer = pool_layer
@@ -175,8 +176,8 @@ class PreparedPrefill:
             assert step is not None
             queued_s = time.perf_counter() - start
             refused = step.transaction.settle(step.o)  # the one synchronization
-            values = packed_value_problem(REQUIRED_TENSORS, [getattr(self.valid.inputs, n) for n in REQUIRED_TENSORS],
-                                          step.ends.tolist(), not self.valid.gate.fused)
+            values = packed_value_problem(REQUIRED_TENSORS, self._packed, step.ends.tolist(),
+                                          not self.valid.gate.fused)
         except Exception as e:
             if transaction is None:
                 raise
@@ -217,8 +218,7 @@ class PreparedPrefill:
         x = self.valid.inputs
         for source, dest in self.io.inputs:
             dest.copy_(source)
-        packed = [getattr(x, name) for name in REQUIRED_TENSORS]
-        ends = _value_ends(packed)
+        ends = _value_ends(self._packed)
         o, _ = kernels.run_problem(self._problem(pool, indices, transaction.flags), self._backend)
         finals = pool.index_select(0, indices) if x.params.return_final_state else None
         if self.io.o is not None and pool is self._layer:  # not for the warm-up's scratch rows

@@ -446,7 +446,7 @@ class ServerCore:
             if slot is None:
                 raise InvalidRequest(f"sequence {i} has no slot: a prepared prefill runs on slots that exist "
                                      "(allocate them first)", field=f"sequences[{i}].slot")
-        if inputs.checkpoints and any(inputs.checkpoints):
+        if any(inputs.checkpoints):
             raise InvalidRequest("a prepared prefill stores no checkpoints", field="checkpoints")
         slots = [s for s in inputs.slots if s is not None]
         rows, lost = self.pool.rows_checked(slots)  # or UnknownSlot
