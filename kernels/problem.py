@@ -65,6 +65,11 @@ class PrefillProblem:
     to 1 when sequence n's final state or its tokens of o (as stored, in their dtypes) hold
     a NaN or Inf; a backend may set [N] instead of [n] for o (which sequence is then found
     by a pass over o). From the same launch: no second read of o or of the states.
+    saved_states: None, or [N, ...] with a pool row's shape and dtype per sequence (any
+    row stride, a pool row's strides inside): receives sequence n's initial state as read,
+    its pool row before the launch writes it (unspecified for a sequence of index -1,
+    whose row is not written), before the launch writes any pool row: a launch transaction's copy (`save_initial_states`,
+    or the Triton decode kernel as it reads the rows: no second read of them).
     """
 
     q: torch.Tensor
@@ -88,6 +93,7 @@ class PrefillProblem:
     checkpoint_states: tuple[torch.Tensor, ...] = ()
     nonfinite: Optional[torch.Tensor] = None
     checkpoint_provider: Optional[CheckpointProvider] = None
+    saved_states: Optional[torch.Tensor] = None
 
     @property
     def lengths(self) -> list[int]:
@@ -122,6 +128,7 @@ def packed_problem(
     checkpoint_states: Sequence[torch.Tensor] = (),
     nonfinite: Optional[torch.Tensor] = None,
     checkpoint_provider: Optional[CheckpointProvider] = None,
+    saved_states: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
     """The problem of packed inputs its caller has checked against the contract above
     (shapes as `PrefillProblem` gives them, all on one device; nothing is checked here).
@@ -130,7 +137,8 @@ def packed_problem(
     on that device; ``scale`` None means K ** -0.5; dt_bias [HV, K] or [HV * K];
     checkpoints as `PrefillProblem` holds them (`kernels.checkpoints` checks them; their
     targets given, or ``checkpoint_provider`` to produce them when the launch needs them);
-    ``nonfinite``: the [N + 1] int32 zeros that receive the non-finite flags, or None.
+    ``nonfinite``: the [N + 1] int32 zeros that receive the non-finite flags, or None;
+    ``saved_states``: where the launch copies the rows it reads, or None.
     """
     HV, K = v.shape[1], q.shape[2]
     bounds = tuple(bounds)
@@ -142,8 +150,15 @@ def packed_problem(
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
         allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
         checkpoint_tokens=checkpoint_tokens, checkpoint_states=tuple(checkpoint_states), nonfinite=nonfinite,
-        checkpoint_provider=checkpoint_provider,
+        checkpoint_provider=checkpoint_provider, saved_states=saved_states,
     )
+
+
+def save_initial_states(p: PrefillProblem) -> None:
+    """Copy each sequence's pool row into ``p.saved_states`` (queued on the current
+    stream, no synchronization; a sequence of index -1 receives row 0's)."""
+    assert p.saved_states is not None
+    torch.index_select(p.pool, 0, p.indices.clamp(min=0), out=p.saved_states)
 
 
 # A backend runs a problem: returns o [T, HV, V] in v's dtype and, when

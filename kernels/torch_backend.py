@@ -21,7 +21,7 @@ import torch
 
 from .checkpoints import checkpoint_targets
 from .transforms import beta_transform, l2norm, log_decay
-from .problem import CHUNK_SIZE, PrefillProblem
+from .problem import CHUNK_SIZE, PrefillProblem, save_initial_states
 
 SUB_BLOCK = 16
 # Elements of the largest intra-chunk temporary ([n, C/16, C, K] decayed keys) per group
@@ -386,6 +386,8 @@ def chunked_pass(
 
 def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The torch backend: see `kernels.problem.Backend`."""
+    if p.saved_states is not None:
+        save_initial_states(p)
     x = prepare_inputs(p)
     every_row = _every_row(p)
     states = _read_states(p, every_row)  # [N, HV, K, V]

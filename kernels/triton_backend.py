@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from .checkpoints import checkpoint_targets
-from .problem import PrefillProblem
+from .problem import PrefillProblem, save_initial_states
 from .triton_kernels import LaunchConfig, select_config
 from .triton_kernels.config import fuse_output, piece_chunks, state_launch
 from .triton_kernels.gate import GATE_GIVEN, GATE_LOWER_BOUND, GATE_SOFTPLUS
@@ -88,18 +88,19 @@ def _target_strides(p: PrefillProblem, targets: tuple[torch.Tensor, ...]) -> tup
     return (s[0], s[2], s[1]) if p.state_v_first else (s[0], s[1], s[2])
 
 
-def state_targets(p: PrefillProblem, num_chunks: int, h: Optional[torch.Tensor], ckpt_chunks: list[int]
-                  ) -> StateTargets:
+def state_targets(p: PrefillProblem, num_chunks: int, h: Optional[torch.Tensor], ckpt_chunks: list[int],
+                  saved: Optional[torch.Tensor] = None) -> StateTargets:
     """The pool, h (or None), checkpoints (after the chunks ``ckpt_chunks``, h indices of
-    the ``num_chunks``; their targets asked for here, `checkpoint_targets`) and non-finite
-    flags of ``p`` as the state stages address them."""
+    the ``num_chunks``; their targets asked for here, `checkpoint_targets`), non-finite
+    flags and the decode kernel's copies of the rows it reads (``saved``) of ``p`` as the
+    state stages address them."""
     K, V = p.q.shape[2], p.v.shape[2]
     targets = checkpoint_targets(p)
     return StateTargets(
         pool=p.pool, indices=p.indices, pool_strides=_state_strides(p, p.pool),
         h=h, h_strides=(1, K) if p.state_v_first else (V, 1),
         ckpt_addrs=checkpoint_addresses(num_chunks, ckpt_chunks, targets, p.q.device) if targets else None,
-        ckpt_strides=_target_strides(p, targets), flags=p.nonfinite,
+        ckpt_strides=_target_strides(p, targets), flags=p.nonfinite, saved=saved,
     )
 
 
@@ -159,6 +160,8 @@ def run_triton(
     configure_toolchain(p.q.device)  # before the first compile
     x = stage_inputs(p, cfg)
     n_multi = sum(1 for a, b in zip(p.bounds[:-1], p.bounds[1:]) if b - a > 1)
+    if p.saved_states is not None and n_multi > 0:  # the chunked stages do not keep the rows they read
+        save_initial_states(p)
     ckpt_chunks = checkpoint_chunks(p.bounds, p.checkpoint_tokens) if p.checkpoint_tokens else []
     plan, at_end = _plan(p.bounds, piece_chunks(cfg, x.HV, n_multi), x.device, ckpt_chunks, cfg.state_ckpt_levels)
     NT = plan.num_chunks
@@ -175,7 +178,7 @@ def run_triton(
         the first piece's parallel stages are queued (at the end of its `parallel`, on the
         caller's stream), so the host work of the checkpoint targets (a provider's, then the
         address table) overlaps them instead of holding up the first launch."""
-        st = state_targets(p, NT, h, ckpt_chunks)
+        st = state_targets(p, NT, h, ckpt_chunks, p.saved_states if n_multi == 0 else None)
         if not fused and h is None and plan.chunks.shape[0] > 0:  # the output stage's scratch states
             st = st.with_h(torch.empty(NT, x.HV, K, V, dtype=torch.float32, device=x.device), (V, 1))
         return st

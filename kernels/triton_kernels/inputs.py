@@ -87,7 +87,9 @@ class StateTargets:
     index) the address of the [HV, ., .] state (the pool's dtype) that receives the state
     after it, 0 for none (None: no checkpoints); ``ckpt_strides``: the (head, key, value)
     element strides every such state shares. flags: [N + 1] int32, the launch's non-finite
-    flags (`kernels.problem.PrefillProblem.nonfinite`; None: not checked).
+    flags (`kernels.problem.PrefillProblem.nonfinite`; None: not checked). saved: [N, HV,
+    ., .] in the pool's dtype and a row's strides, receiving each row as the decode kernel
+    reads it (`PrefillProblem.saved_states`; None: not kept, or copied before the launch).
     """
 
     pool: torch.Tensor
@@ -98,6 +100,7 @@ class StateTargets:
     ckpt_addrs: Optional[torch.Tensor]
     ckpt_strides: tuple[int, int, int]
     flags: Optional[torch.Tensor] = None
+    saved: Optional[torch.Tensor] = None
 
     def with_h(self, h: torch.Tensor, h_strides: tuple[int, int]) -> "StateTargets":
         """The same targets with per-chunk states going to ``h`` (scratch of the split output path)."""

@@ -4,6 +4,8 @@
 
 One program per (sequence, value head, V block); the [K, BV] state slice is read from
 ``pool[indices[seq]]`` and written back to the same row (index -1: zeros, no write); with
+SAVE, the row as read is also stored into ``saved[seq]`` first (a launch transaction's copy
+of the rows it writes, taken by the kernel that reads them: `StateTargets.saved`); with
 CHECKPOINT, also to the checkpoint row its chunk names (`state.store_checkpoint`); with
 FLAG, a NaN or Inf in its o or its new state (as stored) sets ``flags[sequence]``.
 """
@@ -21,20 +23,22 @@ from .state import flag_nonfinite, store_checkpoint
 
 @triton.jit
 def recurrent_step_kernel(
-    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs, ckpt_addrs, flags,
+    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs, ckpt_addrs, flags, saved,
     scale, lower_bound,
-    s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_head, c_k, c_v,
+    s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_head, c_k, c_v, s_saved,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr,
+    STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr, SAVE: tl.constexpr,
 ):
     """Grid (N1 * cdiv(V, BV), HV). decs: [N1, 3] int64 (sequence id, token, h index).
 
     q, k: [T, H, K]; v, o: [T, HV, V]; g: [T, HV, K]; beta: [T, HV]; pool strides as in
     the state pass; h (when STORE_H): [NT, HV, .., ..] fp32, receives the initial state;
-    ckpt_addrs (CHECKPOINT) and flags [N + 1] int32 (FLAG) as in `StateTargets`.
+    ckpt_addrs (CHECKPOINT) and flags [N + 1] int32 (FLAG) as in `StateTargets`; saved
+    (SAVE): [N, HV, ., .] in the pool's dtype, its rows ``s_saved`` apart, the pool's
+    strides inside a row.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -66,7 +70,11 @@ def recurrent_step_kernel(
 
     p_pool = pool + slot * s_slot + i_hv * s_head + o_k[:, None] * s_pk + o_v[None, :] * s_pv
     m_live = m_kv & (slot + o_k * 0 >= 0)[:, None]  # slot -1: zeros, no write
-    b_s = tl.load(p_pool, mask=m_live, other=0.0).to(tl.float32)  # [BK, BV] math layout
+    b_raw = tl.load(p_pool, mask=m_live, other=0.0)  # [BK, BV] math layout, the pool's dtype
+    if SAVE:  # before this program's store below; no other program writes this row's slice
+        p_saved = saved + seq * s_saved + i_hv * s_head + o_k[:, None] * s_pk + o_v[None, :] * s_pv
+        tl.store(p_saved, b_raw, mask=m_live)
+    b_s = b_raw.to(tl.float32)
     if STORE_H:
         p_h = h + (i_g * HV + i_hv) * (K * V) + o_k[:, None] * s_hk + o_v[None, :] * s_hv
         tl.store(p_h, b_s, mask=m_kv)
@@ -87,14 +95,15 @@ def recurrent_step_kernel(
 def launch_decode(x: StageInputs, decs: torch.Tensor, o: torch.Tensor, st: StateTargets, cfg: LaunchConfig) -> None:
     """One recurrent step for each single-token sequence of ``decs`` ([N1, 3],
     `kernels.triton_plan`): o [T, HV, V] at its token, its pool row (and h, checkpoints,
-    non-finite flags)."""
+    non-finite flags, the rows as read into ``st.saved``)."""
     h, ckpt_addrs = st.pointers(o)
+    saved = st.pool if st.saved is None else st.saved
     grid = (decs.shape[0] * triton.cdiv(x.V, cfg.rec_bv), x.HV)
     recurrent_step_kernel[grid](
         x.q, x.k, x.v, x.g, x.beta, x.a_log, x.dt_bias, o, st.pool, st.indices, h, decs, ckpt_addrs,
-        st.flag_pointer(st.indices),
-        x.scale, x.lower_bound, *st.pool_strides, *st.h_strides, *st.ckpt_strides,
+        st.flag_pointer(st.indices), saved,
+        x.scale, x.lower_bound, *st.pool_strides, *st.h_strides, *st.ckpt_strides, saved.stride(0),
         H=x.H, HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=cfg.rec_bv, **x.flags,
         STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
-        num_warps=cfg.rec_warps,
+        SAVE=st.saved is not None, num_warps=cfg.rec_warps,
     )

@@ -1,7 +1,10 @@
 """Transactional launches: a launch applies to every slot it touches, or leaves each as it was.
 
 Before the kernels run, `LaunchTransaction` copies the pool rows the launch will write (one
-[HV, V, K] row per sequence, on the pool's device: 2 MiB at HV = 32, K = V = 128, fp32).
+[HV, V, K] row per sequence, on the pool's device: 2 MiB at HV = 32, K = V = 128, fp32), or
+the launch copies them itself as it reads them (``saved_by_launch``: the problem's
+``saved_states``; the Triton decode kernel then stores each row as it loads it, so a decode
+step of 256 sequences reads its 512 MiB of rows once instead of twice).
 The kernels flag the sequences whose final state or output holds a non-finite value as
 they store them (`flags`, passed as the problem's ``nonfinite``: no second read of o or
 of the states); `diverged` reads the flags, the launch's one synchronization. The rows of a
@@ -66,16 +69,27 @@ class LaunchTransaction:
     """Copies of the rows ``indices`` [N] (int64, on the pool's device) of ``layer`` (one
     layer of the pool, [S, HV, V, K]) taken at construction. ``requests`` are the launch's
     requests in order, each as (its sequences' lengths, the slot each names, None for a
-    new one): together N sequences, packed along tokens in that order."""
+    new one): together N sequences, packed along tokens in that order.
+
+    With ``saved_by_launch`` nothing is copied here: the launch must receive `saved` as its
+    problem's ``saved_states`` (it fills it before it writes any row), and a launch that
+    raised before it started is aborted with ``started=False`` (its rows are untouched and
+    `saved` holds nothing yet). Only a launch that starts all at once or not at all (a CUDA
+    graph's replay) can say which."""
 
     def __init__(self, layer: torch.Tensor, indices: torch.Tensor,
-                 requests: Sequence[tuple[Sequence[int], Sequence[Optional[str]]]]) -> None:
+                 requests: Sequence[tuple[Sequence[int], Sequence[Optional[str]]]],
+                 saved_by_launch: bool = False) -> None:
         self._layer = layer
         self._indices = indices
         self._requests = requests
         self._bounds = [0, *itertools.accumulate(n for lengths, _ in requests for n in lengths)]
-        self._saved = layer.index_select(0, indices)  # [N, HV, V, K]: a copy, on the device
         n = len(self._bounds) - 1
+        self.saved_by_launch = saved_by_launch
+        if saved_by_launch:  # [N, HV, V, K], filled by the launch
+            self.saved = torch.empty((n, *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
+        else:
+            self.saved = layer.index_select(0, indices)  # a copy, on the device
         self.flags = torch.zeros(n + 1, dtype=torch.int32, device=layer.device)  # the launch's `nonfinite`
 
     def settle(self, o: torch.Tensor) -> dict[int, UpdateDiverged]:
@@ -115,17 +129,19 @@ class LaunchTransaction:
     def roll_back(self, positions: Optional[Iterable[int]] = None) -> None:
         """Write back the copied rows of ``positions`` (every row when None)."""
         if positions is None:
-            self._layer.index_copy_(0, self._indices, self._saved)
+            self._layer.index_copy_(0, self._indices, self.saved)
             return
         which = torch.tensor(list(positions), dtype=torch.int64, device=self._indices.device)
         if which.numel():
-            self._layer.index_copy_(0, self._indices.index_select(0, which), self._saved.index_select(0, which))
+            self._layer.index_copy_(0, self._indices.index_select(0, which), self.saved.index_select(0, which))
 
-    def abort(self, cause: BaseException, mark_lost: Callable[[], None]) -> LaunchFailed:
+    def abort(self, cause: BaseException, mark_lost: Callable[[], None], started: bool = True) -> LaunchFailed:
         """After a failed launch: every row written back, synchronized; when that fails
-        too, ``mark_lost`` flags the slots. The error to raise (logged here)."""
+        too, ``mark_lost`` flags the slots. The error to raise (logged here). A launch that
+        saves the rows itself and never ``started`` wrote none: nothing to write back."""
         try:
-            self.roll_back()
+            if started or not self.saved_by_launch:
+                self.roll_back()
             if self._layer.is_cuda:
                 torch.cuda.current_stream(self._layer.device).synchronize()
             restored = True

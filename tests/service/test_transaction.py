@@ -115,10 +115,29 @@ def test_abort_restores_every_row_and_flags_nothing(device: str, gen: torch.Gene
     assert torch.equal(layer, before) and not flagged
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_the_launch_saves_restore_only_a_launch_that_started(device: str, gen: torch.Generator) -> None:
+    """``saved_by_launch``: the launch fills `saved` as it reads the rows (here by hand), so
+    a launch that started is written back from it, and one that never started wrote no row
+    and its rows stay as they are (`saved` holds nothing then: NaN here)."""
+    layer = _layer(device, gen)
+    before = layer.clone()
+    indices = torch.tensor([4, 0], device=device)
+    txn = LaunchTransaction(layer, indices, [([1, 1], ["s", "t"])], saved_by_launch=True)
+    assert txn.saved.shape == (2, HV, V, K)
+    txn.saved.fill_(float("nan"))
+    error = txn.abort(RuntimeError("graph replay refused"), lambda: None, started=False)
+    assert error.restored and torch.equal(layer, before)
+    txn.saved.copy_(layer[indices])  # what the launch saves as it reads
+    layer[indices] = float("nan")  # and then writes
+    txn.abort(RuntimeError("kernel fault"), lambda: None, started=True)
+    assert torch.equal(layer, before)
+
+
 def test_abort_flags_the_slots_when_even_the_restore_fails(gen: torch.Generator) -> None:
     layer = _layer("cpu", gen)
     txn = LaunchTransaction(layer, torch.tensor([1]), [([2], ["s"])])
-    txn._saved = torch.empty(0)  # a restore that cannot run (as on a GPU whose context is gone)
+    txn.saved = torch.empty(0)  # a restore that cannot run (as on a GPU whose context is gone)
     flagged: list[bool] = []
     error = txn.abort(RuntimeError("kernel fault"), lambda: flagged.append(True))
     assert flagged == [True] and not error.restored and "state_lost" in error.detail

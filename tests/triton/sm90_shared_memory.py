@@ -36,7 +36,7 @@ SM90 = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KB)
 HEADS = 32
 INT_ARGS = {"scale": "fp32", "lower_bound": "fp32", "s_slot": "i64", "s_head": "i64", "s_pv": "i64", "s_hv": "i64",
-            "c_head": "i64", "c_v": "i64"}
+            "c_head": "i64", "c_v": "i64", "s_saved": "i64"}
 # Strides that are 1 in the serving layout (a V-first pool, K contiguous, as are h and the
 # checkpoint targets): Triton specializes an integer argument equal to 1 as a constant, so
 # the launches compile with these as constants.
@@ -96,7 +96,8 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)
     yield ("recurrent", {}, recurrent_step_kernel, {**io, "indices": "i64", "decs": "i64", "ckpt_addrs": "i64"},
-           dict(H=HEADS, HV=HEADS, K=K, V=V, BK=bk, BV=cfg.rec_bv, **flags, STORE_H=False, CHECKPOINT=True, FLAG=True),
+           dict(H=HEADS, HV=HEADS, K=K, V=V, BK=bk, BV=cfg.rec_bv, **flags, STORE_H=False, CHECKPOINT=True, FLAG=True,
+                SAVE=True),
            cfg.rec_warps, 3)
 
 
