@@ -10,8 +10,9 @@ synchronize once, check, deliver: no parsing, no validation of the form, no batc
 host-to-device copies of indices or bounds.
 
 On a GPU the launch is a CUDA graph captured at preparation (`capture`): the inputs' value
-check (`value_extremes`), the transaction's copy of the rows it writes, the flags, every
-kernel of the pipeline and the final states' gather, replayed by one call. Each graph has
+check (`value_extremes`), the transaction's copy of the rows it writes (made by the decode
+kernel as it reads them when every sequence is one token: ``saved_by_launch``), the flags,
+every kernel of the pipeline and the final states' gather, replayed by one call. Each graph has
 a memory pool of its own (what its replays write: o, the final states, the copied rows,
 the intermediates), freed when the prepared prefill is released. (One pool shared by a
 core's graphs, through a pool handle, failed under torch 2.11 on the H200: an allocator
@@ -54,10 +55,11 @@ those the launch writes itself (`DeviceIO`)."""
 @dataclass(frozen=True)
 class DeviceIO:
     """Copies a run queues on the pool's device as part of its launch (inside its CUDA
-    graph): ``inputs``, (source, destination) uint8 tensors of one size each, before the
-    value check (into the prepared input buffers); ``o`` [T, HV, V] in v's dtype and
-    ``final_state`` [N, HV, V, K] in the pool's dtype: where o and the final states are
-    copied after the kernels (None: `Deliver` writes them)."""
+    graph), between device memory and device or page-locked host memory: ``inputs``,
+    (source, destination) uint8 tensors of one size each, before the value check (into the
+    prepared input buffers); ``o`` [T, HV, V] in v's dtype and ``final_state`` [N, HV, V,
+    K] in the pool's dtype: where o and the final states are copied after the kernels
+    (None: `Deliver` writes them)."""
 
     inputs: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
     o: Optional[torch.Tensor] = None
@@ -136,14 +138,14 @@ class PreparedPrefill:
             return
         scratch = torch.zeros((len(self.rows), *self._layer.shape[1:]), dtype=self._layer.dtype, device=device)
         rows = torch.arange(len(self.rows), dtype=torch.int64, device=device)
-        self._step(LaunchTransaction(scratch, rows, self._requests()), scratch, rows)  # compiles, caches the plan
+        self._step(self._transaction(scratch, rows, True), scratch, rows)  # compiles, caches the plan
         torch.cuda.current_stream(device).synchronize()
         graph = torch.cuda.CUDAGraph()
         inside: Optional[Exception] = None  # what failed inside the capture (ending it may raise another error)
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 try:
-                    self._captured = self._step(LaunchTransaction(self._layer, self._indices, self._requests()),
+                    self._captured = self._step(self._transaction(self._layer, self._indices, True),
                                                 self._layer, self._indices)
                 except Exception as e:
                     inside = e
@@ -168,10 +170,10 @@ class PreparedPrefill:
         start = time.perf_counter()
         try:
             if self._graph is not None:
-                self._graph.replay()
+                self._graph.replay()  # queues the whole launch, or raises having queued nothing
                 step = self._captured
             else:
-                transaction = LaunchTransaction(self._layer, self._indices, self._requests())
+                transaction = self._transaction(self._layer, self._indices, False)
                 step = self._step(transaction, self._layer, self._indices)
             assert step is not None
             queued_s = time.perf_counter() - start
@@ -181,7 +183,7 @@ class PreparedPrefill:
         except Exception as e:
             if transaction is None:
                 raise
-            raise transaction.abort(e, mark_lost) from e
+            raise transaction.abort(e, mark_lost, started=step is not None) from e
         if values is not None:
             step.transaction.roll_back()
             raise values
@@ -195,10 +197,13 @@ class PreparedPrefill:
         self._graph = None
         self._captured = None
 
-    def _requests(self) -> list[tuple[Sequence[int], Sequence[Optional[str]]]]:
-        return [(self.valid.inputs.lengths, self.valid.inputs.slots)]
+    def _transaction(self, pool: torch.Tensor, indices: torch.Tensor, graphed: bool) -> LaunchTransaction:
+        """The launch's transaction on ``pool`` rows ``indices``: in a graph the launch
+        saves the rows it reads itself (a replay starts whole or not at all)."""
+        return LaunchTransaction(pool, indices, [(self.valid.inputs.lengths, self.valid.inputs.slots)],
+                                 saved_by_launch=graphed)
 
-    def _problem(self, pool: torch.Tensor, indices: torch.Tensor, nonfinite: torch.Tensor) -> PrefillProblem:
+    def _problem(self, pool: torch.Tensor, indices: torch.Tensor, transaction: LaunchTransaction) -> PrefillProblem:
         x, gate = self.valid.inputs, self.valid.gate
         A_log, dt_bias = self._gate
         bounds = [0]
@@ -208,7 +213,7 @@ class PreparedPrefill:
             x.q, x.k, x.v, x.g, x.beta, bounds=bounds, pool=pool, indices=indices, scale=x.params.scale,
             A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, use_qk_l2norm=x.params.use_qk_l2norm,
             use_beta_sigmoid=x.params.use_beta_sigmoid, allow_neg_eigval=x.params.allow_neg_eigval,
-            nonfinite=nonfinite,
+            nonfinite=transaction.flags, saved_states=transaction.saved if transaction.saved_by_launch else None,
         )
 
     def _step(self, transaction: LaunchTransaction, pool: torch.Tensor, indices: torch.Tensor) -> _Step:
@@ -217,14 +222,14 @@ class PreparedPrefill:
         states' gather."""
         x = self.valid.inputs
         for source, dest in self.io.inputs:
-            dest.copy_(source)
+            dest.copy_(source, non_blocking=True)  # device or page-locked host memory: no synchronization
         ends = _value_ends(self._packed)
-        o, _ = kernels.run_problem(self._problem(pool, indices, transaction.flags), self._backend)
+        o, _ = kernels.run_problem(self._problem(pool, indices, transaction), self._backend)
         finals = pool.index_select(0, indices) if x.params.return_final_state else None
         if self.io.o is not None and pool is self._layer:  # not for the warm-up's scratch rows
-            self.io.o.copy_(o)
+            self.io.o.copy_(o, non_blocking=True)
         if self.io.final_state is not None and finals is not None and pool is self._layer:
-            self.io.final_state.copy_(finals)
+            self.io.final_state.copy_(finals, non_blocking=True)
         return _Step(o, finals, transaction, ends)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -157,7 +158,7 @@ def test_prepared_runs_and_prefills_of_the_same_slots_follow_each_other(
 
 
 @pytest.mark.parametrize("case", ["NaN in q", "Inf in beta", "a growing log decay", "a slot freed",
-                                  "its region unregistered"])
+                                  "its region unregistered", "its object shrank"])
 def test_a_refused_run_changes_nothing(server: Server, frames: FramedExchange, region: Region, slots: list[str],
                                        gen: torch.Generator, case: str) -> None:
     seqs = _sequences(gen)
@@ -177,6 +178,8 @@ def test_a_refused_run_changes_nothing(server: Server, frames: FramedExchange, r
         assert httpx.delete(f"{server.url}/slots/{slots[0]}").status_code == 204
     if case == "its region unregistered":
         assert httpx.delete(f"{server.url}/shm/regions/{region.name}").status_code == 204
+    if case == "its object shrank":  # on a GPU its graph copies from the pages pinned at PREPARE
+        os.truncate(region.path, region.size // 2)
     before = pool_image(server.url, live)
     answer = frames.request(Op.RUN, prepared)
     problem = _problem(answer, {"a slot freed": 404}.get(case, 400))
@@ -184,14 +187,44 @@ def test_a_refused_run_changes_nothing(server: Server, frames: FramedExchange, r
         assert problem["field"] == case.split()[-1] and "non-finite" in problem["detail"]
     if case == "a growing log decay":
         assert problem["field"] == "g" and "0.5" in problem["detail"]
+    if case == "its object shrank":
+        assert problem["field"] == "shared_memory_region" and "shrank" in problem["detail"], problem
     assert pool_image(server.url, live) == before
-    if case in ("a slot freed", "its region unregistered"):
+    if case in ("a slot freed", "its region unregistered", "its object shrank"):
         return
     after = _sequences(gen)  # good values again: the next run goes on from the states before the refusal
     shm_request(region, slots, after)
     assert frames.request(Op.RUN, prepared).status == 200
     o, final = _outputs(region, doc, after)
     o_ref, final_ref = reference(after, initial=reference(seqs)[1])
+    assert rel(o, o_ref) < TOL and rel(final, final_ref) < TOL
+
+
+def test_a_refused_decode_step_changes_nothing(server: Server, frames: FramedExchange, region: Region,
+                                               slots: list[str], gen: torch.Generator) -> None:
+    """A prepared decode step (one token per sequence; on a GPU its decode kernel saves the
+    rows it reads, the rows a refusal writes back): a NaN (400) and an update that diverges
+    (422: v = 3e38 with unit-variance k and beta 1 overflows the state) change no slot, and
+    the next step goes on from the states before them."""
+    steps = [[make_sequence(1, gen) for _ in LENGTHS] for _ in range(2)]
+    prepared = _prepare(frames, shm_request(region, slots, steps[0]), server)
+    assert frames.request(Op.RUN, prepared).status == 200
+    state = reference(steps[0])[1]
+    nan = [[t.clone() for t in s] for s in steps[1]]
+    nan[1][0][0, 0, 1] = float("nan")
+    huge = [list(s) for s in steps[1]]
+    huge[2][1], huge[2][2], huge[2][4] = (torch.randn(1, *huge[2][1].shape[1:], generator=gen),
+                                         torch.full_like(huge[2][2], 3e38), torch.ones_like(huge[2][4]))
+    for bad, status in ((nan, 400), (huge, 422)):
+        shm_request(region, slots, bad)
+        before = pool_image(server.url, slots)
+        problem = _problem(frames.request(Op.RUN, prepared), status)
+        assert problem["field"] == ("q" if status == 400 else "sequences"), problem
+        assert pool_image(server.url, slots) == before
+    doc = shm_request(region, slots, steps[1])
+    assert frames.request(Op.RUN, prepared).status == 200
+    o, final = _outputs(region, doc, steps[1])
+    o_ref, final_ref = reference(steps[1], initial=state)
     assert rel(o, o_ref) < TOL and rel(final, final_ref) < TOL
 
 
