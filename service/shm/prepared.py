@@ -7,11 +7,12 @@ the inputs are read from, and the outputs written to, the same bytes every run: 
 server the packed inputs come into buffers of their own (device to device from CUDA
 regions, by DMA from page-locked system regions, or read in place with
 ``--cuda-ipc-zero-copy``), the gate tensors (A_log, dt_bias) once, when it is prepared.
-Copies to and from CUDA regions on the server's device are part of the launch itself (its
-CUDA graph, `DeviceIO`); the others run before and after it. A refused run leaves its
-output bytes undefined. A
-run after one of its regions was unregistered is refused (400) with nothing changed: the
-client releases the prepared prefill and prepares a new one.
+Copies to and from CUDA regions on the server's device and page-locked system regions are
+part of the launch itself (its CUDA graph, `DeviceIO`; the regions' pages stay registered
+while it lives, `Region.graph_hold`); the others run before and after it. A refused run
+leaves its output bytes undefined. A run after one of its regions was unregistered, or
+after a system region's object shrank, is refused (400) with nothing changed: the client
+releases the prepared prefill and prepares a new one.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ async def prepare_shm(request: PrefillShmRequest, registry: ShmRegistry, core: S
     references' 400s of `checked_request`), its regions leased from ``registry``."""
     lease = ExitStack()
     regions = lease.enter_context(registry.lease(region_names(request)))
+    for region in regions.values():  # released before the lease (last in, first out)
+        lease.enter_context(region.graph_hold())
     try:
         sources, o_dtype, final = checked_request(request, regions, core)
         g = core.geometry
@@ -69,6 +72,7 @@ async def prepare_shm(request: PrefillShmRequest, registry: ShmRegistry, core: S
                 if region.closing:
                     raise InvalidRequest(f"shared memory region {name!r} was unregistered since this prefill was "
                                          "prepared: release it and prepare it again", field="shared_memory_region")
+                region.check(0, 0, "shared_memory_region")  # a system region's object shrank since: 400
             fill()
 
         def deliver(result: PrefillResult) -> None:
@@ -87,9 +91,9 @@ async def prepare_shm(request: PrefillShmRequest, registry: ShmRegistry, core: S
 
 def _in_place(regions: dict[str, Region], ref: ShmRef, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> Optional[torch.Tensor]:
-    """Where an output of ``shape`` and ``dtype`` goes, as a tensor on ``device`` the launch
-    copies it into (its region a CUDA region there, the offset aligned for the dtype), or
-    None: written after the run (`Region.write`)."""
+    """Where an output of ``shape`` and ``dtype`` goes, as a tensor the launch on ``device``
+    copies it into (`Region.device_bytes`: a CUDA region there, or a page-locked system
+    region; the offset aligned for the dtype), or None: written after the run (`Region.write`)."""
     size = math.prod(shape) * dtype.itemsize
     where = regions[ref.region].device_bytes(ref.offset, size, device)
     if where is None or ref.offset % dtype.itemsize:

@@ -99,11 +99,18 @@ class _Region(ABC):
         return None
 
     def device_bytes(self, offset: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
-        """The ``nbytes`` bytes at ``offset`` as a uint8 tensor on ``device`` for copies the
-        caller queues on that device itself (a prepared prefill's, inside its CUDA graph;
-        bounds checked by the caller), or None: copies go through `read_into_tensor` and
-        `write`. Only a CUDA region on ``device`` has them."""
+        """The ``nbytes`` bytes at ``offset`` as a uint8 tensor for copies the caller queues
+        on ``device`` itself (a prepared prefill's, inside its CUDA graph; bounds checked by
+        the caller), or None: copies go through `read_into_tensor` and `write`. A CUDA region
+        on ``device`` has them (device memory), and a system region inside `graph_hold`
+        whose mapping is page-locked (host memory the device reaches by DMA)."""
         return None
+
+    @contextmanager
+    def graph_hold(self) -> Iterator[None]:
+        """Keep the bytes `device_bytes` hands out in this block valid until it ends (a
+        prepared prefill's life: its graph copies from and to them at every run)."""
+        yield
 
     @abstractmethod
     def read_into(self, offset: int, dest: memoryview) -> None:
@@ -149,6 +156,8 @@ class SystemRegion(_Region):
         self._host: Optional[torch.Tensor] = None  # uint8 over the mapping, for copies to and from a GPU
         self._pinned = False  # the mapping is page-locked with CUDA (cudaHostRegister)
         self._pin_lock = threading.Lock()
+        self._graph_holds = 0  # `graph_hold` blocks open: graphs copy from and to the pinned pages
+        self._stale = False  # truncated while held: the pinned pages stay registered, unused by others
 
     def _require_size(self, size: int, field: str) -> None:
         if self.offset + self.byte_size > size:
@@ -236,6 +245,8 @@ class SystemRegion(_Region):
             if os.fstat(self._file()).st_size < self.offset + self.byte_size:
                 self._unpin()  # truncated: pages past the end are gone from the mapping, and pages
                 return None  # written through the file from now on are not the pinned ones
+            if self._stale:
+                return None
             if self._host is None:
                 self._host = torch.frombuffer(self._map, dtype=torch.uint8)
                 with torch.cuda.device(device):
@@ -251,9 +262,35 @@ class SystemRegion(_Region):
     def status(self) -> dict[str, Union[str, int]]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
+    def device_bytes(self, offset: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
+        if device.type != "cuda" or self._graph_holds == 0:
+            return None
+        mapping = self._pinned_view(device)
+        return None if mapping is None else mapping[self._base + offset:self._base + offset + nbytes]
+
+    @contextmanager
+    def graph_hold(self) -> Iterator[None]:
+        """While held, a truncation (`_pinned_view`) leaves the pinned pages registered for
+        the graphs that copy from and to them (DMA to pages the object no longer holds: stale
+        bytes, no fault; the prepared prefill refuses its runs then, `check`); they are
+        unregistered when the last hold ends."""
+        with self._pin_lock:
+            self._graph_holds += 1
+        try:
+            yield
+        finally:
+            with self._pin_lock:
+                self._graph_holds -= 1
+                if self._graph_holds == 0 and self._stale:
+                    self._stale = False
+                    self._unpin()
+
     def _unpin(self) -> None:
         """Drop the page-locked view (unregistered with CUDA, once no copy is in flight from
-        or to it); the next use pins afresh."""
+        or to it; only marked stale while a `graph_hold` lasts); the next use pins afresh."""
+        if self._graph_holds > 0 and self._host is not None:
+            self._stale = True
+            return
         if self._host is not None:
             if self._pinned:
                 drain_copy_streams()

@@ -43,8 +43,9 @@ class ShmRef(BaseModel):
 
 
 class DeviceCopy(NamedTuple):
-    """A copy of ``source`` into ``dest`` (uint8 tensors of one size on one device) that
-    its caller queues on that device (a prepared prefill's, in its CUDA graph)."""
+    """A copy of ``source`` into ``dest`` (uint8 tensors of one size: ``dest`` on a GPU,
+    ``source`` there or in page-locked host memory) that its caller queues on that device
+    (a prepared prefill's, in its CUDA graph)."""
 
     source: torch.Tensor
     dest: torch.Tensor
@@ -179,8 +180,9 @@ def refillable(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], de
     prepared prefill reads anew at every run) on ``device`` when it is a GPU, read in place
     where their region lends its bytes, the rest in one host buffer, read once here; the
     function that copies the regions' current bytes into the ``packed`` buffers; and the
-    copies that the caller queues on ``device`` itself instead (from CUDA regions on that
-    device, `Region.device_bytes`: inside a prepared prefill's CUDA graph). The function's
+    copies that the caller queues on ``device`` itself instead (`Region.device_bytes`: from
+    CUDA regions on that device and page-locked system regions, inside a prepared prefill's
+    CUDA graph). The function's
     own device copies (from system regions, or CUDA regions of other devices) run on the
     copy streams, and the device's current stream waits for them, so a launch queued after
     it reads the new bytes."""
