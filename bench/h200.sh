@@ -82,6 +82,11 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;
     # prefix cache: checkpoints every 1024 tokens at 8x4096 H32 (goal <= 5%), 48-layer restores (docs/PREFIX_CACHE.md)
     prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
+    # issue 21's goal alone: the plain launch against the server's path, many interleaved repetitions
+    prefix-cache-goal) run_step "$name" "$limit" python3 bench/prefix_cache.py --server-path-only --reps 300 ;;
+    # the launch transaction's rows saved by the decode kernel (`saved_states`), compiled, and the graph and transaction tests
+    decode-save-tests) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_saved_states.py \
+        tests/triton/test_triton_graph.py tests/service/test_transaction.py ;;
     # where a checkpointed launch's extra time sits: per-kernel device times, prebuilt problems, state-pass variants
     prefix-where) run_step "$name" "$limit" python3 bench/prefix_cache.py --where --reps 20 --trace "$OUT/traces" ;;
     # the same, checkpoints denser (every 256 and 128 tokens): where the segments' launches stop paying

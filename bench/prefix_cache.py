@@ -25,7 +25,8 @@
    tier (goal: <= the PCIe time of its bytes + 0.2 ms, the PCIe time measured as a plain
    pinned-to-device copy of the same bytes). Wall time with a synchronization, medians.
 
-Usage (GPU machine): ``python bench/prefix_cache.py`` [--reps 30] [--layers 48]. On a CPU
+Usage (GPU machine): ``python bench/prefix_cache.py`` [--reps 30] [--layers 48]
+[--server-path-only: the goal's three launches alone, for many --reps]. On a CPU
 (``--device cpu --case 2x256 --heads 4 --layers 4``) it runs the torch backend, a smoke test.
 """
 from __future__ import annotations
@@ -189,6 +190,8 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
         "kernel only, addresses at the store": (nothing, lambda: launch(c, backend, **buffer_only, config=at_store)),
         "kernel only, stored in the chunk loop": (nothing, lambda: launch(c, backend, **buffer_only, config=in_loop)),
     }
+    if args.server_path_only:
+        variants = {name: v for name, v in variants.items() if name == "plain" or name.endswith("(the server's path)")}
     for setup, fn in variants.values():
         for _ in range(3):
             setup()
@@ -213,8 +216,10 @@ def bench_checkpoints(args: argparse.Namespace, device: torch.device, backend: s
              "the server's path, stored in the chunk loop": ("into new entries, stored in the chunk loop",
                                                              "into the entries, stored in the chunk loop")}
     for path, (first_name, later_name) in paths.items():
-        first = next(m for n, m in medians.items() if n.startswith("first layer: " + first_name))
-        later = next(m for n, m in medians.items() if n.startswith("later layer: " + later_name))
+        first = next((m for n, m in medians.items() if n.startswith("first layer: " + first_name)), None)
+        later = next((m for n, m in medians.items() if n.startswith("later layer: " + later_name)), None)
+        if first is None or later is None:  # --server-path-only
+            continue
         prefill = (first + (args.layers - 1) * later) / args.layers
         print(f"  a {args.layers}-layer prefill, {path}: {100 * (prefill / p - 1):+.2f}% against plain "
               f"(goal <= +5%)")
@@ -368,6 +373,9 @@ def main() -> None:
                         help="only where the checkpoints' cost sits: per-kernel device times, prebuilt problems")
     parser.add_argument("--trace", default="", help="with --where: save the profiled calls' Chrome traces "
                         "in this folder and print their device timelines")
+    parser.add_argument("--server-path-only", action="store_true",
+                        help="only the plain launch and the server's path (first and later layer), no restores: "
+                        "many --reps in little time")
     args = parser.parse_args()
     device = torch.device(args.device)
     backend = kernels.default_backend(device)
@@ -376,7 +384,8 @@ def main() -> None:
         bench_where(args, device)
         return
     bench_checkpoints(args, device, backend)
-    bench_restore(args, device)
+    if not args.server_path_only:
+        bench_restore(args, device)
 
 
 if __name__ == "__main__":
