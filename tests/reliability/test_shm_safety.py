@@ -289,3 +289,57 @@ def test_gpu_copies_of_a_truncated_object_never_fault() -> None:
     finally:
         for o in objects:
             o.close()
+
+
+_HELD_GPU = textwrap.dedent("""
+    import os, sys, torch
+    from service.errors import InvalidRequest
+    from service.shm.registry import ShmRegistry
+    registry = ShmRegistry()
+    outcomes = []
+    name = sys.argv[1]
+    region = registry.register_system(name, "/" + name, 0, 1 << 20)
+    device = torch.device("cuda", 0)
+    dest = torch.empty(4096, dtype=torch.uint8, device=device)
+    with region.graph_hold():
+        held = region.device_bytes(8192, 4096, device)  # a prepared prefill's graph copies from these
+        outcomes.append("held:pinned" if held is not None and held.is_pinned() else "held:none")
+        os.truncate("/dev/shm/" + name, 4096)
+        try:
+            region.read_into_tensor(8192, dest)
+            outcomes.append("read:ok")
+        except InvalidRequest:
+            outcomes.append("read:400")
+        outcomes.append("device_bytes:none" if region.device_bytes(8192, 4096, device) is None else "device_bytes:some")
+        dest.copy_(held, non_blocking=True)  # the graph's DMA after the truncation: stale pages, no fault
+        torch.cuda.synchronize()
+        outcomes.append("dma:ok")
+        region.write(65536, torch.arange(1024, dtype=torch.float32, device=device))  # through the file: grows it
+        outcomes.append("write:ok")
+    back = torch.empty(4096, dtype=torch.uint8, device=device)  # the hold ended: pinned afresh
+    region.read_into_tensor(65536, back)
+    torch.cuda.synchronize()
+    same = torch.equal(back.view(torch.float32).cpu(), torch.arange(1024, dtype=torch.float32))
+    outcomes.append("reread:ok" if same else "reread:stale")
+    registry.close()
+    print(" ".join(outcomes))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_graph_hold_keeps_pinned_pages_through_a_truncation() -> None:
+    """A prepared prefill's hold (`Region.graph_hold`): its graph's DMA from the pages pinned
+    before a truncation never faults, nothing else uses them meanwhile (reads go through the
+    file: a 400; no new `device_bytes`), and once the hold ends the mapping is pinned afresh
+    (what was written through the file reads back, not the stale pages)."""
+    obj = ShmObject(1 << 20)
+    try:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+        done = subprocess.run([sys.executable, "-c", _HELD_GPU, obj.name], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+        assert done.stdout.split() == ["held:pinned", "read:400", "device_bytes:none", "dma:ok", "write:ok",
+                                       "reread:ok"], done.stdout
+    finally:
+        obj.close()
