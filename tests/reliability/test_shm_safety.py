@@ -131,6 +131,16 @@ def test_truncated_object_is_a_400_not_a_crash(server: Any, pool: WholePool, obj
         pool.discard(slot)
 
 
+def _child(script: str, *args: str) -> list[str]:
+    """Run ``script`` with ``args`` in a child process (a fault kills the child, not pytest)
+    that must exit 0; the words it printed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    return done.stdout.split()
+
+
 _DIRECT = textwrap.dedent("""
     import os, sys, torch
     from service.errors import InvalidRequest
@@ -164,11 +174,8 @@ _DIRECT = textwrap.dedent("""
 def test_reads_of_a_truncated_object_raise_in_the_process(obj: ShmObject) -> None:
     """Past the bounds checks (a truncation racing the copy): each read raises a 400 error
     and a write extends the object, in a child process that must not die of SIGBUS."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run([sys.executable, "-c", _DIRECT, obj.name], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
-    assert done.stdout.split() == ["read_into:400", "copy_out:400", "check:400", f"write:{65536 + 4096}"], done.stdout
+    outcomes = _child(_DIRECT, obj.name)
+    assert outcomes == ["read_into:400", "copy_out:400", "check:400", f"write:{65536 + 4096}"], outcomes
 
 
 def test_symlink_and_non_regular_objects_are_refused(server: Any, tmp_path: Any) -> None:
@@ -240,8 +247,18 @@ def test_a_mapping_the_kernel_refuses_is_a_400() -> None:
         sparse.close()
 
 
-_DIRECT_GPU = textwrap.dedent("""
+_GPU_PRELUDE = textwrap.dedent("""
     import os, sys, torch
+
+    def reread(region):
+        back = torch.empty(4096, dtype=torch.uint8, device="cuda")
+        region.read_into_tensor(65536, back)
+        torch.cuda.synchronize()
+        same = torch.equal(back.view(torch.float32).cpu(), torch.arange(1024, dtype=torch.float32))
+        return "reread:ok" if same else "reread:stale"
+""")  # begins the GPU scripts: ``reread``, what a write of arange(1024) at 65536 reads back as
+
+_DIRECT_GPU = _GPU_PRELUDE + textwrap.dedent("""
     from service.errors import InvalidRequest
     from service.shm.registry import ShmRegistry
     registry = ShmRegistry()
@@ -260,11 +277,7 @@ _DIRECT_GPU = textwrap.dedent("""
             outcomes.append("read:400")  # never pinned: read through the file, a short read
         region.write(65536, torch.arange(1024, dtype=torch.float32, device="cuda"))
         outcomes.append("write:ok")
-        back = torch.empty(4096, dtype=torch.uint8, device="cuda")  # through the file, or pinned afresh
-        region.read_into_tensor(65536, back)
-        torch.cuda.synchronize()
-        same = torch.equal(back.view(torch.float32).cpu(), torch.arange(1024, dtype=torch.float32))
-        outcomes.append("reread:ok" if same else "reread:stale")
+        outcomes.append(reread(region))  # through the file, or pinned afresh
     registry.close()
     print(" ".join(outcomes))
 """)
@@ -278,21 +291,17 @@ def test_gpu_copies_of_a_truncated_object_never_fault() -> None:
     from the device never fault and read back as written."""
     objects = [ShmObject(1 << 20), ShmObject(1 << 20)]
     try:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-        done = subprocess.run([sys.executable, "-c", _DIRECT_GPU, *(o.name for o in objects)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+        outcomes = _child(_DIRECT_GPU, *(o.name for o in objects))
         # each region truncated before the read (never pinned, or pinned before): the read is
         # refused, the write grows the object back through the file, and reading it back
         # gives what was written (no stale pinned pages)
-        assert done.stdout.split() == ["read:400", "write:ok", "reread:ok"] * 2, done.stdout
+        assert outcomes == ["read:400", "write:ok", "reread:ok"] * 2, outcomes
     finally:
         for o in objects:
             o.close()
 
 
-_HELD_GPU = textwrap.dedent("""
-    import os, sys, torch
+_HELD_GPU = _GPU_PRELUDE + textwrap.dedent("""
     from service.errors import InvalidRequest
     from service.shm.registry import ShmRegistry
     registry = ShmRegistry()
@@ -316,11 +325,7 @@ _HELD_GPU = textwrap.dedent("""
         outcomes.append("dma:ok")
         region.write(65536, torch.arange(1024, dtype=torch.float32, device=device))  # through the file: grows it
         outcomes.append("write:ok")
-    back = torch.empty(4096, dtype=torch.uint8, device=device)  # the hold ended: pinned afresh
-    region.read_into_tensor(65536, back)
-    torch.cuda.synchronize()
-    same = torch.equal(back.view(torch.float32).cpu(), torch.arange(1024, dtype=torch.float32))
-    outcomes.append("reread:ok" if same else "reread:stale")
+    outcomes.append(reread(region))  # the hold ended: pinned afresh
     registry.close()
     print(" ".join(outcomes))
 """)
@@ -335,11 +340,7 @@ def test_a_graph_hold_keeps_pinned_pages_through_a_truncation() -> None:
     (what was written through the file reads back, not the stale pages)."""
     obj = ShmObject(1 << 20)
     try:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-        done = subprocess.run([sys.executable, "-c", _HELD_GPU, obj.name], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
-        assert done.stdout.split() == ["held:pinned", "read:400", "device_bytes:none", "dma:ok", "write:ok",
-                                       "reread:ok"], done.stdout
+        outcomes = _child(_HELD_GPU, obj.name)
+        assert outcomes == ["held:pinned", "read:400", "device_bytes:none", "dma:ok", "write:ok", "reread:ok"], outcomes
     finally:
         obj.close()
