@@ -239,8 +239,9 @@ class SystemRegion(_Region):
         (portable: for every device); None when pinning was refused (a memlock limit) or
         the object no longer holds the region (checked here, at every use: a mapping pinned
         before a truncation is dropped): the CPU never touches an unpinned mapping, copies
-        go through the file instead. A truncation between this check and the DMA reads or
-        writes the pages pinned before it (stale bytes, no fault)."""
+        go through the file instead. A truncation racing this check and the copy is not
+        guarded: a 4 KiB copy from pages pinned before a truncation killed a test process
+        with SIGBUS on the H200 (bench/RESULTS.md, 2026-12-04 fifth session, run 3)."""
         with self._pin_lock:
             if os.fstat(self._file()).st_size < self.offset + self.byte_size:
                 self._unpin()  # truncated: pages past the end are gone from the mapping, and pages
@@ -270,10 +271,10 @@ class SystemRegion(_Region):
 
     @contextmanager
     def graph_hold(self) -> Iterator[None]:
-        """While held, a truncation (`_pinned_view`) leaves the pinned pages registered for
-        the graphs that copy from and to them (DMA to pages the object no longer holds: stale
-        bytes, no fault; the prepared prefill refuses its runs then, `check`); they are
-        unregistered when the last hold ends."""
+        """While held, a truncation (`_pinned_view`) leaves the pinned pages registered (the
+        graphs that copy from and to them stay valid) but unused by anything else; they are
+        unregistered when the last hold ends. The holder checks the object's size before each
+        run (`check`: a 400) and never copies once it shrank."""
         with self._pin_lock:
             self._graph_holds += 1
         try:
