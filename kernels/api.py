@@ -144,11 +144,12 @@ def build_problem(
         raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's heads H={H} (GVA)")
     if why := head_dims_error(K, V):
         raise ValueError(why)
+    device = q.device
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if x.dtype not in FLOAT_INPUTS:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}, q on {device}")
     if g.shape[0] != B or g.shape[2:] != (HV, K) or beta.shape[0] != B or beta.shape[2] != HV:
         raise ValueError(
             f"g must be [B, T', HV, K] and beta [B, T', HV] with B={B}, HV={HV}, K={K}, "
@@ -164,8 +165,8 @@ def build_problem(
         raise ValueError(f"initial_state must be {layout} = [S, {', '.join(map(str, want))}], got {_shape(pool)}")
     if pool.dtype not in POOL_DTYPES:
         raise ValueError(f"initial_state must be float32 or bfloat16, got {pool.dtype}")
-    if pool.device != q.device:
-        raise ValueError(f"initial_state is on {pool.device}, q on {q.device}")
+    if pool.device != device:
+        raise ValueError(f"initial_state is on {pool.device}, q on {device}")
     if A_log is not None and tuple(A_log.shape) != (HV,):
         raise ValueError(f"A_log must have shape ({HV},), got {_shape(A_log)}")
     if dt_bias is not None and dt_bias.numel() != HV * K:
@@ -176,11 +177,14 @@ def build_problem(
     bounds = _packed_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     n_seq = len(bounds) - 1
     trusted = cu_seqlens_cpu is not None and indices.device.type != "cpu"
-    idx = _check_indices(indices, n_seq, pool.shape[0], read_values=not trusted).to(q.device)
+    idx = _check_indices(indices, n_seq, pool.shape[0], read_values=not trusted).to(device)
     positions, ckpt = check_checkpoints(checkpoint_tokens, checkpoint_states, bounds, pool)
 
     def packed(x: torch.Tensor) -> torch.Tensor:
-        return x[:, :T].reshape(B * T, *x.shape[2:])
+        """[B, T', ...] -> [B * T, ...]: one view when T' = T and B = 1 (the serving call)."""
+        if B == 1:
+            return x[0] if x.shape[1] == T else x[0, :T]
+        return (x if x.shape[1] == T else x[:, :T]).flatten(0, 1)
 
     return packed_problem(
         packed(q), packed(k), packed(v), packed(g), packed(beta), bounds=bounds, pool=pool,

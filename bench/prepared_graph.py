@@ -1,0 +1,121 @@
+"""Where a prepared prefill's CUDA graph spends its device time, stage by stage, in one run.
+
+A prepared prefill (`service.core.prepared`) replays one graph per run: the inputs' value
+check (`value_extremes`), the launch transaction (its flags, and the copy of the rows it
+writes: taken before the kernels, or saved by the decode kernel), the kernels, o's copy into
+the client's region and, when asked, the final states' gather and copy. This bench captures
+growing prefixes of that graph on the serving case (bench/serving_case.py: bf16, H = 32,
+K = V = 128, fp32 pool) and replays each, so the differences between rows are each stage's
+device time; the eager kernel call is timed beside them (back to back, and one call at a
+time with CUDA events: the host's launch gaps included, as `latency.py`'s "kernel" row).
+
+Usage (GPU): ``python bench/prepared_graph.py [--cases 8x4096,1x4096,256x1] [--reps 200]``.
+Medians of interleaved replays, CUDA events around each.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from bench.serving_case import event_ms, make_case, problem_of  # noqa: E402
+from kernels.triton_kernels.extremes import value_extremes  # noqa: E402
+from service.core.transaction import LaunchTransaction  # noqa: E402
+
+Step = Callable[[], object]
+
+
+def steps(c: dict) -> dict[str, Step]:
+    """The graph's prefixes for case ``c``, by name, each a function queuing it (in place
+    on the case's pool rows; the rows only drift, as a prepared prefill's do)."""
+    pool, idx = c["pool"], c["idx"]
+    requests = [(c["lengths"], [f"s{i}" for i in range(len(c["lengths"]))])]
+    inputs = [c[n] for n in ("q", "k", "v", "g", "beta")]
+    client_o = torch.empty_like(c["v"])  # the client's region, for o
+    client_final = torch.empty((len(c["lengths"]), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+
+    def kernel(saved: bool = False, check: bool = False, copy_o: bool = False, finals: bool = False) -> Step:
+        def step() -> None:
+            txn = LaunchTransaction(pool, idx, requests, saved_by_launch=saved)
+            if check:
+                value_extremes(inputs)
+            o, _ = kernels.run_problem(problem_of(c, txn.flags, saved_states=txn.saved if saved else None), "triton")
+            if copy_o:
+                client_o.copy_(o)
+            if finals:
+                client_final.copy_(pool.index_select(0, idx))
+        return step
+
+    def bare() -> None:
+        kernels.run_problem(problem_of(c), "triton")
+
+    return {
+        "kernels alone": bare,
+        "+ transaction (rows copied first, flags)": kernel(),
+        "+ transaction (rows saved by the launch, flags)": kernel(saved=True),
+        "+ the inputs' value check": kernel(saved=True, check=True),
+        "+ o into the client's region (finals declined: the prepared step)": kernel(saved=True, check=True,
+                                                                                  copy_o=True),
+        "+ the final states gathered and copied": kernel(saved=True, check=True, copy_o=True, finals=True),
+    }
+
+
+def captured(step: Step) -> torch.cuda.CUDAGraph:
+    """``step`` warmed eagerly, then captured (its own memory pool)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    return graph
+
+
+def bench_case(name: str, reps: int, device: torch.device) -> None:
+    n_seq, length = map(int, name.split("x"))
+    c = make_case(n_seq, length, 32, device)
+    graphs = {label: captured(step) for label, step in steps(c).items()}
+    bare = steps(c)["kernels alone"]
+    times: dict[str, list[float]] = {label: [] for label in graphs}
+    eager: list[float] = []
+    for _ in range(reps):  # interleaved
+        for label, graph in graphs.items():
+            times[label].append(event_ms(graph.replay, device))
+        eager.append(event_ms(bare, device))
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(reps):
+        bare()
+    end.record()
+    end.synchronize()
+    print(f"{name} H32 (medians of {reps} interleaved, ms):")
+    print(f"  eager kernels, one call with its host gaps: {statistics.median(eager):.3f}; back to back: "
+          f"{begin.elapsed_time(end) / reps:.3f} per call")
+    previous = None
+    for label, ts in times.items():
+        m = statistics.median(ts)
+        step = "" if previous is None else f" ({m - previous:+.3f})"
+        print(f"  graph, {label}: {m:.3f}{step}")
+        previous = m
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="8x4096,1x4096,256x1")
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    for name in args.cases.split(","):
+        bench_case(name, args.reps, device)
+
+
+if __name__ == "__main__":
+    main()
