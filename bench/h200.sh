@@ -64,6 +64,9 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # the per-call figures of 1x4096 and the 256x1 decode step only (a short check of a request-path change)
     latency-short) run_step "$name" "$limit" python3 bench/latency.py gpu --cases 1x4096,256x1 --calls 200 \
         --json "$OUT/latency_short.json" ;;
+    # issue 19's 8x4096 and decode rows with the inputs read in place (their best paths)
+    latency-wide-zero-copy) run_step "$name" "$limit" python3 bench/latency.py gpu --calls 200 --cases 8x4096,256x1 \
+        --server-arg=--cuda-ipc-zero-copy --json "$OUT/latency_wide_zero_copy.json" ;;
     # the same prefills with the inputs read in place (--cuda-ipc-zero-copy)
     latency-zero-copy) run_step "$name" "$limit" python3 bench/latency.py gpu --calls 100 --cases 1x4096,8x4096 \
         --server-arg=--cuda-ipc-zero-copy --json "$OUT/latency_zero_copy.json" ;;

@@ -225,11 +225,16 @@ class PreparedPrefill:
             dest.copy_(source, non_blocking=True)  # device or page-locked host memory: no synchronization
         ends = _value_ends(self._packed)
         o, _ = kernels.run_problem(self._problem(pool, indices, transaction), self._backend)
-        finals = pool.index_select(0, indices) if x.params.return_final_state else None
-        if self.io.o is not None and pool is self._layer:  # not for the warm-up's scratch rows
+        into = self.io.final_state if pool is self._layer else None  # not for the warm-up's scratch rows
+        finals = None
+        if x.params.return_final_state and into is not None and into.device == pool.device:
+            finals = torch.index_select(pool, 0, indices, out=into)  # gathered into the client's region: one pass
+        elif x.params.return_final_state:
+            finals = pool.index_select(0, indices)
+            if into is not None:
+                into.copy_(finals, non_blocking=True)
+        if self.io.o is not None and pool is self._layer:
             self.io.o.copy_(o, non_blocking=True)
-        if self.io.final_state is not None and finals is not None and pool is self._layer:
-            self.io.final_state.copy_(finals, non_blocking=True)
         return _Step(o, finals, transaction, ends)
 
 
