@@ -1,12 +1,10 @@
 """`value_extremes`: the one-launch value range the server's deferred input checks read.
 
-Each row must equal (-min, max) of its tensor as torch computes them when every value is
-finite, and flag exactly the tensors that hold a NaN or an Inf (their min and max are
-unspecified), for every float dtype, sizes that are and are not multiples of the block,
-tensors of one element and of negative values only (the order on the values' bits),
-signed zeros, subnormals and the largest finite values, more tensors than one launch
-takes, mixed dtypes in any order, and non-contiguous tensors. Interpreted on the CPU
-without CUDA, compiled on a GPU.
+Each row must equal (-min, max) of its tensor's finite values as torch computes them, and
+flag exactly the tensors that hold a NaN or an Inf, for every float dtype, sizes that are
+and are not multiples of the block, more tensors than one launch takes, mixed dtypes in
+any order, and non-contiguous tensors. Interpreted on the CPU without CUDA, compiled on a
+GPU.
 """
 from __future__ import annotations
 
@@ -17,9 +15,10 @@ from kernels.triton_kernels.extremes import BLOCK, MAX_TENSORS, value_extremes
 
 
 def expected(x: torch.Tensor) -> tuple[float, float, bool]:
-    """(-min, max) of ``x`` in float32, and whether any value is not finite."""
+    """(-min, max) over the finite values of ``x`` in float32, and whether any is not finite."""
     f = x.float()
-    return -f.min().item(), f.max().item(), not bool(torch.isfinite(f).all())
+    finite = f[torch.isfinite(f)]
+    return -finite.min().item(), finite.max().item(), finite.numel() < f.numel()
 
 
 def check(tensors: list[torch.Tensor]) -> None:
@@ -27,9 +26,8 @@ def check(tensors: list[torch.Tensor]) -> None:
     assert out.shape == (len(tensors), 3) and out.dtype == torch.float32
     for row, t in zip(out.tolist(), tensors):
         neg_lo, hi, bad = expected(t)
-        assert (row[2] > 0) == bad, (row, t)
-        if not bad:
-            assert row[0] == neg_lo and row[1] == hi, (row, neg_lo, hi)
+        assert row[0] == neg_lo and row[1] == hi, (row, neg_lo, hi)
+        assert (row[2] > 0) == bad
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -62,17 +60,16 @@ def test_more_tensors_than_one_launch_mixed_dtypes_and_strides(device: str) -> N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_edge_values_keep_their_order(device: str, dtype: torch.dtype) -> None:
-    """The integer order on the bits: negative values only, one element, signed zeros,
-    subnormals and the largest finite value of the dtype."""
+def test_edge_values(device: str, dtype: torch.dtype) -> None:
+    """Negative values only (max < 0), one element (below every other program's range),
+    signed zeros, the dtype's largest finite values, and an -inf among finite values."""
     info = torch.finfo(dtype)
     gen = torch.Generator().manual_seed(10)
     tensors = [
-        -(torch.rand(2 * BLOCK + 5, generator=gen) + 0.25).to(dtype),  # all negative: max < 0
-        torch.tensor([-3.5]).to(dtype),  # one element, below every other program's empty range
+        -(torch.rand(2 * BLOCK + 5, generator=gen) + 0.25).to(dtype),
+        torch.tensor([-3.5]).to(dtype),
         torch.tensor([-0.0, 0.0, -0.0]).to(dtype),
-        torch.tensor([info.tiny / 4, -info.tiny / 8, info.tiny]).to(dtype),  # subnormals
         torch.tensor([info.max, -info.max, 1.0]).to(dtype),
-        torch.tensor([1.0, float("-inf"), info.max]).to(dtype),  # -inf: flagged
+        torch.tensor([1.0, float("-inf"), info.max]).to(dtype),
     ]
     check([t.to(device) for t in tensors])
