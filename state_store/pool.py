@@ -90,6 +90,16 @@ class StatePool:
         self._slots: dict[str, _Slot] = {}
         self._free_rows = list(range(num_slots))  # a min-heap: lowest free row first
         self._allocations = self._frees = self._expiries = 0
+        self._generation = 0  # `generation`
+
+    @property
+    def generation(self) -> int:
+        """A counter that moves whenever a live slot stops being live (freed, expired, the
+        id map restored) or is flagged lost: slots found live and sound (`rows_checked`) at
+        one generation still are while it has not moved, so a caller checking the same
+        slots again and again (a prepared prefill's runs) may skip the check until then.
+        Read it before the check it vouches for."""
+        return self._generation
 
     @property
     def geometry(self) -> PoolGeometry:
@@ -291,6 +301,7 @@ class StatePool:
             raise TypeError("mark_lost() takes a sequence of slot ids, not one id")
         for slot in [self._resolve(slot_id) for slot_id in slot_ids]:
             slot.state_lost = True
+        self._generation += 1
 
     @_locked
     def slot_info(self, slot_id: str) -> SlotInfo:
@@ -335,6 +346,7 @@ class StatePool:
         }
         used = {info.row for info in infos}
         self._free_rows = [row for row in range(self._geometry.num_slots) if row not in used]
+        self._generation += 1
         return read.stamp
 
     @_locked
@@ -406,6 +418,7 @@ class StatePool:
 
     def _release(self, slot_id: str) -> None:
         heapq.heappush(self._free_rows, self._slots.pop(slot_id).row)
+        self._generation += 1
 
     def _expire_idle(self) -> list[str]:
         if self._ttl is None:

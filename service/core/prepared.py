@@ -113,7 +113,8 @@ class PreparedPrefill:
         self.valid = valid
         self.slots: list[str] = [s for s in valid.inputs.slots if s is not None]
         self.rows = list(rows)
-        self.keys = [(s, valid.inputs.params.layer) for s in self.slots]
+        self.keys = frozenset((s, valid.inputs.params.layer) for s in self.slots)  # `SlotOrdering.hold` takes it as is
+        self.checked_generation: Optional[int] = None  # the pool's generation at the last check of the slots
         self.tokens = sum(valid.inputs.lengths)
         self._packed = [getattr(valid.inputs, name) for name in REQUIRED_TENSORS]  # q, k, v, g, beta
         self.refill, self.deliver, self.io = refill, deliver, io

@@ -479,10 +479,13 @@ class ServerCore:
             return await self.worker.run(self._run_prepared, prepared)
 
     def _run_prepared(self, prepared: PreparedPrefill) -> PreparedRun:
-        rows, lost = self.pool.rows_checked(prepared.slots)
-        if lost is not None:
-            raise StateLost(lost)
-        assert rows == prepared.rows, "a live slot's row never changes"
+        generation = self.pool.generation  # read before the check it vouches for
+        if prepared.checked_generation != generation:  # a slot freed, expired or lost since the last run's check
+            rows, lost = self.pool.rows_checked(prepared.slots)
+            if lost is not None:
+                raise StateLost(lost)
+            assert rows == prepared.rows, "a live slot's row never changes"
+            prepared.checked_generation = generation
         if self.persistence is not None:
             self.persistence.advancing(prepared.slots)
         t0 = time.perf_counter()

@@ -355,6 +355,28 @@ def test_rows_checked_gives_the_rows_and_the_first_lost_slot_and_marks_them_used
         pool.rows_checked(a)
 
 
+def test_generation_moves_exactly_when_a_live_slot_may_no_longer_check(clock, tmp_path):
+    """`generation` moves on a free, an expiry, a slot flagged lost and a restore (a slot
+    checked before may be gone or unsound), and stays on everything else."""
+    pool = make_pool(clock=clock, ttl=10.0)
+    a, b, c = pool.alloc(3)
+    pool.snapshot(tmp_path / "pool.snap")
+    seen = pool.generation
+    pool.alloc(1)
+    pool.fork(a)
+    pool.rows_checked([a, b])
+    pool.record_tokens_many([a, b], 0, [1, 1])
+    pool.write_state(a, random_state(pool, 0))
+    pool.import_(pool.export(a), b)
+    assert pool.generation == seen, "nothing that keeps every live slot live and sound moves it"
+    for change in (lambda: pool.free(c), lambda: pool.mark_lost([b]), lambda: pool.restore(tmp_path / "pool.snap")):
+        change()
+        assert pool.generation != seen
+        seen = pool.generation
+    clock.advance(11.0)
+    assert pool.sweep() and pool.generation != seen  # expired
+
+
 def test_mark_lost_flags_until_the_state_is_replaced():
     pool = make_pool()
     a, b = pool.alloc(2)
