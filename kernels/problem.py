@@ -68,8 +68,9 @@ class PrefillProblem:
     saved_states: None, or [N, ...] with a pool row's shape and dtype per sequence (any
     row stride, a pool row's strides inside): receives sequence n's initial state as read,
     its pool row before the launch writes it (unspecified for a sequence of index -1,
-    whose row is not written), before the launch writes any pool row: a launch transaction's copy (`save_initial_states`,
-    or the Triton decode kernel as it reads the rows: no second read of them).
+    whose row is not written), before the launch writes any pool row: a launch
+    transaction's copy (`save_initial_states`, or the Triton decode kernel as it reads the
+    rows: no second read of them).
     """
 
     q: torch.Tensor

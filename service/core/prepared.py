@@ -12,9 +12,10 @@ host-to-device copies of indices or bounds.
 On a GPU the launch is a CUDA graph captured at preparation (`capture`): the inputs' value
 check (`value_extremes`), the transaction's copy of the rows it writes (made by the decode
 kernel as it reads them when every sequence is one token: ``saved_by_launch``), the flags,
-every kernel of the pipeline and the final states' gather, replayed by one call. Each graph has
-a memory pool of its own (what its replays write: o, the final states, the copied rows,
-the intermediates), freed when the prepared prefill is released. (One pool shared by a
+every kernel of the pipeline and the final states' gather (straight into the client's
+region when it is on the device), replayed by one call. Each graph has a memory pool of
+its own (what its replays write: o, the final states, the copied rows, the
+intermediates), freed when the prepared prefill is released. (One pool shared by a
 core's graphs, through a pool handle, failed under torch 2.11 on the H200: an allocator
 assertion, ``use_count > 0``, when a graph was captured into a handle whose earlier graphs
 had been released.) When capture fails the call runs the same steps eagerly, so it stays

@@ -182,10 +182,9 @@ def refillable(inputs: Mapping[str, ShmInput], regions: Mapping[str, Region], de
     function that copies the regions' current bytes into the ``packed`` buffers; and the
     copies that the caller queues on ``device`` itself instead (`Region.device_bytes`: from
     CUDA regions on that device and page-locked system regions, inside a prepared prefill's
-    CUDA graph). The function's
-    own device copies (from system regions, or CUDA regions of other devices) run on the
-    copy streams, and the device's current stream waits for them, so a launch queued after
-    it reads the new bytes."""
+    CUDA graph). The function's own device copies (from system regions not page-locked, or
+    CUDA regions of other devices) run on the copy streams, and the device's current stream
+    waits for them, so a launch queued after it reads the new bytes."""
     on_device = {n: x for n, x in inputs.items() if device.type == "cuda" and n in packed}
     on_host = {n: x for n, x in inputs.items() if n not in on_device}
     tensors: dict[str, torch.Tensor] = {}
