@@ -89,6 +89,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     shm-gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/reliability/test_shm_safety.py ;;
     # issue 19: a prepared prefill's graph stage by stage (device time), beside the eager kernel call
     prepared-graph) run_step "$name" "$limit" python3 bench/prepared_graph.py ;;
+    # the inputs' value check alone at 8x4096 and 1x4096 for launch shapes of value_extremes, against a copy
+    extremes-sweep) run_step "$name" "$limit" python3 bench/prepared_graph.py --extremes --cases 8x4096,1x4096 ;;
     # issue 21's goal alone: the plain launch against the server's path, many interleaved repetitions
     prefix-cache-goal) run_step "$name" "$limit" python3 bench/prefix_cache.py --server-path-only --reps 300 ;;
     # the launch transaction's rows saved by the decode kernel (`saved_states`), compiled, and the graph and transaction tests

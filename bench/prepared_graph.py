@@ -10,7 +10,10 @@ device time; the eager kernel call is timed beside them (back to back, and one c
 time with CUDA events: the host's launch gaps included, as `latency.py`'s "kernel" row).
 
 Usage (GPU): ``python bench/prepared_graph.py [--cases 8x4096,1x4096,256x1] [--reps 200]``.
-Medians of interleaved replays, CUDA events around each.
+Medians of interleaved replays, CUDA events around each. ``--extremes``: instead, the value
+check alone on a case's five inputs for launch shapes of `value_extremes` (block, programs
+per SM, warps), as read bandwidth against a device copy of the same bytes (its bytes read
+and written over its time: the memory's speed in the same run).
 """
 from __future__ import annotations
 
@@ -107,14 +110,45 @@ def bench_case(name: str, reps: int, device: torch.device) -> None:
         previous = m
 
 
+EXTREMES_SHAPES = [(4096, 4, 8), (4096, 8, 8), (4096, 16, 4), (8192, 4, 8), (8192, 8, 16), (16384, 4, 16),
+                   (2048, 16, 4), (2048, 32, 2)]  # (block, programs per SM, warps); the first is the default
+
+
+def bench_extremes(name: str, reps: int, device: torch.device) -> None:
+    """`value_extremes` over case ``name``'s five inputs for each of `EXTREMES_SHAPES`,
+    medians of ``reps`` interleaved calls, as GB/s read, beside a copy of the same bytes."""
+    n_seq, length = map(int, name.split("x"))
+    c = make_case(n_seq, length, 32, device)
+    inputs = [c[n] for n in ("q", "k", "v", "g", "beta")]
+    nbytes = sum(t.numel() * t.element_size() for t in inputs)
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in inputs])
+    spare = torch.empty_like(flat)
+    calls: dict[str, Step] = {"a copy of the same bytes (read + written)": lambda: spare.copy_(flat)}
+    for block, per_sm, warps in EXTREMES_SHAPES:
+        calls[f"value_extremes block {block}, {per_sm} programs/SM, {warps} warps"] = (
+            lambda b=block, s=per_sm, w=warps: value_extremes(inputs, block=b, programs_per_sm=s, num_warps=w))
+    for call in calls.values():  # compiles
+        call()
+    times: dict[str, list[float]] = {label: [] for label in calls}
+    for _ in range(reps):
+        for label, call in calls.items():
+            times[label].append(event_ms(call, device))
+    print(f"{name} H32 inputs ({nbytes / 2**20:.0f} MiB), medians of {reps} interleaved:")
+    for label, ts in times.items():
+        m = statistics.median(ts)
+        moved = 2 * nbytes if label.startswith("a copy") else nbytes
+        print(f"  {label}: {m:.3f} ms, {moved / m / 1e6:.0f} GB/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="8x4096,1x4096,256x1")
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--extremes", action="store_true", help="the value check's launch shapes instead")
     args = parser.parse_args()
     device = torch.device("cuda")
     for name in args.cases.split(","):
-        bench_case(name, args.reps, device)
+        (bench_extremes if args.extremes else bench_case)(name, args.reps, device)
 
 
 if __name__ == "__main__":

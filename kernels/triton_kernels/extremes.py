@@ -65,12 +65,15 @@ def value_extremes_kernel(
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def value_extremes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def value_extremes(tensors: Sequence[torch.Tensor], *, block: int = BLOCK, programs_per_sm: int = PROGRAMS_PER_SM,
+                   num_warps: int = 8) -> torch.Tensor:
     """``[n, 3]`` float32 on the tensors' device (one CUDA device, or the CPU under the
     Triton interpreter): row i is ``(-min, max, bad)`` of ``tensors[i]`` (float32, bfloat16
     or float16, any shape, at least one element) over its finite values, ``bad`` > 0 when it
     holds a NaN or an Inf (-inf otherwise; min and max are then of the finite values).
-    Launched on the current stream, one launch per dtype; nothing is read back."""
+    Launched on the current stream, one launch per dtype; nothing is read back. ``block``
+    (elements per program step, a power of two), ``programs_per_sm`` and ``num_warps``:
+    the launch's shape (bench/prepared_graph.py --extremes times variants)."""
     device = tensors[0].device
     out = torch.full((len(tensors), 3), float("-inf"), dtype=torch.float32, device=device)
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
@@ -78,25 +81,29 @@ def value_extremes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for i, t in enumerate(flat):
         groups.setdefault(t.dtype, []).append(i)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    shape = (block, max(1, sms * programs_per_sm), num_warps)
     for dtype, rows in groups.items():
         for c in range(0, len(rows), MAX_TENSORS):
             chunk = rows[c:c + MAX_TENSORS]
-            _launch(out, [flat[i] for i in chunk], chunk, dtype, sms)
+            _launch(out, [flat[i] for i in chunk], chunk, dtype, shape)
     return out
 
 
-def _launch(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], dtype: torch.dtype, sms: int) -> None:
-    """One launch over ``tensors`` (one dtype, at most `MAX_TENSORS`), into ``out[rows]``.
-    Rows must be consecutive for the kernel's ``out + j * 3``: they are (groups keep order)
-    unless dtypes interleave, in which case each tensor gets its own launch."""
+def _launch(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], dtype: torch.dtype,
+            shape: tuple[int, int, int]) -> None:
+    """One launch over ``tensors`` (one dtype, at most `MAX_TENSORS`), into ``out[rows]``,
+    of ``shape`` (block, the most programs per tensor, warps). Rows must be consecutive for
+    the kernel's ``out + j * 3``: they are (groups keep order) unless dtypes interleave, in
+    which case each tensor gets its own launch."""
     if rows != list(range(rows[0], rows[0] + len(rows))):
         for t, r in zip(tensors, rows):
-            _launch(out, [t], [r], dtype, sms)
+            _launch(out, [t], [r], dtype, shape)
         return
+    block, most, warps = shape
     pad = MAX_TENSORS - len(tensors)
     addrs = [t.data_ptr() for t in tensors] + [0] * pad
     sizes = [t.numel() for t in tensors] + [0] * pad
-    programs = min(max(triton.cdiv(n, BLOCK) for n in sizes), max(1, sms * PROGRAMS_PER_SM))
+    programs = min(max(triton.cdiv(n, block) for n in sizes), most)
     value_extremes_kernel[(programs, len(tensors))](
-        out[rows[0]:], *addrs, *sizes, DTYPE=_DTYPES[dtype], BLOCK=BLOCK, num_warps=8,
+        out[rows[0]:], *addrs, *sizes, DTYPE=_DTYPES[dtype], BLOCK=block, num_warps=warps,
     )

@@ -73,3 +73,18 @@ def test_edge_values(device: str, dtype: torch.dtype) -> None:
         torch.tensor([1.0, float("-inf"), info.max]).to(dtype),
     ]
     check([t.to(device) for t in tensors])
+
+
+@pytest.mark.parametrize("shape", [(1024, 1, 4), (8192, 16, 8), (16384, 2, 16)])
+def test_every_launch_shape_gives_the_same_rows(device: str, shape: tuple[int, int, int]) -> None:
+    """The launch shapes a sweep times (block, programs per SM, warps) reduce alike."""
+    block, per_sm, warps = shape
+    gen = torch.Generator().manual_seed(11)
+    tensors = [(torch.randn(n, generator=gen) * 2 - 0.5).to(torch.bfloat16).to(device)
+               for n in (1, 3 * block + 7, 5 * BLOCK)]
+    tensors[1][block + 3] = float("nan")
+    expected_rows = value_extremes(tensors).cpu()
+    rows = value_extremes(tensors, block=block, programs_per_sm=per_sm, num_warps=warps).cpu()
+    assert rows[:, 2].gt(0).tolist() == [False, True, False]
+    assert torch.equal(rows[[0, 2]], expected_rows[[0, 2]])
+    check([tensors[0], tensors[2]])
