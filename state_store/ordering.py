@@ -38,16 +38,16 @@ class SlotOrdering:
     async def hold(self, keys: Iterable[Hashable]) -> AsyncIterator[None]:
         """``async with ordering.hold([(slot_id, layer), ...]):`` run the body holding those keys."""
         ticket = _Ticket(frozenset(keys), asyncio.get_running_loop().create_future())
-        first, behind, alone = self._first, self._behind, True
-        for key in ticket.keys:
-            if key in first:
-                behind.setdefault(key, deque()).append(ticket)
-                alone = False
-            else:
-                first[key] = ticket
-        if alone:  # first on every key: no one to wait for (the common case; a decode step names hundreds)
+        first, behind = self._first, self._behind
+        if first.keys().isdisjoint(ticket.keys):  # first on every key: no one to wait for (the common case;
+            first.update(dict.fromkeys(ticket.keys, ticket))  # a decode step names hundreds: C loops only)
             ticket.turn.set_result(None)
         else:
+            for key in ticket.keys:
+                if key in first:
+                    behind.setdefault(key, deque()).append(ticket)
+                else:
+                    first[key] = ticket
             self._grant_if_first(ticket)
         try:
             await ticket.turn
@@ -66,6 +66,10 @@ class SlotOrdering:
     def _leave(self, ticket: _Ticket) -> None:
         """Remove ``ticket`` from its queues and grant whoever that puts first everywhere."""
         first, behind, successors = self._first, self._behind, []
+        if not behind:  # no one queued on any key: ``ticket`` is first on all of its own, and no one follows
+            for key in ticket.keys:
+                del first[key]
+            return
         for key in ticket.keys:
             queue = behind.get(key)
             if first.get(key) is ticket:
