@@ -43,6 +43,7 @@ import threading
 import urllib.parse
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from typing import (
     Any, AsyncIterator, Callable, Generic, Iterator, Literal, Mapping, Optional, Sequence, TypeVar, Union,
 )
@@ -590,21 +591,14 @@ class KDAClient:
                                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
                                        scale=scale, return_final_state=return_final_state)
         self._register(arena, plan.need)
-
-        def unregister() -> None:
-            name = arena.close()
-            if name is not None:
-                with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
-                    self._run(self._calls.unregister_region(arena, name))
-
         try:
             answer = self._framed.request(Op.PREPARE, arena.fill(plan.tensors, plan.places, plan.options))
             _raise_for(answer.status, answer.headers, answer.body)
         except BaseException:
-            unregister()
+            self._drop(arena)
             raise
         return PreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths,
-                               json.loads(answer.body)["prepared"], _finished, unregister)
+                               json.loads(answer.body)["prepared"], _finished, partial(self._drop, arena))
 
     def _register(self, arena: Arena, need: int) -> None:
         registration = arena.create(need)
@@ -617,13 +611,18 @@ class KDAClient:
         if old is not None:
             self._run(self._calls.unregister_region(arena, old))
 
+    def _drop(self, arena: Arena) -> None:
+        """Close ``arena`` and unregister its region on the server (quietly: its lease reclaims it)."""
+        name = arena.close()
+        if name is not None:
+            with suppress(httpx.TransportError, KDAError):
+                self._run(self._calls.unregister_region(arena, name))
+
     def close(self) -> None:
         """Unregister the shared memory region (if any) and close the connection."""
         try:
-            name = self._arena.close() if self._arena is not None else None
-            if name is not None:
-                with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
-                    self._run(self._calls.unregister_region(self._arena, name))
+            if self._arena is not None:
+                self._drop(self._arena)
         finally:
             if self._framed is not None:
                 self._framed.close()
@@ -751,21 +750,14 @@ class AsyncKDAClient:
                                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
                                        scale=scale, return_final_state=return_final_state)
         await self._register(arena, plan.need)
-
-        async def unregister() -> None:
-            name = arena.close()
-            if name is not None:
-                with suppress(httpx.TransportError, KDAError):  # the lease reclaims it
-                    await self._run(self._calls.unregister_region(arena, name))
-
         try:
             answer = await self._framed.request(Op.PREPARE, arena.fill(plan.tensors, plan.places, plan.options))
             _raise_for(answer.status, answer.headers, answer.body)
         except BaseException:
-            await unregister()
+            await self._drop(arena)
             raise
         return AsyncPreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths,
-                                    json.loads(answer.body)["prepared"], _finished, unregister)
+                                    json.loads(answer.body)["prepared"], _finished, partial(self._drop, arena))
 
     async def _register(self, arena: Arena, need: int) -> None:
         registration = arena.create(need)
@@ -778,13 +770,18 @@ class AsyncKDAClient:
         if old is not None:
             await self._run(self._calls.unregister_region(arena, old))
 
+    async def _drop(self, arena: Arena) -> None:
+        """`KDAClient._drop`, awaited."""
+        name = arena.close()
+        if name is not None:
+            with suppress(httpx.TransportError, KDAError):
+                await self._run(self._calls.unregister_region(arena, name))
+
     async def aclose(self) -> None:
         """Unregister the shared memory region (if any) and close the connection."""
         try:
-            name = self._arena.close() if self._arena is not None else None
-            if name is not None:
-                with suppress(httpx.TransportError, KDAError):
-                    await self._run(self._calls.unregister_region(self._arena, name))
+            if self._arena is not None:
+                await self._drop(self._arena)
         finally:
             if self._framed is not None:
                 await self._framed.aclose_connection()

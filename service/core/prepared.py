@@ -29,6 +29,7 @@ the slots' liveness and token counts around each run (`ServerCore.run_prepared`)
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -208,11 +209,8 @@ class PreparedPrefill:
     def _problem(self, pool: torch.Tensor, indices: torch.Tensor, transaction: LaunchTransaction) -> PrefillProblem:
         x, gate = self.valid.inputs, self.valid.gate
         A_log, dt_bias = self._gate
-        bounds = [0]
-        for n in x.lengths:
-            bounds.append(bounds[-1] + n)
         return packed_problem(
-            x.q, x.k, x.v, x.g, x.beta, bounds=bounds, pool=pool, indices=indices, scale=x.params.scale,
+            x.q, x.k, x.v, x.g, x.beta, bounds=[0, *itertools.accumulate(x.lengths)], pool=pool, indices=indices, scale=x.params.scale,
             A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, use_qk_l2norm=x.params.use_qk_l2norm,
             use_beta_sigmoid=x.params.use_beta_sigmoid, allow_neg_eigval=x.params.allow_neg_eigval,
             nonfinite=transaction.flags, saved_states=transaction.saved if transaction.saved_by_launch else None,

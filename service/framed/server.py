@@ -259,19 +259,20 @@ class _Prepared:
     def named(self, payload: bytes) -> ShmPrepared:
         """The prepared prefill a RUN or RELEASE payload names (400 for a payload that is
         not an id, 404 for an id this connection does not hold)."""
+        return self.held[self._number(payload)]
+
+    def pop(self, payload: bytes) -> ShmPrepared:
+        """`named`, no longer held."""
+        return self.held.pop(self._number(payload))
+
+    def _number(self, payload: bytes) -> int:
+        """The id in a RUN or RELEASE payload, one this connection holds (else 400 or 404)."""
         if len(payload) != PREPARED_ID.size:
             raise _Refusal(400, "malformed-body", "Malformed request frame",
                            f"a RUN or RELEASE payload is a {PREPARED_ID.size}-byte prepared id, got {len(payload)} "
                            "bytes")
         (number,) = PREPARED_ID.unpack(payload)
-        held = self.held.get(number)
-        if held is None:
+        if number not in self.held:
             raise _Refusal(404, "unknown-prepared", "Unknown prepared prefill",
                            f"this connection holds no prepared prefill {number} (ids are per connection)")
-        return held
-
-    def pop(self, payload: bytes) -> ShmPrepared:
-        """`named`, no longer held."""
-        held = self.named(payload)
-        del self.held[PREPARED_ID.unpack(payload)[0]]
-        return held
+        return number

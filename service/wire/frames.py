@@ -37,9 +37,9 @@ class Op(enum.IntEnum):
     server started with ``--api-key`` (anything else is 401 until then)."""
     PREPARE = 3
     """Payload: a PREFILL document whose slots all exist, without checkpoints; 201 with
-    ``{"prepared": id, "slots": [...], "graphed": bool}`` (graphed: runs replay a CUDA graph). Nothing runs: the prefill is checked and kept
-    (on a GPU captured as a CUDA graph) for RUN, on this connection, until RELEASE or the
-    connection's end."""
+    ``{"prepared": id, "slots": [...], "graphed": bool}`` (graphed: runs replay a CUDA
+    graph). Nothing runs: the prefill is checked and kept (on a GPU captured as a CUDA
+    graph) for RUN, on this connection, until RELEASE or the connection's end."""
     RUN = 4
     """Payload: a prepared id (`PREPARED_ID`); 200 with an empty body once the outputs are
     in place: the prepared prefill run on what its input bytes hold now."""

@@ -270,6 +270,7 @@ def test_prepared_ids_are_per_connection_and_never_reused(server: Server, framed
             assert _problem(first.request(Op.RUN, stale), 404)["type"].endswith("unknown-prepared")
         _problem(second.request(Op.RUN, two), 404)  # another connection's id
         _problem(first.request(Op.RUN, b"\x00\x01"), 400)  # not an id
+        _problem(first.request(Op.RELEASE, one), 404)  # released already
         assert first.request(Op.RUN, two).status == 200
     finally:
         first.close()
