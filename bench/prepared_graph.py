@@ -1,9 +1,11 @@
 """Where a prepared prefill's CUDA graph spends its device time, stage by stage, in one run.
 
-A prepared prefill (`service.core.prepared`) replays one graph per run: the inputs' value
-check (`value_extremes`), the launch transaction (its flags, and the copy of the rows it
-writes: taken before the kernels, or saved by the decode kernel), the kernels, o's copy into
-the client's region and, when asked, the final states' gather and copy. This bench captures
+A prepared prefill (`service.core.prepared`) replays one graph per run: the launch
+transaction (its flags, and the copy of the rows it writes: taken before the kernels, or
+saved by the decode kernel), the kernels (which check the inputs as they read them), o's
+copy into the client's region and, when asked, the final states' gather and copy. The
+value check as a pass of its own (`value_extremes`, what the graph ran before) is timed
+beside the kernels' own checks. This bench captures
 growing prefixes of that graph on the serving case (bench/serving_case.py: bf16, H = 32,
 K = V = 128, fp32 pool) and replays each, so the differences between rows are each stage's
 device time; the eager kernel call is timed beside them (back to back, and one call at a
@@ -44,12 +46,15 @@ def steps(c: dict) -> dict[str, Step]:
     client_o = torch.empty_like(c["v"])  # the client's region, for o
     client_final = torch.empty((len(c["lengths"]), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
 
-    def kernel(saved: bool = False, check: bool = False, copy_o: bool = False, finals: bool = False) -> Step:
+    def kernel(saved: bool = False, check: str = "", copy_o: bool = False, finals: bool = False) -> Step:
+        """``check``: "" none, "pass" a `value_extremes` pass first, "kernels" the kernels' own."""
         def step() -> None:
-            txn = LaunchTransaction(pool, idx, requests, saved_by_launch=saved)
-            if check:
+            txn = LaunchTransaction(pool, idx, requests, saved_by_launch=saved, checks_inputs=check == "kernels")
+            if check == "pass":
                 value_extremes(inputs)
-            o, _ = kernels.run_problem(problem_of(c, txn.flags, saved_states=txn.saved if saved else None), "triton")
+            problem = problem_of(c, txn.flags, saved_states=txn.saved if saved else None,
+                                 input_checks=txn.input_checks)
+            o, _ = kernels.run_problem(problem, "triton")
             if copy_o:
                 client_o.copy_(o)
             if finals:
@@ -63,10 +68,12 @@ def steps(c: dict) -> dict[str, Step]:
         "kernels alone": bare,
         "+ transaction (rows copied first, flags)": kernel(),
         "+ transaction (rows saved by the launch, flags)": kernel(saved=True),
-        "+ the inputs' value check": kernel(saved=True, check=True),
-        "+ o into the client's region (finals declined: the prepared step)": kernel(saved=True, check=True,
+        "+ the inputs' value check, a pass of its own (value_extremes; until 2026-12-04)": kernel(saved=True,
+                                                                                                 check="pass"),
+        "+ the inputs checked by the kernels instead (input_checks)": kernel(saved=True, check="kernels"),
+        "+ o into the client's region (finals declined: the prepared step)": kernel(saved=True, check="kernels",
                                                                                   copy_o=True),
-        "+ the final states gathered and copied": kernel(saved=True, check=True, copy_o=True, finals=True),
+        "+ the final states gathered and copied": kernel(saved=True, check="kernels", copy_o=True, finals=True),
     }
 
 
@@ -102,11 +109,13 @@ def bench_case(name: str, reps: int, device: torch.device) -> None:
     print(f"{name} H32 (medians of {reps} interleaved, ms):")
     print(f"  eager kernels, one call with its host gaps: {statistics.median(eager):.3f}; back to back: "
           f"{begin.elapsed_time(end) / reps:.3f} per call")
-    previous = None
-    for label, ts in times.items():
+    previous = before_pass = None
+    for label, ts in times.items():  # each row against the row above; the kernels' checks against the pass's base
         m = statistics.median(ts)
-        step = "" if previous is None else f" ({m - previous:+.3f})"
+        base = before_pass if "checked by the kernels" in label else previous
+        step = "" if base is None else f" ({m - base:+.3f})"
         print(f"  graph, {label}: {m:.3f}{step}")
+        before_pass = previous if "a pass of its own" in label else before_pass
         previous = m
 
 

@@ -19,6 +19,9 @@ MAX_HEAD_DIM = 256
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # q, k, v, g, beta
 POOL_DTYPES = (torch.float32, torch.bfloat16)  # the state pool
 LOWER_BOUND_RANGE = (-5.0, 0.0)  # [lo, hi): the lower-bound gate's L
+CHECKED_INPUTS = ("q", "k", "v", "g", "beta")  # the input checks' slots 0-4 (`PrefillProblem.input_checks`)
+G_POSITIVE_CHECK = 5  # the slot of the largest positive given log decay's bits
+NUM_INPUT_CHECKS = 6
 
 
 def lower_bound_error(value: float) -> Optional[str]:
@@ -71,6 +74,14 @@ class PrefillProblem:
     whose row is not written), before the launch writes any pool row: a launch
     transaction's copy (`save_initial_states`, or the Triton decode kernel as it reads the
     rows: no second read of them).
+    input_checks: [NUM_INPUT_CHECKS] int32 on the device, zeros (None: not checked): the
+    backend sets [i] to 1 when input i of `CHECKED_INPUTS` (q, k, v, g, beta) holds a NaN or
+    Inf among the values the launch reads, and, when g is the log decay (no gate), raises
+    [5] to the float32 bits of its largest positive value (those bits order as the floats;
+    0: none is positive). From the kernels that read the inputs anyway: no pass of its own.
+    The launch still runs: its caller rolls it back when a check fails.
+    o_out: None, or [T, HV, V] contiguous in v's dtype on the device: where the launch
+    writes o (and what it returns as o) instead of a tensor of its own.
     """
 
     q: torch.Tensor
@@ -95,6 +106,8 @@ class PrefillProblem:
     nonfinite: Optional[torch.Tensor] = None
     checkpoint_provider: Optional[CheckpointProvider] = None
     saved_states: Optional[torch.Tensor] = None
+    input_checks: Optional[torch.Tensor] = None
+    o_out: Optional[torch.Tensor] = None
 
     @property
     def lengths(self) -> list[int]:
@@ -130,6 +143,8 @@ def packed_problem(
     nonfinite: Optional[torch.Tensor] = None,
     checkpoint_provider: Optional[CheckpointProvider] = None,
     saved_states: Optional[torch.Tensor] = None,
+    input_checks: Optional[torch.Tensor] = None,
+    o_out: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
     """The problem of packed inputs its caller has checked against the contract above
     (shapes as `PrefillProblem` gives them, all on one device; nothing is checked here).
@@ -139,7 +154,9 @@ def packed_problem(
     checkpoints as `PrefillProblem` holds them (`kernels.checkpoints` checks them; their
     targets given, or ``checkpoint_provider`` to produce them when the launch needs them);
     ``nonfinite``: the [N + 1] int32 zeros that receive the non-finite flags, or None;
-    ``saved_states``: where the launch copies the rows it reads, or None.
+    ``saved_states``: where the launch copies the rows it reads, or None;
+    ``input_checks``: the [NUM_INPUT_CHECKS] int32 zeros that receive the input checks, or
+    None; ``o_out``: where o goes, or None.
     """
     HV, K = v.shape[1], q.shape[2]
     bounds = tuple(bounds)
@@ -151,7 +168,8 @@ def packed_problem(
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
         allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
         checkpoint_tokens=checkpoint_tokens, checkpoint_states=tuple(checkpoint_states), nonfinite=nonfinite,
-        checkpoint_provider=checkpoint_provider, saved_states=saved_states,
+        checkpoint_provider=checkpoint_provider, saved_states=saved_states, input_checks=input_checks,
+        o_out=o_out,
     )
 
 
@@ -166,5 +184,5 @@ def save_initial_states(p: PrefillProblem) -> None:
 # output_intermediate_states, h [NT, HV, V, K] (or [NT, HV, K, V]) in fp32: the state
 # before each chunk; final states are written into pool rows in place, and the state after
 # each checkpoint position into its target (checkpoint_states, or the checkpoint_provider's,
-# asked once); the flags into nonfinite.
+# asked once); the flags into nonfinite, the input checks into input_checks.
 Backend = Callable[[PrefillProblem], tuple[torch.Tensor, Optional[torch.Tensor]]]

@@ -21,7 +21,7 @@ import torch
 
 from .checkpoints import checkpoint_targets
 from .transforms import beta_transform, l2norm, log_decay
-from .problem import CHUNK_SIZE, PrefillProblem, save_initial_states
+from .problem import CHUNK_SIZE, G_POSITIVE_CHECK, PrefillProblem, save_initial_states
 
 SUB_BLOCK = 16
 # Elements of the largest intra-chunk temporary ([n, C/16, C, K] decayed keys) per group
@@ -388,6 +388,8 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The torch backend: see `kernels.problem.Backend`."""
     if p.saved_states is not None:
         save_initial_states(p)
+    if p.input_checks is not None:
+        _check_inputs(p)
     x = prepare_inputs(p)
     every_row = _every_row(p)
     states = _read_states(p, every_row)  # [N, HV, K, V]
@@ -397,7 +399,7 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         _write_states(p, finals, every_row)
         h = (states.transpose(-1, -2) if p.state_v_first else states).contiguous() \
             if p.output_intermediate_states else None
-        o = o.to(p.v.dtype)
+        o = _output(p, o)
         if p.nonfinite is not None:
             _flag_nonfinite(p, o, finals.to(p.pool.dtype))
         return o, h
@@ -446,10 +448,31 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if p.state_v_first:
             h = h.transpose(-1, -2)
         h = h.contiguous()
-    o = o.to(p.v.dtype)
+    o = _output(p, o)
     if p.nonfinite is not None:
         _flag_nonfinite(p, o, finals.to(p.pool.dtype))
     return o, h
+
+
+def _output(p: PrefillProblem, o: torch.Tensor) -> torch.Tensor:
+    """o [T, HV, V] in v's dtype: in ``p.o_out`` when the caller gave it."""
+    if p.o_out is None:
+        return o.to(p.v.dtype)
+    p.o_out.copy_(o)
+    return p.o_out
+
+
+def _check_inputs(p: PrefillProblem) -> None:
+    """``p.input_checks`` (`kernels.problem.PrefillProblem.input_checks`) from the raw
+    inputs, which this backend reads whole."""
+    raw = (p.q, p.k, p.v, p.g, p.beta)
+    bad = torch.stack([(t * 0).sum().float() for t in raw]).isnan()  # x * 0: NaN where x is NaN or Inf
+    checks = p.input_checks
+    checks[:G_POSITIVE_CHECK] |= bad.to(torch.int32)
+    if p.A_log is None and p.lower_bound is None:  # g is the log decay
+        g = p.g.float()
+        largest = torch.where(g > 0, g, 0.0).amax().reshape(1)
+        torch.maximum(checks[G_POSITIVE_CHECK:], largest.view(torch.int32), out=checks[G_POSITIVE_CHECK:])
 
 
 def _flag_nonfinite(p: PrefillProblem, o: torch.Tensor, finals: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ The pipeline (`run_triton`), one launcher per stage beside its kernel in
     decode  single-token sequences: one recurrent step each          (`recurrent.launch_decode`)
     intra   per chunk: A_qk, A_kk, the solve -> T diag(beta), norms   (`intra.launch_intra`; the
             bounded gate with 16-bit inputs: `intra_bounded`, with `LaunchConfig.bounded_intra`)
-    wy      per chunk: the WY factors w, u, kg, qg                     (`wy.launch_wy`)
+    wy      per chunk: the WY factors w, u, kg, qg; the input checks    (`wy.launch_wy`)
     state   per sequence: the chunk-to-chunk state pass, and o         (`state.launch_state`)
     output  per chunk, when o is not computed in the state pass        (`output.launch_output`)
 
@@ -55,7 +55,7 @@ def _gate_mode(p: PrefillProblem) -> int:
 
 
 def stage_inputs(p: PrefillProblem, cfg: LaunchConfig) -> StageInputs:
-    """The contiguous inputs, flags and product settings of ``p`` under ``cfg``."""
+    """The contiguous inputs, flags, product settings and input checks of ``p`` under ``cfg``."""
     q, k, v, g, beta = (x.contiguous() for x in (p.q, p.k, p.v, p.g, p.beta))
     gate = _gate_mode(p)
     fp32_inputs = torch.float32 in (q.dtype, k.dtype, v.dtype)
@@ -71,6 +71,7 @@ def stage_inputs(p: PrefillProblem, cfg: LaunchConfig) -> StageInputs:
         # bounded entries (see intra.solve_unit_lower): unit-norm keys, sigmoid betas, decays <= 1
         fp16_solve=(mat == torch.float16 and cfg.fp16_solve and p.use_qk_l2norm and p.use_beta_sigmoid
                     and gate != GATE_GIVEN),
+        checks=p.input_checks,
     )
 
 
@@ -165,7 +166,7 @@ def run_triton(
     ckpt_chunks = checkpoint_chunks(p.bounds, p.checkpoint_tokens) if p.checkpoint_tokens else []
     plan, at_end = _plan(p.bounds, piece_chunks(cfg, x.HV, n_multi), x.device, ckpt_chunks, cfg.state_ckpt_levels)
     NT = plan.num_chunks
-    o = torch.empty_like(x.v)
+    o = torch.empty_like(x.v) if p.o_out is None else p.o_out
     h = None
     if p.output_intermediate_states:
         shape = (NT, x.HV, V, K) if p.state_v_first else (NT, x.HV, K, V)

@@ -87,7 +87,13 @@ def load_rows(base, rows, m_rows, stride_row, cols, m_cols):
 def decay_tile(g_base, a, bias, lower_bound, rows, m_rows, cols, m_cols, stride_row,
                GATE: tl.constexpr, FLOOR: tl.constexpr):
     """[BT, BK] clamped per-token log decays (rows of g from g_base); 0 on masked rows/cols."""
-    x = load_rows(g_base, rows, m_rows, stride_row, cols, m_cols)
+    return decays_of(load_rows(g_base, rows, m_rows, stride_row, cols, m_cols), a, bias, lower_bound, m_rows, m_cols,
+                     GATE, FLOOR)
+
+
+@triton.jit
+def decays_of(x, a, bias, lower_bound, m_rows, m_cols, GATE: tl.constexpr, FLOOR: tl.constexpr):
+    """`decay_tile` of the raw gate tile ``x`` [BT, BK] fp32 as loaded."""
     x = tl.maximum(log_decay(x, bias[None, :], a, lower_bound, GATE), -FLOOR)
     return tl.where(m_rows[:, None] & m_cols[None, :], x, 0.0)
 

@@ -19,7 +19,9 @@ class StageInputs:
     dtype). a_log [HV] / dt_bias [HV, K] fp32, or any tensor as a placeholder pointer when
     ``has_a_log`` / ``has_dt_bias`` is false. ``mat``: the dtype of the stored operand
     tiles (fp16 for 16-bit inputs, fp32 for fp32 inputs); ``dot_prec``: `tl.dot`'s
-    input_precision for fp32 operands; ``fp16_solve``: the solve and T diag(beta) in fp16."""
+    input_precision for fp32 operands; ``fp16_solve``: the solve and T diag(beta) in fp16.
+    ``checks``: [NUM_CHECKS] int32, the launch's input checks
+    (`kernels.problem.PrefillProblem.input_checks`; None: not checked)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -39,6 +41,11 @@ class StageInputs:
     dot_prec: str
     mat: torch.dtype
     fp16_solve: bool
+    checks: Optional[torch.Tensor] = None
+
+    def check_pointer(self, placeholder: torch.Tensor) -> torch.Tensor:
+        """The input checks for a kernel's arguments, ``placeholder`` where absent (CHECK keeps it unread)."""
+        return placeholder if self.checks is None else self.checks
 
     @property
     def T(self) -> int:

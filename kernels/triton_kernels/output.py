@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .config import LaunchConfig
 from .inputs import StageInputs, StateTargets
-from .state import flag_nonfinite
+from .checks import flag_nonfinite
 
 
 @triton.jit

@@ -7,7 +7,8 @@ One program per (sequence, value head, V block); the [K, BV] state slice is read
 SAVE, the row as read is also stored into ``saved[seq]`` first (a launch transaction's copy
 of the rows it writes, taken by the kernel that reads them: `StateTargets.saved`); with
 CHECKPOINT, also to the checkpoint row its chunk names (`state.store_checkpoint`); with
-FLAG, a NaN or Inf in its o or its new state (as stored) sets ``flags[sequence]``.
+FLAG, a NaN or Inf in its o or its new state (as stored) sets ``flags[sequence]``; with
+CHECK, its raw inputs are checked as they are loaded (`checks.check_inputs`).
 """
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ import triton.language as tl
 from .config import LaunchConfig
 from .gate import activate_beta, gate_params, log_decay
 from .inputs import StageInputs, StateTargets
-from .state import flag_nonfinite, store_checkpoint
+from .checks import check_inputs, flag_nonfinite
+from .state import store_checkpoint
 
 
 @triton.jit
 def recurrent_step_kernel(
-    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs, ckpt_addrs, flags, saved,
+    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs, ckpt_addrs, flags, saved, checks,
     scale, lower_bound,
     s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_head, c_k, c_v, s_saved,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -31,6 +33,7 @@ def recurrent_step_kernel(
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     STORE_H: tl.constexpr, CHECKPOINT: tl.constexpr, FLAG: tl.constexpr, SAVE: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """Grid (N1 * cdiv(V, BV), HV). decs: [N1, 3] int64 (sequence id, token, h index).
 
@@ -38,7 +41,7 @@ def recurrent_step_kernel(
     the state pass; h (when STORE_H): [NT, HV, .., ..] fp32, receives the initial state;
     ckpt_addrs (CHECKPOINT) and flags [N + 1] int32 (FLAG) as in `StateTargets`; saved
     (SAVE): [N, HV, ., .] in the pool's dtype, its rows ``s_saved`` apart, the pool's
-    strides inside a row.
+    strides inside a row; checks (CHECK): the launch's input checks, [NUM_CHECKS] int32.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -58,15 +61,22 @@ def recurrent_step_kernel(
 
     b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g = tl.load(g + (t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + t * HV + i_hv).to(tl.float32)
+    b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    if CHECK:  # the raw values, as loaded (`checks.check_inputs`; slots CHECK_Q .. CHECK_BETA)
+        check_inputs(checks, b_q, m_k, 0, False)
+        check_inputs(checks, b_k, m_k, 1, False)
+        check_inputs(checks, b_v, m_v, 2, False)
+        check_inputs(checks, b_g, m_k, 3, GATE == 0)
+        check_inputs(checks, b_b, True, 4, False)
     if USE_L2NORM:
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
     b_q = b_q * scale
     bias, a = gate_params(a_log, dt_bias, i_hv, o_k, m_k, K, HAS_A_LOG, HAS_DT_BIAS)
-    b_g = tl.load(g + (t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_g = log_decay(b_g, bias, a, lower_bound, GATE)
-    b_b = activate_beta(tl.load(beta + t * HV + i_hv).to(tl.float32), BETA_SIGMOID, NEG_EIGVAL)
-    b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_b = activate_beta(b_b, BETA_SIGMOID, NEG_EIGVAL)
 
     p_pool = pool + slot * s_slot + i_hv * s_head + o_k[:, None] * s_pk + o_v[None, :] * s_pv
     m_live = m_kv & (slot + o_k * 0 >= 0)[:, None]  # slot -1: zeros, no write
@@ -95,15 +105,16 @@ def recurrent_step_kernel(
 def launch_decode(x: StageInputs, decs: torch.Tensor, o: torch.Tensor, st: StateTargets, cfg: LaunchConfig) -> None:
     """One recurrent step for each single-token sequence of ``decs`` ([N1, 3],
     `kernels.triton_plan`): o [T, HV, V] at its token, its pool row (and h, checkpoints,
-    non-finite flags, the rows as read into ``st.saved``)."""
+    non-finite flags, the rows as read into ``st.saved``, the raw inputs' checks into
+    ``x.checks``)."""
     h, ckpt_addrs = st.pointers(o)
     saved = st.pool if st.saved is None else st.saved
     grid = (decs.shape[0] * triton.cdiv(x.V, cfg.rec_bv), x.HV)
     recurrent_step_kernel[grid](
         x.q, x.k, x.v, x.g, x.beta, x.a_log, x.dt_bias, o, st.pool, st.indices, h, decs, ckpt_addrs,
-        st.flag_pointer(st.indices), saved,
+        st.flag_pointer(st.indices), saved, x.check_pointer(st.indices),
         x.scale, x.lower_bound, *st.pool_strides, *st.h_strides, *st.ckpt_strides, saved.stride(0),
         H=x.H, HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=cfg.rec_bv, **x.flags,
         STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
-        SAVE=st.saved is not None, num_warps=cfg.rec_warps,
+        SAVE=st.saved is not None, CHECK=x.checks is not None, num_warps=cfg.rec_warps,
     )

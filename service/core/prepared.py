@@ -9,11 +9,14 @@ front end that owns them). A run is then: refill the packed inputs in place, lau
 synchronize once, check, deliver: no parsing, no validation of the form, no batching, no
 host-to-device copies of indices or bounds.
 
-On a GPU the launch is a CUDA graph captured at preparation (`capture`): the inputs' value
-check (`value_extremes`), the transaction's copy of the rows it writes (made by the decode
-kernel as it reads them when every sequence is one token: ``saved_by_launch``), the flags,
-every kernel of the pipeline and the final states' gather (straight into the client's
-region when it is on the device), replayed by one call. Each graph has a memory pool of
+The kernels check the inputs' values as they read them (`PrefillProblem.input_checks`:
+no pass of their own); the run reads the checks back with the non-finite flags, in one
+copy, and rolls the launch back when they fail.
+On a GPU the launch is a CUDA graph captured at preparation (`capture`): the transaction's
+copy of the rows it writes (made by the decode kernel as it reads them when every sequence
+is one token: ``saved_by_launch``), the flags and checks, every kernel of the pipeline
+(writing o straight into the client's region when it is on the device) and the final
+states' gather (there too), replayed by one call. Each graph has a memory pool of
 its own (what its replays write: o, the final states, the copied rows, the
 intermediates), freed when the prepared prefill is released. (One pool shared by a
 core's graphs, through a pool handle, failed under torch 2.11 on the H200: an allocator
@@ -42,7 +45,8 @@ from kernels.problem import PrefillProblem, packed_problem
 
 from .inputs import REQUIRED_TENSORS, PrefillResult
 from .transaction import LaunchTransaction
-from .validation import ValidPrefill, extremes, packed_value_problem
+from ..errors import InvalidRequest
+from .validation import ValidPrefill, input_check_problem
 
 log = logging.getLogger("kda_serve.core")
 
@@ -93,13 +97,11 @@ class PreparedRun:
 class _Step:
     """What one launch leaves to read after it: o [T, HV, V] in v's dtype, the final
     states [N, HV, V, K] (None when declined), the transaction (rows copied before the
-    kernels, non-finite flags) and the packed inputs' value extremes [5, 3] float32
-    (`value_extremes`' (-min, max, bad) rows)."""
+    kernels, non-finite flags, the inputs' checks)."""
 
     o: torch.Tensor
     finals: Optional[torch.Tensor]
     transaction: LaunchTransaction
-    ends: torch.Tensor
 
 
 class PreparedPrefill:
@@ -180,16 +182,18 @@ class PreparedPrefill:
                 step = self._step(transaction, self._layer, self._indices)
             assert step is not None
             queued_s = time.perf_counter() - start
-            refused = step.transaction.settle(step.o)  # the one synchronization
-            values = packed_value_problem(REQUIRED_TENSORS, self._packed, step.ends.tolist(),
-                                          not self.valid.gate.fused)
+            flags, checks = step.transaction.read()  # the one synchronization
+            values = input_check_problem(self._packed, checks, not self.valid.gate.fused)
+            if values is not None:
+                step.transaction.roll_back()
+                raise values
+            refused = step.transaction.settle(step.o, flags)
+        except InvalidRequest:
+            raise
         except Exception as e:
             if transaction is None:
                 raise
             raise transaction.abort(e, mark_lost, started=step is not None) from e
-        if values is not None:
-            step.transaction.roll_back()
-            raise values
         if refused:
             raise refused[0]
         return step.o, step.finals, queued_s
@@ -204,9 +208,10 @@ class PreparedPrefill:
         """The launch's transaction on ``pool`` rows ``indices``: in a graph the launch
         saves the rows it reads itself (a replay starts whole or not at all)."""
         return LaunchTransaction(pool, indices, [(self.valid.inputs.lengths, self.valid.inputs.slots)],
-                                 saved_by_launch=graphed)
+                                 saved_by_launch=graphed, checks_inputs=True)
 
-    def _problem(self, pool: torch.Tensor, indices: torch.Tensor, transaction: LaunchTransaction) -> PrefillProblem:
+    def _problem(self, pool: torch.Tensor, indices: torch.Tensor, transaction: LaunchTransaction,
+                 o_out: Optional[torch.Tensor]) -> PrefillProblem:
         x, gate = self.valid.inputs, self.valid.gate
         A_log, dt_bias = self._gate
         return packed_problem(
@@ -214,17 +219,18 @@ class PreparedPrefill:
             A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, use_qk_l2norm=x.params.use_qk_l2norm,
             use_beta_sigmoid=x.params.use_beta_sigmoid, allow_neg_eigval=x.params.allow_neg_eigval,
             nonfinite=transaction.flags, saved_states=transaction.saved if transaction.saved_by_launch else None,
+            input_checks=transaction.input_checks, o_out=o_out,
         )
 
     def _step(self, transaction: LaunchTransaction, pool: torch.Tensor, indices: torch.Tensor) -> _Step:
         """Queue one launch on ``pool`` rows ``indices`` (inside a capture, or eagerly;
-        ``transaction`` made on the same rows): the value check, the kernels, the final
-        states' gather."""
+        ``transaction`` made on the same rows): the kernels (which check the inputs they
+        read), the final states' gather."""
         x = self.valid.inputs
         for source, dest in self.io.inputs:
             dest.copy_(source, non_blocking=True)  # device or page-locked host memory: no synchronization
-        ends = _value_ends(self._packed)
-        o, _ = kernels.run_problem(self._problem(pool, indices, transaction), self._backend)
+        o_out = self._o_in_place() if pool is self._layer else None  # not for the warm-up's scratch rows
+        o, _ = kernels.run_problem(self._problem(pool, indices, transaction, o_out), self._backend)
         into = self.io.final_state if pool is self._layer else None  # not for the warm-up's scratch rows
         finals = None
         if x.params.return_final_state and into is not None and into.device == pool.device:
@@ -233,21 +239,15 @@ class PreparedPrefill:
             finals = pool.index_select(0, indices)
             if into is not None:
                 into.copy_(finals, non_blocking=True)
-        if self.io.o is not None and pool is self._layer:
+        if self.io.o is not None and pool is self._layer and o is not self.io.o:
             self.io.o.copy_(o, non_blocking=True)
-        return _Step(o, finals, transaction, ends)
+        return _Step(o, finals, transaction)
 
+    def _o_in_place(self) -> Optional[torch.Tensor]:
+        """``io.o`` when the kernels can write o there themselves (device memory of the
+        pool's device, v's dtype, contiguous): no copy after them."""
+        o, v = self.io.o, self.valid.inputs.v
+        if o is None or o.device != self._layer.device or o.dtype != v.dtype or not o.is_contiguous():
+            return None
+        return o if o.shape == v.shape else None
 
-def _value_ends(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[n, 3] float32 (-min, max, bad) of each tensor (`value_extremes`' rows): on a GPU one
-    launch on the current stream (capturable), on a CPU from `extremes` (NaN rows when a
-    value is not finite: min and max propagate it)."""
-    if tensors[0].is_cuda:
-        from kernels.triton_kernels.extremes import value_extremes  # Triton: only where a GPU runs it
-
-        return value_extremes(tensors)
-    rows = []
-    for ends in extremes(tensors):  # every packed tensor has a token at least
-        assert ends is not None
-        rows.append((-ends[0], ends[1], 0.0))
-    return torch.tensor(rows, dtype=torch.float32)

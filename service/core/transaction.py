@@ -25,6 +25,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from kernels.problem import NUM_INPUT_CHECKS
+
 from ..errors import ServiceError
 
 log = logging.getLogger("kda_serve.core")
@@ -75,11 +77,15 @@ class LaunchTransaction:
     problem's ``saved_states`` (it fills it before it writes any row), and a launch that
     raised before it started is aborted with ``started=False`` (its rows are untouched and
     `saved` holds nothing yet). Only a launch that starts all at once or not at all (a CUDA
-    graph's replay) can say which."""
+    graph's replay) can say which.
+
+    With ``checks_inputs`` the flags have room for the launch's input checks as well
+    (`input_checks`, the problem's ``input_checks``), so that `read` brings back both in
+    one copy."""
 
     def __init__(self, layer: torch.Tensor, indices: torch.Tensor,
                  requests: Sequence[tuple[Sequence[int], Sequence[Optional[str]]]],
-                 saved_by_launch: bool = False) -> None:
+                 saved_by_launch: bool = False, checks_inputs: bool = False) -> None:
         self._layer = layer
         self._indices = indices
         self._requests = requests
@@ -90,12 +96,23 @@ class LaunchTransaction:
             self.saved = torch.empty((n, *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
         else:
             self.saved = layer.index_select(0, indices)  # a copy, on the device
-        self.flags = torch.zeros(n + 1, dtype=torch.int32, device=layer.device)  # the launch's `nonfinite`
+        extra = NUM_INPUT_CHECKS if checks_inputs else 0
+        self._read = torch.zeros(n + 1 + extra, dtype=torch.int32, device=layer.device)
+        self.flags = self._read[:n + 1]  # the launch's `nonfinite`
+        self.input_checks = self._read[n + 1:] if checks_inputs else None  # its `input_checks`
 
-    def settle(self, o: torch.Tensor) -> dict[int, UpdateDiverged]:
-        """After the kernels wrote o [T, HV, V], the rows and `flags`: each request with a
-        diverged sequence (`diverged`) rolled back, and its error, by request index."""
-        bad = set(self.diverged(o))
+    def read(self) -> tuple[list[int], list[int]]:
+        """`flags` and `input_checks` (empty without them) as host ints, in one copy: the
+        launch's one synchronization (a kernel's asynchronous failure surfaces here)."""
+        values = self._read.tolist()
+        n = self.flags.shape[0]
+        return values[:n], values[n:]
+
+    def settle(self, o: torch.Tensor, flags: Optional[list[int]] = None) -> dict[int, UpdateDiverged]:
+        """After the kernels wrote o [T, HV, V], the rows and `flags` (read here, or
+        given as `read` returned them): each request with a diverged sequence (`diverged`)
+        rolled back, and its error, by request index."""
+        bad = set(self.diverged(o, flags))
         refused: dict[int, UpdateDiverged] = {}
         n0 = 0
         for j, (lengths, slots) in enumerate(self._requests):
@@ -107,12 +124,12 @@ class LaunchTransaction:
             n0 = n1
         return refused
 
-    def diverged(self, o: torch.Tensor) -> list[int]:
+    def diverged(self, o: torch.Tensor, flags: Optional[list[int]] = None) -> list[int]:
         """Positions (0..N-1) of the sequences the kernels flagged: a final state or tokens
-        of ``o`` [T, HV, V] holding a non-finite value. Reading the flags is the launch's one
-        synchronization (a kernel's asynchronous failure surfaces here); only when a stage
-        flagged o without knowing whose (flags[N]), a pass over o finds which sequences."""
-        *per_sequence, unattributed = self.flags.tolist()
+        of ``o`` [T, HV, V] holding a non-finite value. Reading the flags (`read`, unless
+        given) is the launch's one synchronization; only when a stage flagged o without
+        knowing whose (flags[N]), a pass over o finds which sequences."""
+        *per_sequence, unattributed = self.read()[0] if flags is None else flags
         bad = {n for n, flag in enumerate(per_sequence) if flag}
         if unattributed:
             bad |= set(self._sequences_with_nonfinite_o(o))

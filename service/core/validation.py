@@ -6,12 +6,13 @@ Errors name the field and show what was seen (`InvalidRequest`, HTTP 400).
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from kernels.problem import FLOAT_INPUTS, lower_bound_error
+from kernels.problem import CHECKED_INPUTS, FLOAT_INPUTS, G_POSITIVE_CHECK, lower_bound_error
 from state_store import PoolGeometry
 
 from .staging import copy_stream, on_stream
@@ -250,7 +251,7 @@ def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Map
 def validate_form(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mapping[int, Gate]) -> ValidPrefill:
     """`validate_prefill` but for the values of the packed tensors (q, k, v, g, beta): the
     checks of a prepared prefill, whose packed inputs get new values at every run and are
-    checked then (`packed_value_problem`); the scale and the request's gate tensors
+    checked then (`input_check_problem`); the scale and the request's gate tensors
     (A_log, dt_bias), which stay as they are, are checked here."""
     _check_sequences(x, geometry)
     heads = _check_tensors(x, geometry)
@@ -273,6 +274,20 @@ def packed_value_problem(names: Sequence[str], tensors: Sequence[Union[str, torc
     an Inf); ``log_decay``: g is the log decay (no gate), so its values must be <= 0."""
     for name, t, (neg_lo, hi, bad) in zip(names, tensors, ends):
         lo, hi = (math.nan, math.nan) if bad > 0 else (-neg_lo, hi)
+        if (why := _value_problem(name, t, lo, hi, log_decay)) is not None:
+            return why
+    return None
+
+
+def input_check_problem(tensors: Sequence[Union[str, torch.Tensor]], checks: Sequence[int],
+                        log_decay: bool) -> Optional[InvalidRequest]:
+    """The 400 for the first of ``tensors`` (q, k, v, g, beta, `CHECKED_INPUTS`; each the
+    tensor or its description) that a launch's input checks flagged: ``checks`` as read
+    back (`kernels.problem.PrefillProblem.input_checks`); ``log_decay``: g is the log
+    decay (no gate), so its values must be <= 0."""
+    largest_g = struct.unpack("<f", struct.pack("<i", checks[G_POSITIVE_CHECK]))[0]  # 0.0: none positive
+    for i, (name, t) in enumerate(zip(CHECKED_INPUTS, tensors)):
+        lo, hi = (math.nan, math.nan) if checks[i] else (0.0, largest_g if name == "g" else 0.0)
         if (why := _value_problem(name, t, lo, hi, log_decay)) is not None:
             return why
     return None

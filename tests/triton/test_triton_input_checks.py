@@ -1,0 +1,125 @@
+"""`PrefillProblem.input_checks`: the kernels that read the raw inputs anyway (the WY stage
+for chunked sequences, the decode kernel for single-token ones) flag a NaN or Inf in q, k,
+v, g or beta, and the largest positive given log decay, as they load them: the checks a
+prepared prefill reads instead of scanning its inputs in a pass of their own.
+
+One bad value at a random place (token, head, channel) is found in each input through
+both paths (chunked and decode in one launch, GVA heads, bf16 inputs), and in no other
+slot; clean inputs set nothing; a positive log decay is reported as its value's bits
+(its largest), while positive raw gate values under a fused gate are not; checking
+changes no output bit. The torch backend meets the same contract.
+
+Interpreted on the CPU without CUDA (CI), compiled on a GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from kernels import run_problem
+from kernels.problem import CHECKED_INPUTS, G_POSITIVE_CHECK, NUM_INPUT_CHECKS, packed_problem
+from triton_cases import Case, Inputs, make_inputs, same_bits
+
+CASES = {
+    "chunked and decode": Case((130, 1, 70, 1), gate="softplus"),
+    "GVA, bf16, lower bound": Case((1, 65, 1), H=1, HV=2, gate="lower_bound", dtype=torch.bfloat16),
+    "decode only, log decay given": Case((1, 1, 1), gate="given"),
+}
+
+
+def launch(case: Case, inp: Inputs, backend: str, checked: bool = True) -> tuple[list[int], torch.Tensor]:
+    """The input checks after one launch of ``inp`` (zeros before it), and o."""
+    device = inp.q.device
+    checks = torch.zeros(NUM_INPUT_CHECKS, dtype=torch.int32, device=device) if checked else None
+    problem = packed_problem(
+        inp.q[0], inp.k[0], inp.v[0], inp.g[0], inp.beta[0], bounds=inp.cu_seqlens.tolist(), pool=inp.pool,
+        indices=inp.indices, scale=None, A_log=inp.gate_kwargs.get("A_log"), dt_bias=inp.gate_kwargs.get("dt_bias"),
+        lower_bound=inp.gate_kwargs.get("lower_bound"), use_qk_l2norm=case.l2norm, use_beta_sigmoid=case.sigmoid,
+        allow_neg_eigval=case.neg_eigval, state_v_first=case.v_first, input_checks=checks,
+    )
+    o, _ = run_problem(problem, backend)
+    return ([] if checks is None else checks.tolist()), o
+
+
+def put(inp: Inputs, name: str, value: float, seed: int, token: Optional[int] = None) -> None:
+    """``value`` into input ``name`` at a random place (at ``token`` when given)."""
+    t = getattr(inp, name)[0]
+    gen = torch.Generator().manual_seed(seed)
+    where = [int(torch.randint(n, (1,), generator=gen)) for n in t.shape]
+    if token is not None:
+        where[0] = token
+    t[tuple(where)] = value
+
+
+def skip_unless(backend: str, device: str) -> None:
+    if backend == "torch" and device != "cpu":
+        pytest.skip("the torch backend's checks are tested on the CPU")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_clean_inputs_set_no_check(device: str, name: str, backend: str) -> None:
+    skip_unless(backend, device)
+    checks, _ = launch(CASES[name], make_inputs(CASES[name], device, seed=3), backend)
+    assert checks == [0] * NUM_INPUT_CHECKS
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("tensor", CHECKED_INPUTS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_nonfinite_value_is_flagged_in_its_input_alone(device: str, name: str, tensor: str, value: float,
+                                                          backend: str) -> None:
+    skip_unless(backend, device)
+    case = CASES[name]
+    for token, seed in ((0, 11), (sum(case.lengths) - 1, 12), (None, 13)):  # both paths' tokens, and anywhere
+        inp = make_inputs(case, device, seed=seed)
+        put(inp, tensor, value, seed, token)
+        checks, _ = launch(case, inp, backend)
+        slot = CHECKED_INPUTS.index(tensor)
+        assert checks[slot] == 1, f"{value} in {tensor} (token {token}) was not flagged: {checks}"
+        others = [c for i, c in enumerate(checks[:G_POSITIVE_CHECK]) if i != slot]
+        assert others == [0] * (G_POSITIVE_CHECK - 1), f"{value} in {tensor} flagged another input: {checks}"
+
+
+def float_bits(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.float32).view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_largest_positive_log_decay_is_reported(device: str, backend: str) -> None:
+    skip_unless(backend, device)
+    case = Case((1, 90, 1), gate="given")
+    inp = make_inputs(case, device, seed=5)
+    put(inp, "g", 0.25, seed=1, token=0)  # a decode token
+    put(inp, "g", 0.75, seed=2, token=40)  # a chunked one
+    put(inp, "g", 0.5, seed=3)
+    checks, _ = launch(case, inp, backend)
+    assert checks[G_POSITIVE_CHECK] == float_bits(0.75)
+    assert checks[:G_POSITIVE_CHECK] == [0] * G_POSITIVE_CHECK
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_positive_raw_gates_are_not_log_decays(device: str, backend: str) -> None:
+    skip_unless(backend, device)
+    case = Case((1, 90, 1), gate="lower_bound")
+    inp = make_inputs(case, device, seed=6)
+    inp.g.abs_()  # raw gate values, every one positive: the gate maps them to decays < 0
+    checks, _ = launch(case, inp, backend)
+    assert checks == [0] * NUM_INPUT_CHECKS
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_checking_changes_no_output(device: str, name: str) -> None:
+    case = CASES[name]
+    results = []
+    for checked in (False, True):
+        inp = make_inputs(case, device, seed=8)
+        o = torch.full_like(inp.v[0], float("nan"))
+        _, out = launch(case, inp, "triton", checked)
+        o.copy_(out)
+        results.append((o, inp.pool))
+    assert same_bits(results[0][0], results[1][0]), "o differs when the inputs are checked"
+    assert same_bits(results[0][1], results[1][1]), "the final states differ when the inputs are checked"
