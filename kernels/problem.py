@@ -19,9 +19,6 @@ MAX_HEAD_DIM = 256
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # q, k, v, g, beta
 POOL_DTYPES = (torch.float32, torch.bfloat16)  # the state pool
 LOWER_BOUND_RANGE = (-5.0, 0.0)  # [lo, hi): the lower-bound gate's L
-CHECKED_INPUTS = ("q", "k", "v", "g", "beta")  # the input checks' slots 0-4 (`PrefillProblem.input_checks`)
-G_POSITIVE_CHECK = 5  # the slot of the largest positive given log decay's bits
-NUM_INPUT_CHECKS = 6
 
 
 def lower_bound_error(value: float) -> Optional[str]:
@@ -74,12 +71,11 @@ class PrefillProblem:
     whose row is not written), before the launch writes any pool row: a launch
     transaction's copy (`save_initial_states`, or the Triton decode kernel as it reads the
     rows: no second read of them).
-    input_checks: [NUM_INPUT_CHECKS] int32 on the device, zeros (None: not checked): the
-    backend sets [i] to 1 when input i of `CHECKED_INPUTS` (q, k, v, g, beta) holds a NaN or
-    Inf among the values the launch reads, and, when g is the log decay (no gate), raises
-    [5] to the float32 bits of its largest positive value (those bits order as the floats;
-    0: none is positive). From the kernels that read the inputs anyway: no pass of its own.
-    The launch still runs: its caller rolls it back when a check fails.
+    input_checks: [1] int32 on the device, zero (None: not checked): the backend sets it to
+    1 when a value of q, k, v, g or beta that the launch reads is a NaN or Inf, or, when g
+    is the log decay (no gate), > 0. From the kernels that read the inputs anyway: no pass
+    of its own. The launch still runs: its caller rolls it back when the check fails (and
+    finds which input failed with a pass of its own, on that path alone).
     o_out: None, or [T, HV, V] contiguous in v's dtype on the device: where the launch
     writes o (and what it returns as o) instead of a tensor of its own.
     """
@@ -155,8 +151,8 @@ def packed_problem(
     targets given, or ``checkpoint_provider`` to produce them when the launch needs them);
     ``nonfinite``: the [N + 1] int32 zeros that receive the non-finite flags, or None;
     ``saved_states``: where the launch copies the rows it reads, or None;
-    ``input_checks``: the [NUM_INPUT_CHECKS] int32 zeros that receive the input checks, or
-    None; ``o_out``: where o goes, or None.
+    ``input_checks``: the [1] int32 zero that receives the input check, or None;
+    ``o_out``: where o goes, or None.
     """
     HV, K = v.shape[1], q.shape[2]
     bounds = tuple(bounds)
@@ -184,5 +180,5 @@ def save_initial_states(p: PrefillProblem) -> None:
 # output_intermediate_states, h [NT, HV, V, K] (or [NT, HV, K, V]) in fp32: the state
 # before each chunk; final states are written into pool rows in place, and the state after
 # each checkpoint position into its target (checkpoint_states, or the checkpoint_provider's,
-# asked once); the flags into nonfinite, the input checks into input_checks.
+# asked once); the flags into nonfinite, the input check into input_checks.
 Backend = Callable[[PrefillProblem], tuple[torch.Tensor, Optional[torch.Tensor]]]

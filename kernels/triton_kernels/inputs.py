@@ -20,7 +20,7 @@ class StageInputs:
     ``has_a_log`` / ``has_dt_bias`` is false. ``mat``: the dtype of the stored operand
     tiles (fp16 for 16-bit inputs, fp32 for fp32 inputs); ``dot_prec``: `tl.dot`'s
     input_precision for fp32 operands; ``fp16_solve``: the solve and T diag(beta) in fp16.
-    ``checks``: [NUM_CHECKS] int32, the launch's input checks
+    ``checks``: [1] int32, the launch's input check
     (`kernels.problem.PrefillProblem.input_checks`; None: not checked)."""
 
     q: torch.Tensor
@@ -44,7 +44,7 @@ class StageInputs:
     checks: Optional[torch.Tensor] = None
 
     def check_pointer(self, placeholder: torch.Tensor) -> torch.Tensor:
-        """The input checks for a kernel's arguments, ``placeholder`` where absent (CHECK keeps it unread)."""
+        """The input check for a kernel's arguments, ``placeholder`` where absent (CHECK keeps it unread)."""
         return placeholder if self.checks is None else self.checks
 
     @property

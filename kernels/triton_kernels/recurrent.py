@@ -8,7 +8,8 @@ SAVE, the row as read is also stored into ``saved[seq]`` first (a launch transac
 of the rows it writes, taken by the kernel that reads them: `StateTargets.saved`); with
 CHECKPOINT, also to the checkpoint row its chunk names (`state.store_checkpoint`); with
 FLAG, a NaN or Inf in its o or its new state (as stored) sets ``flags[sequence]``; with
-CHECK, its raw inputs are checked as they are loaded (`checks.check_inputs`).
+CHECK, its raw inputs are checked as they are loaded (`checks.nan_where_bad`,
+`checks.flag_if_nan`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import triton.language as tl
 from .config import LaunchConfig
 from .gate import activate_beta, gate_params, log_decay
 from .inputs import StageInputs, StateTargets
-from .checks import check_inputs, flag_nonfinite
+from .checks import flag_if_nan, flag_nonfinite, nan_where_bad
 from .state import store_checkpoint
 
 
@@ -41,7 +42,7 @@ def recurrent_step_kernel(
     the state pass; h (when STORE_H): [NT, HV, .., ..] fp32, receives the initial state;
     ckpt_addrs (CHECKPOINT) and flags [N + 1] int32 (FLAG) as in `StateTargets`; saved
     (SAVE): [N, HV, ., .] in the pool's dtype, its rows ``s_saved`` apart, the pool's
-    strides inside a row; checks (CHECK): the launch's input checks, [NUM_CHECKS] int32.
+    strides inside a row; checks (CHECK): the launch's input check, [1] int32.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -64,12 +65,10 @@ def recurrent_step_kernel(
     b_g = tl.load(g + (t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_b = tl.load(beta + t * HV + i_hv).to(tl.float32)
     b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    if CHECK:  # the raw values, as loaded (`checks.check_inputs`; slots CHECK_Q .. CHECK_BETA)
-        check_inputs(checks, b_q, m_k, 0, False)
-        check_inputs(checks, b_k, m_k, 1, False)
-        check_inputs(checks, b_v, m_v, 2, False)
-        check_inputs(checks, b_g, m_k, 3, GATE == 0)
-        check_inputs(checks, b_b, True, 4, False)
+    if CHECK:  # the raw values, as loaded (0 where masked)
+        bad = nan_where_bad(b_q, False) + nan_where_bad(b_k, False) + nan_where_bad(b_g, GATE == 0)
+        flag_if_nan(checks, tl.sum(bad, axis=0) + tl.sum(nan_where_bad(b_v, False), axis=0)
+                    + nan_where_bad(b_b, False))
     if USE_L2NORM:
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)

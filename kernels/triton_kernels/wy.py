@@ -15,8 +15,9 @@ no cancellation); G_last - G_t is the exclusive suffix sum, never G_last - G its
 `chunk_cumsums`: by 16-row blocks, as intra builds them, or by two 64-row scans).
 
 This stage reads every raw input value of the chunked sequences (beta only for this), so
-it is where a launch's input checks are made (CHECK, `checks.check_inputs`): a NaN or Inf
-in q, k, v, g or beta, and a positive given log decay, flagged as the tiles are loaded.
+it is where a launch's input checks are made (CHECK): a NaN or Inf in q, k, v, g or beta,
+or a positive given log decay, folded into a per-program sum as the tiles are loaded
+(`checks.nan_where_bad`) and flagged by one atomic when it is NaN (`checks.flag_if_nan`).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .config import LaunchConfig
-from .checks import check_inputs
+from .checks import flag_if_nan, nan_where_bad
 from .gate import LOG_DECAY_FLOOR, block_sums, decays_of, gate_params, load_rows
 from .inputs import StageInputs
 
@@ -59,7 +60,7 @@ def chunk_cumsums(gt, BK: tl.constexpr, BLOCK_SCAN: tl.constexpr):
 
 @triton.jit
 def store_wy_factors(
-    Tb, rq, rk, q_c, k_c, g_c, v_c, w_c, kg_c, qg_c, u_c, gexp_c, a_log, dt_bias, lower_bound, n_t, i_hv, checks,
+    Tb, rq, rk, q_c, k_c, g_c, v_c, w_c, kg_c, qg_c, u_c, gexp_c, a_log, dt_bias, lower_bound, n_t, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, BLOCK_SCAN: tl.constexpr, TB_FP16: tl.constexpr,
@@ -69,18 +70,16 @@ def store_wy_factors(
     are fp16's, bounded as `intra.solve_unit_lower` shows, and w is an fp16 product) and the norm
     factors rq, rk [64]. The ``*_c`` pointers are at the chunk's first token and head
     (gexp_c at its chunk row); n_t <= 64 tokens are valid. Stores w, kg, qg, u and gexp as
-    in the module docstring; with CHECK flags the raw q, k, g and v tiles into ``checks``
-    (`checks.check_inputs`)."""
+    in the module docstring. Returns [64] fp32: per token row, with CHECK, the sum of its
+    raw q, k, g and v values' `checks.nan_where_bad` (NaN where one failed), else zeros."""
     o_t = tl.arange(0, 64)
     m_t = o_t < n_t
+    bad = tl.zeros([64, BK], dtype=tl.float32)  # CHECK: the raw q, k, g tiles' `nan_where_bad`, summed
     for i_k in range(tl.cdiv(K, BK)):
         cols = i_k * BK + tl.arange(0, BK)
         m_c = cols < K
-        m = m_t[:, None] & m_c[None, :]
         bias, a = gate_params(a_log, dt_bias, i_hv, cols, m_c, K, HAS_A_LOG, HAS_DT_BIAS)
         xg = load_rows(g_c, o_t, m_t, HV * K, cols, m_c)
-        if CHECK:
-            check_inputs(checks, xg, m, 3, GATE == 0)  # CHECK_G; a given log decay must be <= 0
         gt = decays_of(xg, a, bias, lower_bound, m_t, m_c, GATE, FLOOR)
         G, Gs, total = chunk_cumsums(gt, BK, BLOCK_SCAN)
         eG = tl.exp(G)
@@ -88,8 +87,7 @@ def store_wy_factors(
         kt = load_rows(k_c, o_t, m_t, H * K, cols, m_c)
         qt = load_rows(q_c, o_t, m_t, H * K, cols, m_c)
         if CHECK:
-            check_inputs(checks, kt, m, 1, False)  # CHECK_K
-            check_inputs(checks, qt, m, 0, False)  # CHECK_Q
+            bad += nan_where_bad(xg, GATE == 0) + nan_where_bad(kt, False) + nan_where_bad(qt, False)
         kt = kt * rk[:, None]
         qt = qt * rq[:, None]
         if TB_FP16:
@@ -97,19 +95,22 @@ def store_wy_factors(
         else:
             wt = tl.dot(Tb, kt * eG, input_precision=DOT_PREC)
         p = o_t[:, None] * (HV * K) + cols[None, :]
+        m = m_t[:, None] & m_c[None, :]
         tl.store(w_c + p, wt.to(w_c.dtype.element_ty), mask=m)
         tl.store(kg_c + p, (kt * eK).to(kg_c.dtype.element_ty), mask=m)
         tl.store(qg_c + p, (qt * eG).to(qg_c.dtype.element_ty), mask=m)
         tl.store(gexp_c + cols, tl.exp(total), mask=m_c)
 
+    bad_rows = tl.sum(bad, axis=1)  # [64]
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
         vt = load_rows(v_c, o_t, m_t, HV * V, cv, m_v)
         if CHECK:
-            check_inputs(checks, vt, m_t[:, None] & m_v[None, :], 2, False)  # CHECK_V
+            bad_rows += tl.sum(nan_where_bad(vt, False), axis=1)
         ut = tl.dot(Tb, vt, input_precision=DOT_PREC)
         tl.store(u_c + (o_t[:, None] * (HV * V) + cv[None, :]), ut, mask=m_t[:, None] & m_v[None, :])
+    return bad_rows
 
 
 @triton.jit
@@ -127,7 +128,7 @@ def chunk_wy_kernel(
     q, k: [T, H, K]; v: [T, HV, V]; g: [T, HV, K]; beta: [T, HV] (any float dtype); tb:
     [T, HV, 64] (fp16 or fp32) and rqk: [T, HV, 2] fp32 from `intra`; outputs as in the
     module docstring. CHECK: every raw input value of the chunk and head is checked as it
-    is loaded (beta loaded for that alone) into ``checks`` [NUM_CHECKS] int32
+    is loaded (beta loaded for that alone); ``checks`` [1] int32 is set to 1 when one fails
     (`kernels.problem.PrefillProblem.input_checks`).
     """
     i_c = tl.program_id(0)
@@ -143,15 +144,15 @@ def chunk_wy_kernel(
     rq = tl.load(r_c + o_t * (HV * 2), mask=m_t, other=0.0)
     rk = tl.load(r_c + o_t * (HV * 2) + 1, mask=m_t, other=0.0)
     tk = (t0 * HV + i_hv) * K  # chunk bases: 64-bit scalars, 32-bit in-tile offsets
-    if CHECK:
-        b = tl.load(beta + t0 * HV + i_hv + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-        check_inputs(checks, b, m_t, 4, False)  # CHECK_BETA
-    store_wy_factors(
+    bad_rows = store_wy_factors(
         Tb, rq, rk, q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, g + t0 * (HV * K) + i_hv * K,
         v + (t0 * HV + i_hv) * V, w + tk, kg + tk, qg + tk, u + (t0 * HV + i_hv) * V, gexp + (i_g * HV + i_hv) * K,
-        a_log, dt_bias, lower_bound, t1 - t0, i_hv, checks, H, HV, K, V, BK, BV, GATE, HAS_A_LOG, HAS_DT_BIAS,
+        a_log, dt_bias, lower_bound, t1 - t0, i_hv, H, HV, K, V, BK, BV, GATE, HAS_A_LOG, HAS_DT_BIAS,
         DOT_PREC, FLOOR, BLOCK_SCAN, tb.dtype.element_ty == tl.float16, CHECK,
     )
+    if CHECK:
+        b = tl.load(beta + t0 * HV + i_hv + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        flag_if_nan(checks, tl.sum(bad_rows + nan_where_bad(b, False), axis=0))
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ synchronize once, check, deliver: no parsing, no validation of the form, no batc
 host-to-device copies of indices or bounds.
 
 The kernels check the inputs' values as they read them (`PrefillProblem.input_checks`:
-no pass of their own); the run reads the checks back with the non-finite flags, in one
-copy, and rolls the launch back when they fail.
+no pass of their own); the run reads the check back with the non-finite flags, in one
+copy, and when it failed rolls the launch back and scans the inputs to name the one.
 On a GPU the launch is a CUDA graph captured at preparation (`capture`): the transaction's
 copy of the rows it writes (made by the decode kernel as it reads them when every sequence
 is one token: ``saved_by_launch``), the flags and checks, every kernel of the pipeline
@@ -46,7 +46,7 @@ from kernels.problem import PrefillProblem, packed_problem
 from .inputs import REQUIRED_TENSORS, PrefillResult
 from .transaction import LaunchTransaction
 from ..errors import InvalidRequest
-from .validation import ValidPrefill, input_check_problem
+from .validation import ValidPrefill, failed_input_problem
 
 log = logging.getLogger("kda_serve.core")
 
@@ -120,7 +120,7 @@ class PreparedPrefill:
         self.keys = frozenset((s, valid.inputs.params.layer) for s in self.slots)  # `SlotOrdering.hold` takes it as is
         self.checked_generation: Optional[int] = None  # the pool's generation at the last check of the slots
         self.tokens = sum(valid.inputs.lengths)
-        self._packed = [getattr(valid.inputs, name) for name in REQUIRED_TENSORS]  # q, k, v, g, beta
+        self._packed = [(name, getattr(valid.inputs, name)) for name in REQUIRED_TENSORS]  # q, k, v, g, beta
         self.refill, self.deliver, self.io = refill, deliver, io
         self._indices = indices
         self._layer = pool_layer
@@ -182,11 +182,10 @@ class PreparedPrefill:
                 step = self._step(transaction, self._layer, self._indices)
             assert step is not None
             queued_s = time.perf_counter() - start
-            flags, checks = step.transaction.read()  # the one synchronization
-            values = input_check_problem(self._packed, checks, not self.valid.gate.fused)
-            if values is not None:
+            flags, inputs_failed = step.transaction.read()  # the one synchronization
+            if inputs_failed:
                 step.transaction.roll_back()
-                raise values
+                raise failed_input_problem(self._packed, not self.valid.gate.fused)
             refused = step.transaction.settle(step.o, flags)
         except InvalidRequest:
             raise

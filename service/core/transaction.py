@@ -25,8 +25,6 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from kernels.problem import NUM_INPUT_CHECKS
-
 from ..errors import ServiceError
 
 log = logging.getLogger("kda_serve.core")
@@ -79,7 +77,7 @@ class LaunchTransaction:
     `saved` holds nothing yet). Only a launch that starts all at once or not at all (a CUDA
     graph's replay) can say which.
 
-    With ``checks_inputs`` the flags have room for the launch's input checks as well
+    With ``checks_inputs`` the flags have room for the launch's input check as well
     (`input_checks`, the problem's ``input_checks``), so that `read` brings back both in
     one copy."""
 
@@ -96,17 +94,18 @@ class LaunchTransaction:
             self.saved = torch.empty((n, *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
         else:
             self.saved = layer.index_select(0, indices)  # a copy, on the device
-        extra = NUM_INPUT_CHECKS if checks_inputs else 0
-        self._read = torch.zeros(n + 1 + extra, dtype=torch.int32, device=layer.device)
+        self._read = torch.zeros(n + 1 + checks_inputs, dtype=torch.int32, device=layer.device)
         self.flags = self._read[:n + 1]  # the launch's `nonfinite`
         self.input_checks = self._read[n + 1:] if checks_inputs else None  # its `input_checks`
 
-    def read(self) -> tuple[list[int], list[int]]:
-        """`flags` and `input_checks` (empty without them) as host ints, in one copy: the
-        launch's one synchronization (a kernel's asynchronous failure surfaces here)."""
-        values = self._read.tolist()
-        n = self.flags.shape[0]
-        return values[:n], values[n:]
+    def read(self) -> tuple[list[int], bool]:
+        """`flags` as host ints and whether the input check failed (False without one), in
+        one copy: the launch's one synchronization (a kernel's asynchronous failure
+        surfaces here)."""
+        *flags, last = self._read.tolist()
+        if self.input_checks is None:
+            return [*flags, last], False
+        return flags, bool(last)
 
     def settle(self, o: torch.Tensor, flags: Optional[list[int]] = None) -> dict[int, UpdateDiverged]:
         """After the kernels wrote o [T, HV, V], the rows and `flags` (read here, or

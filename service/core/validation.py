@@ -6,13 +6,12 @@ Errors name the field and show what was seen (`InvalidRequest`, HTTP 400).
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from kernels.problem import CHECKED_INPUTS, FLOAT_INPUTS, G_POSITIVE_CHECK, lower_bound_error
+from kernels.problem import FLOAT_INPUTS, lower_bound_error
 from state_store import PoolGeometry
 
 from .staging import copy_stream, on_stream
@@ -203,6 +202,15 @@ def _value_problem(name: str, described: Union[str, torch.Tensor], lo: float, hi
     return None
 
 
+def first_value_problem(named: Sequence[tuple[str, torch.Tensor]], log_decay: bool) -> Optional[InvalidRequest]:
+    """The 400 for the first of the ``named`` tensors whose values fail (a NaN or Inf; with
+    ``log_decay``, g > 0), scanned here (`extremes`), or None."""
+    for (name, t), ends in zip(named, extremes([t for _, t in named])):
+        if ends is not None and (why := _value_problem(name, t, *ends, log_decay)):
+            return why
+    return None
+
+
 def _check_values(x: PrefillInputs, gate: Gate, defer: bool) -> Optional[DeferredCheck]:
     """Every value finite, ``scale`` > 0, and a given log decay (g without a gate) <= 0:
     a positive one grows the state by exp(g) per token, so a finite request would leave
@@ -214,9 +222,8 @@ def _check_values(x: PrefillInputs, gate: Gate, defer: bool) -> Optional[Deferre
     named = [(name, t) for name in TENSORS if (t := getattr(x, name)) is not None and t.numel()]
     later = [(name, t) for name, t in named if defer and t.is_cuda]
     now = [(name, t) for name, t in named if not (defer and t.is_cuda)]
-    for (name, t), ends in zip(now, extremes([t for _, t in now])):
-        if ends is not None and (why := _value_problem(name, t, *ends, not gate.fused)):
-            raise why
+    if (why := first_value_problem(now, not gate.fused)) is not None:
+        raise why
     if not later:
         return None
     from kernels.triton_kernels.extremes import value_extremes  # Triton: imported once a GPU tensor needs it
@@ -251,7 +258,7 @@ def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Map
 def validate_form(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mapping[int, Gate]) -> ValidPrefill:
     """`validate_prefill` but for the values of the packed tensors (q, k, v, g, beta): the
     checks of a prepared prefill, whose packed inputs get new values at every run and are
-    checked then (`input_check_problem`); the scale and the request's gate tensors
+    checked then (by the kernels: `failed_input_problem`); the scale and the request's gate tensors
     (A_log, dt_bias), which stay as they are, are checked here."""
     _check_sequences(x, geometry)
     heads = _check_tensors(x, geometry)
@@ -260,9 +267,8 @@ def validate_form(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mappin
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise _fail("scale", f"scale must be a finite number > 0, got {scale}")
     named = [(name, t) for name in OPTIONAL_TENSORS if (t := getattr(x, name)) is not None and t.numel()]
-    for (name, t), ends in zip(named, extremes([t for _, t in named])):
-        if ends is not None and (why := _value_problem(name, t, *ends, not gate.fused)):
-            raise why
+    if (why := first_value_problem(named, not gate.fused)) is not None:
+        raise why
     return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=_batch_key(x, heads, gate))
 
 
@@ -279,18 +285,16 @@ def packed_value_problem(names: Sequence[str], tensors: Sequence[Union[str, torc
     return None
 
 
-def input_check_problem(tensors: Sequence[Union[str, torch.Tensor]], checks: Sequence[int],
-                        log_decay: bool) -> Optional[InvalidRequest]:
-    """The 400 for the first of ``tensors`` (q, k, v, g, beta, `CHECKED_INPUTS`; each the
-    tensor or its description) that a launch's input checks flagged: ``checks`` as read
-    back (`kernels.problem.PrefillProblem.input_checks`); ``log_decay``: g is the log
-    decay (no gate), so its values must be <= 0."""
-    largest_g = struct.unpack("<f", struct.pack("<i", checks[G_POSITIVE_CHECK]))[0]  # 0.0: none positive
-    for i, (name, t) in enumerate(zip(CHECKED_INPUTS, tensors)):
-        lo, hi = (math.nan, math.nan) if checks[i] else (0.0, largest_g if name == "g" else 0.0)
-        if (why := _value_problem(name, t, lo, hi, log_decay)) is not None:
-            return why
-    return None
+def failed_input_problem(named: Sequence[tuple[str, torch.Tensor]], log_decay: bool) -> InvalidRequest:
+    """The 400 for inputs a launch's input check failed (`PrefillProblem.input_checks`):
+    their values scanned here (that launch's path alone) for the first of ``named`` that
+    fails; when none does now, its values changed since the launch read them (a client
+    writing into inputs read in place)."""
+    why = first_value_problem(named, log_decay)
+    if why is not None:
+        return why
+    return _fail("inputs", "an input held a non-finite value (NaN or Inf) or a log decay > 0 when the launch "
+                              "read it, but holds none now: its values changed during the run")
 
 
 def _batch_key(x: PrefillInputs, heads: int, gate: Gate) -> Hashable:

@@ -103,36 +103,35 @@ def test_the_real_kernels_flag_what_the_transaction_rolls_back(device: str, gen:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_read_brings_back_the_flags_and_the_input_checks(device: str, gen: torch.Generator) -> None:
-    """With ``checks_inputs`` the problem's ``input_checks`` share the flags' buffer: after
-    a launch with a NaN in v (sequence 1) and a positive log decay in g (sequence 0), one
-    `read` returns the sequence's flag and both checks, and `settle` takes the flags read."""
+def test_one_read_brings_back_the_flags_and_the_input_check(device: str, gen: torch.Generator) -> None:
+    """With ``checks_inputs`` the problem's ``input_checks`` shares the flags' buffer: after a
+    launch with a positive log decay in g (sequence 0, a failed input check) and a NaN in
+    v (sequence 1), one `read` returns the sequence's flag and the failed check, and
+    `settle` takes the flags read; a clean launch reads no failure."""
     from kernels import run_problem
-    from kernels.problem import CHECKED_INPUTS, G_POSITIVE_CHECK, NUM_INPUT_CHECKS, packed_problem
+    from kernels.problem import packed_problem
 
     T, H = 80, HV
-    layer = _layer(device, gen) * 0.1
-    indices = torch.tensor([3, 6], device=device)
-    txn = LaunchTransaction(layer, indices, [([16], ["a"]), ([64], ["b"])], checks_inputs=True)
-    assert txn.input_checks is not None and txn.input_checks.tolist() == [0] * NUM_INPUT_CHECKS
-    q, k = (torch.randn(T, H, K, generator=gen).to(device) for _ in range(2))
-    v = torch.randn(T, HV, V, generator=gen).to(device)
-    v[40, 1, 2] = float("nan")  # sequence 1
-    g = -torch.rand(T, HV, K, generator=gen).to(device)
-    g[5, 0, 3] = 0.375  # sequence 0: a growing state
-    beta = torch.rand(T, HV, generator=gen).to(device)
-    problem = packed_problem(q, k, v, g, beta, bounds=[0, 16, 80], pool=layer, indices=indices, scale=None,
-                             A_log=None, dt_bias=None, lower_bound=None, use_qk_l2norm=True,
-                             use_beta_sigmoid=False, allow_neg_eigval=False, nonfinite=txn.flags,
-                             input_checks=txn.input_checks)
-    o, _ = run_problem(problem)
-    flags, checks = txn.read()
-    assert flags == [0, 1, 0]
-    expected = [0] * NUM_INPUT_CHECKS
-    expected[CHECKED_INPUTS.index("v")] = 1
-    expected[G_POSITIVE_CHECK] = int(torch.tensor([0.375]).view(torch.int32))
-    assert checks == expected
-    assert list(txn.settle(o, flags)) == [1]
+    for poisoned in (False, True):
+        layer = _layer(device, gen) * 0.1
+        indices = torch.tensor([3, 6], device=device)
+        txn = LaunchTransaction(layer, indices, [([16], ["a"]), ([64], ["b"])], checks_inputs=True)
+        assert txn.input_checks is not None and txn.input_checks.tolist() == [0]
+        q, k = (torch.randn(T, H, K, generator=gen).to(device) for _ in range(2))
+        v = torch.randn(T, HV, V, generator=gen).to(device)
+        g = -torch.rand(T, HV, K, generator=gen).to(device)
+        if poisoned:
+            v[40, 1, 2] = float("nan")  # sequence 1
+            g[5, 0, 3] = 0.375  # sequence 0: a growing state
+        beta = torch.rand(T, HV, generator=gen).to(device)
+        problem = packed_problem(q, k, v, g, beta, bounds=[0, 16, 80], pool=layer, indices=indices, scale=None,
+                                 A_log=None, dt_bias=None, lower_bound=None, use_qk_l2norm=True,
+                                 use_beta_sigmoid=False, allow_neg_eigval=False, nonfinite=txn.flags,
+                                 input_checks=txn.input_checks)
+        o, _ = run_problem(problem)
+        flags, failed = txn.read()
+        assert (flags, failed) == (([0, 1, 0], True) if poisoned else ([0, 0, 0], False))
+        assert list(txn.settle(o, flags)) == ([1] if poisoned else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
