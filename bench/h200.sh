@@ -39,7 +39,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     kernel-paths) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_nonfinite.py tests/triton/test_triton_checkpoints.py tests/triton/test_triton_state_stages.py tests/triton/test_triton_vectors.py tests/triton/test_triton_extremes.py tests/triton/test_triton_intra_bounded.py ;;
     # the service's input checks, the kernels' input checks and non-finite flags, o into a given tensor, compiled
     kernel-checks) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_extremes.py tests/triton/test_triton_nonfinite.py \
-        tests/triton/test_triton_input_checks.py tests/triton/test_triton_o_out.py tests/service/test_transaction.py ;;
+        tests/triton/test_triton_input_checks.py tests/triton/test_triton_o_out.py tests/service/test_transaction.py \
+        tests/triton/test_triton_intra_bounded.py ;;
     # the service's GPU paths only (shared memory, staging, validation), and the POSIX shared
     # memory tests unfiltered: their server is on the GPU there
     service-tests) run_step "$name" "$limit" bash -c 'rc=0; python3 -m pytest -q -m gpu tests/transport tests/service tests/state_store || rc=1

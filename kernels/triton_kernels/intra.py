@@ -7,7 +7,9 @@ cumsum, the q/k L2 norm and the beta activation, builds A_qk and A_kk,
 
 and inverts T = (I + diag(beta) A_kk_strict)^-1 by block doubling. It writes
 T diag(beta) and A_qk (s <= t) per token row, and the q/k norm factors; `wy` turns them
-into the WY factors w, u.
+into the WY factors w, u. With a launch's input check (CHECK) it checks the raw q, k, g
+and beta as it loads them: row sums of `checks.nan_where_bad`, one atomic per program
+only when they are NaN (`checks.flag_if_nan`; `wy` checks v).
 
 Numerics. A chunk's cumsum G can fall far below -88 (real gates give one token a log decay
 near -2600), so exp(G_t - G_s) is never factored through the chunk-level G. The chunk is cut
@@ -33,7 +35,9 @@ import triton
 import triton.language as tl
 
 from .config import LaunchConfig
-from .gate import GATE_LOWER_BOUND, LOG_DECAY_FLOOR, activate_beta, block_sums, decay_tile, gate_params, load_rows
+from .checks import flag_if_nan, nan_where_bad
+from .gate import (GATE_LOWER_BOUND, LOG_DECAY_FLOOR, activate_beta, block_sums, decay_tile, decays_of, gate_params,
+                   load_rows)
 from .inputs import StageInputs
 
 BT = 64  # chunk
@@ -136,14 +140,16 @@ def chunk_matrices(
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, USE_L2NORM: tl.constexpr,
     SAFE: tl.constexpr, DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, FACTORED: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """One chunk's intra-chunk matrices, from its first rows: q_c, k_c [.., H, K], g_c
     [.., HV, K] and beta_c [.., HV] point at the chunk's first token and head; n_t <= 64
     tokens are valid.
 
     Returns (A_qk [64, 64] fp32 with s <= t, L [64, 64] fp32 = diag(beta) A_kk strictly
-    lower, beta [64] activated, rq [64] = scale / |q_t|, rk [64] = 1 / |k_t|); rows and
-    columns past n_t are zero.
+    lower, beta [64] activated, rq [64] = scale / |q_t|, rk [64] = 1 / |k_t|, bad [64]:
+    with CHECK per row the sum of its raw q, k, g and beta values' `checks.nan_where_bad`,
+    else zeros); rows and columns past n_t are zero.
 
     FACTORED: the k side's exp(Off_i - G_s), for s in block j, is taken as the product
     exp(Off_i - Off_(j+1)) * exp(R_s) (R_s the exclusive suffix inside block j): 16 + 1
@@ -157,8 +163,11 @@ def chunk_matrices(
     blk_t = o_t // 16
 
     before = o_b[None, :] < o_b[:, None]  # [NB(b), NB(m)]: m < b
-    b = tl.load(beta_c + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-    b = tl.where(m_t, activate_beta(b, BETA_SIGMOID, NEG_EIGVAL), 0.0)
+    x_b = tl.load(beta_c + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+    b = tl.where(m_t, activate_beta(x_b, BETA_SIGMOID, NEG_EIGVAL), 0.0)
+    bad = tl.zeros([64], dtype=tl.float32)
+    if CHECK:
+        bad += nan_where_bad(x_b, False)
 
     # ---- A_qk, A_kk: one batched product per key slice over row blocks i -------------
     # Row block i is anchored at Off_i (the cumsum before its first row): the q side is
@@ -181,11 +190,14 @@ def chunk_matrices(
         cols = i_k * BK + tl.arange(0, BK)
         m_c = cols < K
         bias, a = gate_params(a_log, dt_bias, i_hv, cols, m_c, K, HAS_A_LOG, HAS_DT_BIAS)
-        gt = decay_tile(g_c, a, bias, lower_bound, o_t, m_t, cols, m_c, HV * K, GATE, FLOOR)
+        xg = load_rows(g_c, o_t, m_t, HV * K, cols, m_c)
+        gt = decays_of(xg, a, bias, lower_bound, m_t, m_c, GATE, FLOOR)
         F3, Tot, R3 = block_sums(gt, BK)
         off = tl.sum(tl.where(before[:, :, None], Tot[None, :, :], 0.0), axis=1)  # [NB, BK]
         qt = load_rows(q_c, o_t, m_t, H * K, cols, m_c)
         kt = load_rows(k_c, o_t, m_t, H * K, cols, m_c)
+        if CHECK:
+            bad += tl.sum(nan_where_bad(xg, GATE == 0) + nan_where_bad(qt, False) + nan_where_bad(kt, False), axis=1)
         sq_q += qt * qt
         sq_k += kt * kt
         if FACTORED:
@@ -219,7 +231,7 @@ def chunk_matrices(
     valid = m_t[:, None] & m_t[None, :]
     A_qk = tl.where(valid & (o_t[:, None] >= o_t[None, :]), A_qk, 0.0)
     L = tl.where(valid & (o_t[:, None] > o_t[None, :]), A_kk * b[:, None], 0.0)
-    return A_qk, L, b, rq, rk
+    return A_qk, L, b, rq, rk, bad
 
 
 @triton.jit
@@ -233,13 +245,15 @@ def chunk_intra_kernel(
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     SAFE: tl.constexpr, DOT_PREC: tl.constexpr, FLOOR: tl.constexpr, FP16_SOLVE: tl.constexpr,
-    DIAG16: tl.constexpr, FACTORED: tl.constexpr,
+    DIAG16: tl.constexpr, FACTORED: tl.constexpr, checks, CHECK: tl.constexpr,
 ):
     """Grid (NTc, HV). chunks: [NTc, 3] int64 (first token, end token, h index).
 
     q, k: [T, H, K]; g: [T, HV, K]; beta: [T, HV] (any float dtype). Writes
     tb = T diag(beta) [T, HV, 64] (fp16 with FP16_SOLVE, else fp32), aqk = A_qk [T, HV, 64] (operand dtype) and
-    rqk [T, HV, 2] fp32: (scale / |q_t|, 1 / |k_t|) (scale, 1 without L2 norm).
+    rqk [T, HV, 2] fp32: (scale / |q_t|, 1 / |k_t|) (scale, 1 without L2 norm). CHECK: the
+    raw q, k, g and beta values set ``checks`` [1] int32 to 1 when one is a NaN or Inf or
+    (GATE given) g > 0 (`kernels.problem.PrefillProblem.input_checks`).
     """
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -249,12 +263,14 @@ def chunk_intra_kernel(
     o_t = tl.arange(0, 64)
     m_t = o_t < t1 - t0
     # chunk bases: 64-bit scalars, 32-bit in-tile offsets
-    A_qk, L, b, rq, rk = chunk_matrices(
+    A_qk, L, b, rq, rk, bad = chunk_matrices(
         q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, g + t0 * (HV * K) + i_hv * K,
         beta + t0 * HV + i_hv, a_log, dt_bias, scale, lower_bound, t1 - t0, i_hv,
         H, HV, K, BK, BKD, GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID, NEG_EIGVAL, USE_L2NORM,
-        SAFE, DOT_PREC, FLOOR, FACTORED,
+        SAFE, DOT_PREC, FLOOR, FACTORED, CHECK,
     )
+    if CHECK:
+        flag_if_nan(checks, tl.sum(bad, axis=0))
     Tm = solve_unit_lower(L, DOT_PREC, FP16_SOLVE, DIAG16)
 
     o_r = o_t[:, None] * (HV * 64) + o_t[None, :]
@@ -284,10 +300,12 @@ class IntraOutputs:
 
 def launch_intra(x: StageInputs, chunks: torch.Tensor, out: IntraOutputs, cfg: LaunchConfig) -> None:
     """The intra-chunk matrices and the solve of the chunk rows ``chunks`` ([NTc, 3],
-    `kernels.triton_plan`), into ``out``."""
+    `kernels.triton_plan`), into ``out``; q, k, g and beta checked into ``x.checks`` as
+    they are read (when given)."""
     chunk_intra_kernel[(chunks.shape[0], x.HV)](
         x.q, x.k, x.g, x.beta, x.a_log, x.dt_bias, out.tb, out.aqk, out.rqk, chunks, x.scale, x.lower_bound,
         H=x.H, HV=x.HV, K=x.K, BK=cfg.intra_bk, BKD=cfg.intra_bkd, **x.flags, SAFE=x.gate == GATE_LOWER_BOUND,
         DOT_PREC=x.dot_prec, FLOOR=LOG_DECAY_FLOOR, FP16_SOLVE=x.fp16_solve, DIAG16=cfg.solve_diag16,
-        FACTORED=cfg.factored_a, num_warps=cfg.intra_warps, num_stages=cfg.intra_stages,
+        FACTORED=cfg.factored_a, checks=x.check_pointer(chunks), CHECK=x.checks is not None,
+        num_warps=cfg.intra_warps, num_stages=cfg.intra_stages,
     )

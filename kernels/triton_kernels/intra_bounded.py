@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from .config import LaunchConfig
+from .checks import flag_if_nan, nan_where_bad
 from .gate import GATE_LOWER_BOUND, load_rows
 from .inputs import StageInputs
 from .intra import IntraOutputs, solve_unit_lower
@@ -71,7 +72,7 @@ def chunk_intra_bounded_kernel(
     chunks,
     scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, NEG_EIGVAL: tl.constexpr, checks, CHECK: tl.constexpr,
 ):
     """Grid (NTc, HV). chunks: [NTc, 3] int64 (first token, end token, h index).
 
@@ -80,6 +81,8 @@ def chunk_intra_bounded_kernel(
     [-5, 0). Writes tb = T diag(beta) [T, HV, 64] fp16, aqk = A_qk [T, HV, 64] fp16 (s <= t,
     zeros above) and rqk [T, HV, 2] fp32 = (scale / |q_t|, 1 / |k_t|), rows of the chunk's
     tokens only; the q/k L2 norm and beta = sigmoid(logit) (x2 with NEG_EIGVAL) are fused.
+    CHECK: the raw q, k, g and beta values set ``checks`` [1] int32 to 1 when one is a NaN
+    or Inf (row sums of `checks.nan_where_bad`, one atomic only then).
     """
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -106,6 +109,7 @@ def chunk_intra_bounded_kernel(
     acc_kk = tl.zeros([4, 16, 64], dtype=tl.float32)
     ssq = tl.zeros([64], dtype=tl.float32)
     ssk = tl.zeros([64], dtype=tl.float32)
+    bad = tl.zeros([64], dtype=tl.float32)  # CHECK
     for i_k in range(tl.cdiv(K, BK)):
         cols = i_k * BK + tl.arange(0, BK)
         m_c = cols < K
@@ -125,6 +129,8 @@ def chunk_intra_bounded_kernel(
         kt = load_rows(k_c, o_t, m_t, H * K, cols, m_c)
         ssq += tl.sum(qt * qt, axis=1)
         ssk += tl.sum(kt * kt, axis=1)
+        if CHECK:
+            bad += tl.sum(nan_where_bad(x, False) + nan_where_bad(qt, False) + nan_where_bad(kt, False), axis=1)
         kR = tl.reshape(kt, [4, 16, BK]) * tl.exp2(Tot[:, None, :] - F3)  # k_s 2^R_s
         # the k side [4(i), BK, 64]: key slice before token, so its shared copy feeds ldmatrix
         ks = tl.reshape(tl.permute(kR, (2, 0, 1))[None, :, :, :] * tl.permute(fac, (0, 2, 1))[:, :, :, None],
@@ -145,6 +151,8 @@ def chunk_intra_bounded_kernel(
     # beta after the loop: nothing of it is live across the key slices
     x_b = tl.load(beta + t0 * HV + i_hv + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     b = tl.where(m_t, _sigmoid_rsqrt(tl.exp2(-x_b * LOG2E)), 0.0)
+    if CHECK:
+        flag_if_nan(checks, tl.sum(bad + nan_where_bad(x_b, False), axis=0))
     if NEG_EIGVAL:
         b = b * 2.0
     L = tl.where(o_t[:, None] > o_t[None, :], tl.reshape(acc_kk, [64, 64]), 0.0) * (rk * b)[:, None] * rk[None, :]
@@ -160,11 +168,12 @@ def bounded_intra_applies(x: StageInputs) -> bool:
 
 def launch_intra_bounded(x: StageInputs, chunks: torch.Tensor, out: IntraOutputs, cfg: LaunchConfig) -> None:
     """`intra.launch_intra`'s outputs for the chunk rows ``chunks`` ([NTc, 3],
-    `kernels.triton_plan`) of a problem `bounded_intra_applies` to, into ``out``."""
+    `kernels.triton_plan`) of a problem `bounded_intra_applies` to, into ``out`` (q, k, g
+    and beta checked into ``x.checks`` when given)."""
     assert bounded_intra_applies(x) and out.tb.dtype == torch.float16 and out.aqk.dtype == torch.float16
     cap = {"maxnreg": cfg.bounded_intra_maxnreg} if cfg.bounded_intra_maxnreg else {}
     chunk_intra_bounded_kernel[(chunks.shape[0], x.HV)](
         x.q, x.k, x.g, x.beta, x.a_log, x.dt_bias, out.tb, out.aqk, out.rqk, chunks, x.scale, x.lower_bound,
         H=x.H, HV=x.HV, K=x.K, BK=BK, HAS_A_LOG=x.has_a_log, HAS_DT_BIAS=x.has_dt_bias, NEG_EIGVAL=x.neg_eigval,
-        num_warps=4, num_stages=cfg.intra_stages, **cap,
+        checks=x.check_pointer(chunks), CHECK=x.checks is not None, num_warps=4, num_stages=cfg.intra_stages, **cap,
     )

@@ -5,9 +5,10 @@ Triton's own ptxas and cuobjdump.
 Run as a script (``python tests/triton/sm90_bounded_intra.py [K ...]``) in a process where
 TRITON_INTERPRET is unset; prints one JSON object per head dim K = V: ``registers`` (a
 thread), ``stack`` (bytes of stack frame, where ptxas puts spilled registers),
-``spill_ops`` (LDL/STL instructions) and ``shared`` (bytes), for the launch
+``spill_ops`` (LDL/STL instructions) and ``shared`` (bytes), for the launches
 `intra_bounded.launch_intra_bounded` makes in the serving setup (bf16, H = HV = 32, the
-config's register cap).
+config's register cap): ``check`` false (a prefill) and true (the inputs checked, as a
+prepared prefill's launch asks).
 """
 from __future__ import annotations
 
@@ -28,14 +29,15 @@ from kernels.triton_kernels.intra_bounded import BK, chunk_intra_bounded_kernel 
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-POINTERS = dict(q="bf16", k="bf16", g="bf16", beta="bf16", tb="fp16", aqk="fp16", chunks="i64")
+POINTERS = dict(q="bf16", k="bf16", g="bf16", beta="bf16", tb="fp16", aqk="fp16", chunks="i64", checks="i32")
 
 
-def resources(K: int) -> dict[str, int]:
-    """The sm_90 compile's figures for head dim K (see the module docstring)."""
+def resources(K: int, check: bool) -> dict[str, int]:
+    """The sm_90 compile's figures for head dim K, with or without the input check (see
+    the module docstring)."""
     cfg = select_config(K, K, interpret=False)
     fn = chunk_intra_bounded_kernel
-    constants = dict(H=32, HV=32, K=K, BK=BK, HAS_A_LOG=True, HAS_DT_BIAS=True, NEG_EIGVAL=False)
+    constants = dict(H=32, HV=32, K=K, BK=BK, HAS_A_LOG=True, HAS_DT_BIAS=True, NEG_EIGVAL=False, CHECK=check)
     params = fn.arg_names
     signature = {p: "constexpr" if p in constants else "fp32" if p in ("scale", "lower_bound")
                  else "*" + POINTERS.get(p, "fp32") for p in params}
@@ -52,10 +54,11 @@ def resources(K: int) -> dict[str, int]:
                   if ":" in item and item.split(":", 1)[1].isdigit())
     ops = [line.split("*/", 1)[1].split()[0] for line in sass.splitlines()
            if line.strip().startswith("/*") and ";" in line]
-    return dict(K=K, registers=int(fields["REG"]), stack=int(fields.get("STACK", 0)) + int(fields.get("LOCAL", 0)),
+    return dict(K=K, check=check, registers=int(fields["REG"]), stack=int(fields.get("STACK", 0)) + int(fields.get("LOCAL", 0)),
                 spill_ops=sum(op.split(".")[0] in ("LDL", "STL") for op in ops), shared=int(compiled.metadata.shared))
 
 
 if __name__ == "__main__":
     for K in [int(a) for a in sys.argv[1:]] or [64, 128, 256]:
-        print(json.dumps(resources(K)), flush=True)
+        for check in (False, True):
+            print(json.dumps(resources(K, check)), flush=True)

@@ -116,3 +116,27 @@ def test_checking_changes_no_output(device: str, name: str) -> None:
         results.append((o, inp.pool))
     assert same_bits(results[0][0], results[1][0]), "o differs when the inputs are checked"
     assert same_bits(results[0][1], results[1][1]), "the final states differ when the inputs are checked"
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+@pytest.mark.parametrize("tensor", INPUTS)
+def test_both_intra_kernels_check_the_inputs(device: str, monkeypatch: pytest.MonkeyPatch, bounded: bool,
+                                             tensor: str) -> None:
+    """The bounded gate's intra kernel (`intra_bounded`, bf16 with the lower bound) and the
+    general one each find a NaN in a chunked sequence's q, k, g or beta (v: the WY stage)."""
+    from kernels.triton_backend import stage_inputs
+    from kernels.triton_kernels import config, select_config
+    from kernels.triton_kernels.intra_bounded import bounded_intra_applies
+
+    monkeypatch.setattr(config, "BOUNDED_INTRA", bounded)
+    case = Case((96, 70), H=1, HV=2, gate="lower_bound", dtype=torch.bfloat16, zero_slot=False)
+    inp = make_inputs(case, device, seed=17)
+    problem = packed_problem(
+        inp.q[0], inp.k[0], inp.v[0], inp.g[0], inp.beta[0], bounds=inp.cu_seqlens.tolist(), pool=inp.pool,
+        indices=inp.indices, scale=None, lower_bound=-5.0, A_log=inp.gate_kwargs["A_log"],
+        dt_bias=inp.gate_kwargs["dt_bias"], use_qk_l2norm=True, use_beta_sigmoid=True, allow_neg_eigval=False)
+    cfg = select_config(case.K, case.V, interpret=device == "cpu")
+    assert cfg.bounded_intra == bounded and bounded_intra_applies(stage_inputs(problem, cfg))
+    put(inp, tensor, float("nan"), seed=4, token=100)
+    check, _ = launch(case, inp, "triton")
+    assert check == 1

@@ -223,7 +223,9 @@ def test_bounded_intra_fits_three_programs_an_sm90_sm() -> None:
     """Compiled for sm_90 (offline, `sm90_bounded_intra.py`, a process without the
     interpreter): at the config's register cap 3 programs of 4 warps fit an SM's 64K
     registers, with at most a few loop-invariant values spilled, and shared memory is no
-    limit."""
+    limit. With the input check (a prepared prefill's launch) ptxas spills more (30
+    LDL/STL against 12, K = 64-256), which cost no time on the H200 (8x4096 H32 graph
+    +0.00 ms, 2026-12-04, bench/RESULTS.md): bounded at 32."""
     import os
     import subprocess
     import sys
@@ -236,8 +238,8 @@ def test_bounded_intra_fits_three_programs_an_sm90_sm() -> None:
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [row["K"] for row in rows] == [64, 128, 256]
+    assert [(row["K"], row["check"]) for row in rows] == [(K, c) for K in (64, 128, 256) for c in (False, True)]
     for row in rows:
         assert 3 * 128 * row["registers"] <= 65536, row
-        assert row["stack"] <= 64 and row["spill_ops"] <= 24, row
+        assert row["stack"] <= 64 and row["spill_ops"] <= (32 if row["check"] else 24), row
         assert 3 * row["shared"] <= SM90_MAX_SHARED, row
