@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from kernels import run_problem
-from kernels.problem import packed_problem
-from triton_cases import Case, Inputs, make_inputs, same_bits
+from triton_cases import Case, Inputs, make_inputs, problem_of, same_bits
 
 CASES = {
     "chunked and decode": Case((130, 1, 70, 1), gate="softplus"),
@@ -35,12 +34,7 @@ def launch(case: Case, inp: Inputs, backend: str, checked: bool = True) -> tuple
     """The input check after one launch of ``inp`` (zero before it; -1 unchecked), and o."""
     device = inp.q.device
     checks = torch.zeros(1, dtype=torch.int32, device=device) if checked else None
-    problem = packed_problem(
-        inp.q[0], inp.k[0], inp.v[0], inp.g[0], inp.beta[0], bounds=inp.cu_seqlens.tolist(), pool=inp.pool,
-        indices=inp.indices, scale=None, A_log=inp.gate_kwargs.get("A_log"), dt_bias=inp.gate_kwargs.get("dt_bias"),
-        lower_bound=inp.gate_kwargs.get("lower_bound"), use_qk_l2norm=case.l2norm, use_beta_sigmoid=case.sigmoid,
-        allow_neg_eigval=case.neg_eigval, state_v_first=case.v_first, input_checks=checks,
-    )
+    problem = problem_of(case, inp, input_checks=checks)
     o, _ = run_problem(problem, backend)
     return (-1 if checks is None else int(checks)), o
 
@@ -131,10 +125,7 @@ def test_both_intra_kernels_check_the_inputs(device: str, monkeypatch: pytest.Mo
     monkeypatch.setattr(config, "BOUNDED_INTRA", bounded)
     case = Case((96, 70), H=1, HV=2, gate="lower_bound", dtype=torch.bfloat16, zero_slot=False)
     inp = make_inputs(case, device, seed=17)
-    problem = packed_problem(
-        inp.q[0], inp.k[0], inp.v[0], inp.g[0], inp.beta[0], bounds=inp.cu_seqlens.tolist(), pool=inp.pool,
-        indices=inp.indices, scale=None, lower_bound=-5.0, A_log=inp.gate_kwargs["A_log"],
-        dt_bias=inp.gate_kwargs["dt_bias"], use_qk_l2norm=True, use_beta_sigmoid=True, allow_neg_eigval=False)
+    problem = problem_of(case, inp)
     cfg = select_config(case.K, case.V, interpret=device == "cpu")
     assert cfg.bounded_intra == bounded and bounded_intra_applies(stage_inputs(problem, cfg))
     put(inp, tensor, float("nan"), seed=4, token=100)

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from kernels import run_problem
-from kernels.problem import packed_problem
 from kernels.triton_kernels import config
-from triton_cases import Case, make_inputs
+from triton_cases import Case, make_inputs, problem_of
 
 LENGTHS = (130, 1, 64, 200)  # multi-chunk, decode, named -1 (N // 2), multi-chunk
 
@@ -34,13 +33,7 @@ def flags_after(case: Case, device: str, poison: Optional[tuple[str, int]], back
         token = (bounds[n] + bounds[n + 1]) // 2
         getattr(inp, name)[0, token, 0, 1] = float("nan")
     flags = torch.zeros(len(case.lengths) + 1, dtype=torch.int32, device=device)
-    problem = packed_problem(
-        inp.q[0], inp.k[0], inp.v[0], inp.g[0], inp.beta[0], bounds=bounds, pool=inp.pool, indices=inp.indices,
-        scale=None, A_log=inp.gate_kwargs.get("A_log"), dt_bias=inp.gate_kwargs.get("dt_bias"),
-        lower_bound=inp.gate_kwargs.get("lower_bound"), use_qk_l2norm=case.l2norm,
-        use_beta_sigmoid=case.sigmoid, allow_neg_eigval=case.neg_eigval,
-        state_v_first=case.v_first, nonfinite=flags,
-    )
+    problem = problem_of(case, inp, nonfinite=flags)
     run_problem(problem, backend)
     return flags.tolist()
 

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from kernels import run_problem
-from kernels.problem import packed_problem
-from triton_cases import Case, make_inputs, same_bits
+from triton_cases import Case, make_inputs, problem_of, same_bits
 
 CASES = {
     "chunked and decode": Case((130, 1, 70, 1), gate="softplus"),
@@ -25,12 +24,7 @@ CASES = {
 def run(case: Case, device: str, backend: str, o_out: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """o and the pool after one launch of ``case`` (fresh inputs, the same each call)."""
     inp = make_inputs(case, device, seed=21)
-    problem = packed_problem(
-        inp.q[0], inp.k[0], inp.v[0], inp.g[0], inp.beta[0], bounds=inp.cu_seqlens.tolist(), pool=inp.pool,
-        indices=inp.indices, scale=None, A_log=inp.gate_kwargs.get("A_log"), dt_bias=inp.gate_kwargs.get("dt_bias"),
-        lower_bound=inp.gate_kwargs.get("lower_bound"), use_qk_l2norm=case.l2norm, use_beta_sigmoid=case.sigmoid,
-        allow_neg_eigval=case.neg_eigval, o_out=o_out,
-    )
+    problem = problem_of(case, inp, o_out=o_out)
     o, _ = run_problem(problem, backend)
     return o, inp.pool
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from kernels import run_problem
-from kernels.problem import packed_problem
-from triton_cases import Case, initial_states, make_inputs, reference, rel_err, same_bits
+from triton_cases import Case, initial_states, make_inputs, problem_of, reference, rel_err, same_bits
 
 CASES = {
     "decode": Case((1, 1, 1, 1), gate="lower_bound"),
@@ -36,12 +35,7 @@ def test_the_rows_read_are_saved_before_they_are_written(device: str, name: str,
     N = len(case.lengths)
     saved = torch.full((N, *inp.pool.shape[1:]), float("nan"), dtype=inp.pool.dtype, device=device)
     o_ref, final_ref, _ = reference(inp, case)
-    problem = packed_problem(
-        inp.q[0], inp.k[0], inp.v[0], inp.g[0], inp.beta[0], bounds=inp.cu_seqlens.tolist(), pool=inp.pool,
-        indices=inp.indices, scale=None, A_log=inp.gate_kwargs.get("A_log"), dt_bias=inp.gate_kwargs.get("dt_bias"),
-        lower_bound=inp.gate_kwargs.get("lower_bound"), use_qk_l2norm=case.l2norm, use_beta_sigmoid=case.sigmoid,
-        allow_neg_eigval=case.neg_eigval, state_v_first=case.v_first, saved_states=saved,
-    )
+    problem = problem_of(case, inp, saved_states=saved)
     o, _ = run_problem(problem, backend)
     rows = inp.indices.tolist()
     assert -1 in rows

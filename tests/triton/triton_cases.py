@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import chunk_kda, naive_recurrent_kda
-from kernels.problem import CHUNK_SIZE
+from kernels.problem import CHUNK_SIZE, PrefillProblem, packed_problem
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (NaN payloads included)."""
     view = torch.int32 if a.element_size() == 4 else torch.int16
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def problem_of(case: Case, inp: Inputs, nonfinite: Optional[torch.Tensor] = None,
+               saved_states: Optional[torch.Tensor] = None, input_checks: Optional[torch.Tensor] = None,
+               o_out: Optional[torch.Tensor] = None) -> PrefillProblem:
+    """The backends' problem of ``inp`` (in place on its pool) under ``case``'s settings,
+    with the launch's optional outputs given (`kernels.problem.PrefillProblem`)."""
+    return packed_problem(
+        inp.q[0], inp.k[0], inp.v[0], inp.g[0], inp.beta[0], bounds=inp.cu_seqlens.tolist(), pool=inp.pool,
+        indices=inp.indices, scale=None, A_log=inp.gate_kwargs.get("A_log"), dt_bias=inp.gate_kwargs.get("dt_bias"),
+        lower_bound=inp.gate_kwargs.get("lower_bound"), use_qk_l2norm=case.l2norm, use_beta_sigmoid=case.sigmoid,
+        allow_neg_eigval=case.neg_eigval, state_v_first=case.v_first, nonfinite=nonfinite,
+        saved_states=saved_states, input_checks=input_checks, o_out=o_out,
+    )
 
 
 def run_triton(case: Case, inp: Inputs, backend: str = "triton", **checkpoints: Optional[torch.Tensor]):
