@@ -106,6 +106,29 @@ def test_all_finite_finds_one_bad_value_anywhere(dtype, bad):
     assert all_finite(torch.empty(0, 3, dtype=dtype))
 
 
+@pytest.mark.parametrize("bad", ["nan in v", "inf in beta", "a growing log decay", "none now"])
+def test_a_failed_input_check_is_named_by_a_scan_of_the_inputs(gen, bad):
+    """`failed_input_problem`: after a launch's input check failed, the first failing input
+    is named with what was seen; when none fails any more (a client wrote into inputs read
+    in place during the run) the 400 says so instead of passing the run."""
+    from service.core.validation import failed_input_problem
+
+    named = [(name, torch.randn(12, 2, 4, generator=gen)) for name in ("q", "k", "v")]
+    named += [("g", -torch.rand(12, 2, 4, generator=gen)), ("beta", torch.rand(12, 2, generator=gen))]
+    tensors = dict(named)
+    if bad == "nan in v":
+        tensors["v"][3, 1, 2] = float("nan")
+    elif bad == "inf in beta":
+        tensors["beta"][7, 0] = float("inf")
+    elif bad == "a growing log decay":
+        tensors["g"][0, 0, 0] = 0.25
+    problem = failed_input_problem(named, log_decay=True)
+    assert isinstance(problem, InvalidRequest) and problem.status == 400
+    field, words = {"nan in v": ("v", "non-finite"), "inf in beta": ("beta", "non-finite"),
+                    "a growing log decay": ("g", "0.25"), "none now": ("inputs", "changed during the run")}[bad]
+    assert problem.field == field and words in problem.detail, problem.detail
+
+
 def test_server_gates_take_over_the_layer(gen):
     server = {0: Gate(A_log=torch.zeros(HV), key=("server", 0))}
     assert validate_prefill(inputs(gen), GEOMETRY, server).gate is server[0]
