@@ -103,6 +103,6 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # the same, checkpoints denser (every 256 and 128 tokens): where the segments' launches stop paying
     prefix-dense) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --where --reps 10 --every 256 &&
         python3 bench/prefix_cache.py --where --reps 10 --every 128' ;;
-    *) echo "unknown step $name (gpu-tests, service-tests, cuda-ipc-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-ab, kernel-checks, kernel-variants, cuda-ipc, transport, transaction, prefix-cache, prefix-where, prefix-dense, latency, latency-short, latency-zero-copy, latency-profile, latency-profile-decode, kernel-paths)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, kernel-paths, kernel-checks, service-tests, cuda-ipc-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-variants, cuda-ipc, transport, latency, latency-short, latency-wide-zero-copy, latency-zero-copy, latency-profile-decode, latency-profile, kernel-ab, transaction, prefix-cache, shm-gpu-tests, prepared-graph, extremes-sweep, prefix-cache-goal, decode-save-tests, prefix-where, prefix-dense)"; exit 2 ;;
     esac
 done

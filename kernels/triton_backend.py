@@ -6,9 +6,12 @@ The pipeline (`run_triton`), one launcher per stage beside its kernel in
     decode  single-token sequences: one recurrent step each          (`recurrent.launch_decode`)
     intra   per chunk: A_qk, A_kk, the solve -> T diag(beta), norms   (`intra.launch_intra`; the
             bounded gate with 16-bit inputs: `intra_bounded`, with `LaunchConfig.bounded_intra`)
-    wy      per chunk: the WY factors w, u, kg, qg; the input checks    (`wy.launch_wy`)
+    wy      per chunk: the WY factors w, u, kg, qg                     (`wy.launch_wy`)
     state   per sequence: the chunk-to-chunk state pass, and o         (`state.launch_state`)
     output  per chunk, when o is not computed in the state pass        (`output.launch_output`)
+
+With ``p.input_checks`` the kernels that load the raw inputs check them as they do: decode
+all five, intra q, k, g and beta, wy v (`triton_kernels.checks`).
 
 Batches of few sequence-heads run in pieces (`triton_plan`): on CUDA the state pass of each
 piece runs on a high-priority side stream while the parallel stages of the next pieces run

@@ -7,7 +7,10 @@
 - `state`: the sequential chunk-to-chunk state pass, in place on the pool;
 - `output`: per-chunk outputs from the states and the intra-chunk matrices;
 - `recurrent`: single-token sequences (decode), in place on the pool;
-- `extremes`: the value range of several tensors in one launch (the service's input checks);
+- `checks`: device functions that flag values as kernels load or store them (non-finite
+  flags, a launch's input check);
+- `extremes`: the value range of several tensors in one launch (the service's checks of
+  inputs already on the GPU);
 - `config`: fixed launch configurations by shape;
 - `inputs`: what the stages' host launchers share (`StageInputs`, `StateTargets`).
 
