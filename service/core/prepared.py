@@ -43,10 +43,10 @@ import torch
 import kernels
 from kernels.problem import PrefillProblem, packed_problem
 
-from .inputs import REQUIRED_TENSORS, PrefillResult
+from .inputs import PrefillResult
 from .transaction import LaunchTransaction
 from ..errors import InvalidRequest
-from .validation import ValidPrefill, failed_input_problem
+from .validation import ValidPrefill
 
 log = logging.getLogger("kda_serve.core")
 
@@ -120,7 +120,6 @@ class PreparedPrefill:
         self.keys = frozenset((s, valid.inputs.params.layer) for s in self.slots)  # `SlotOrdering.hold` takes it as is
         self.checked_generation: Optional[int] = None  # the pool's generation at the last check of the slots
         self.tokens = sum(valid.inputs.lengths)
-        self._packed = [(name, getattr(valid.inputs, name)) for name in REQUIRED_TENSORS]  # q, k, v, g, beta
         self.refill, self.deliver, self.io = refill, deliver, io
         self._indices = indices
         self._layer = pool_layer
@@ -185,7 +184,7 @@ class PreparedPrefill:
             flags, inputs_failed = step.transaction.read()  # the one synchronization
             if inputs_failed:
                 step.transaction.roll_back()
-                raise failed_input_problem(self._packed, not self.valid.gate.fused)
+                raise self.valid.values_problem()
             refused = step.transaction.settle(step.o, flags)
         except InvalidRequest:
             raise

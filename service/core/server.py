@@ -59,7 +59,7 @@ from .self_test import SelfTestReport, run_self_test
 from .staging import PinnedStaging, host_ints_to
 from .transaction import LaunchTransaction
 from .prepared import Deliver, DeviceIO, PreparedPrefill, PreparedRun, Refill
-from .validation import ValidPrefill, validate_form, validate_prefill, validate_state
+from .validation import ValidPrefill, first_value_problem, validate_form, validate_prefill, validate_state
 from .worker import DeviceWorker, off_loop
 
 log = logging.getLogger("kda_serve.core")
@@ -578,6 +578,21 @@ class ServerCore:
             n0 = n1
         return refused
 
+    @staticmethod
+    def _refuse_values(jobs: Sequence[_Job], transaction: LaunchTransaction) -> dict[int, Exception]:
+        """After the launch's input check failed: the jobs it checked whose values fail, found
+        by a scan of each (this path alone), each rolled back with its 400; when no scan
+        finds one (inputs read in place changed during the launch) every job it checked."""
+        checked = [j for j, job in enumerate(jobs) if job.valid.kernel_checked]
+        refused: dict[int, Exception] = {
+            j: why for j in checked if (why := first_value_problem(jobs[j].valid.packed, not jobs[j].valid.gate.fused))}
+        if not refused:
+            refused = {j: jobs[j].valid.values_problem() for j in checked}
+        starts = list(itertools.accumulate((len(job.valid.inputs.lengths) for job in jobs), initial=0))
+        for j in refused:
+            transaction.roll_back(range(starts[j], starts[j + 1]))
+        return refused
+
     def _launch(self, jobs: list[_Job], rows: list[int]) -> list[Union[PrefillResult, BaseException]]:
         """`_run_launch` with the jobs' checkpoints placed in the prefix cache for the launch
         to write into (`PrefixCache.place`) when the launch first asks for their targets
@@ -616,8 +631,9 @@ class ServerCore:
         to_host = any(not job.valid.inputs.device_outputs for job in jobs)
         start = time.perf_counter()
         staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in REQUIRED_TENSORS])
-        transaction = LaunchTransaction(  # the rows as they are, to restore
-            pool_layer, indices, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs])
+        transaction = LaunchTransaction(  # the rows as they are, to restore; room for the kernels' input check
+            pool_layer, indices, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs],
+            checks_inputs=any(job.valid.kernel_checked for job in jobs))
         positions, starts = [], list(itertools.accumulate((job.valid.tokens for job in jobs[:-1]), initial=0))
         for job, start_t in zip(jobs, starts):
             positions.extend(start_t + pos for pos, _, _ in job.checkpoints)
@@ -631,7 +647,7 @@ class ServerCore:
                 scale=x.scale, A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound,
                 use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
                 allow_neg_eigval=x.allow_neg_eigval, checkpoint_tokens=tuple(positions), nonfinite=transaction.flags,
-                checkpoint_provider=provider,
+                checkpoint_provider=provider, input_checks=transaction.input_checks,
             )
             o, _ = kernels.run_problem(problem, self.backend)
             # gathered, and the deferred input checks queued for the host, before the flags are read:
@@ -640,9 +656,11 @@ class ServerCore:
             # rows stay as gathered
             finals = pool_layer.index_select(0, indices) if wants_final else None
             checks = {j: job.valid.deferred.read() for j, job in enumerate(jobs) if job.valid.deferred is not None}
-            refused: dict[int, Exception] = dict(  # diverged requests rolled back (an async failure shows here)
-                transaction.settle(o))
+            flags, inputs_failed = transaction.read()  # the one wait (an async failure shows here)
+            refused: dict[int, Exception] = dict(transaction.settle(o, flags))  # diverged requests rolled back
             refused.update(self._refuse_inputs(jobs, checks, transaction))
+            if inputs_failed:
+                refused.update(self._refuse_values(jobs, transaction))
             o_host = o.cpu() if to_host else None  # (or here)
             finals_host = finals.cpu() if to_host and finals is not None else None
             if device.type == "cuda" and not to_host:

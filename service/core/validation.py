@@ -1,6 +1,11 @@
 """Every check a prefill passes before anything changes: nothing is allocated, queued or
 launched for a request that fails here, and no kernel error can stand in for a 400.
 
+One check may be left to the launch (`validate_prefill`'s ``defer``): the values of the
+packed inputs (q, k, v, g, beta), which the kernels check as they read them
+(`kernels.problem.PrefillProblem.input_checks`, no pass of its own); the launch rolls a
+request whose values fail back and refuses it with the same 400 (`failed_input_problem`).
+
 Errors name the field and show what was seen (`InvalidRequest`, HTTP 400).
 """
 from __future__ import annotations
@@ -59,14 +64,25 @@ class DeferredCheck:
 class ValidPrefill:
     """A prefill that passed validation: its inputs, q/k heads H, the gate that applies
     (dt_bias reshaped to [HV, K]) and the key of the launches it may share; ``deferred``:
-    the value checks of its GPU tensors, still to read after the launch (`DeferredCheck`),
-    or None when every check is done."""
+    the value checks of its GPU gate tensors, still to read after the launch
+    (`DeferredCheck`), or None; ``kernel_checked``: the values of q, k, v, g and beta are
+    left to the launch's kernels (`kernels.problem.PrefillProblem.input_checks`)."""
 
     inputs: PrefillInputs
     heads: int
     gate: Gate
     batch_key: Hashable
     deferred: Optional[DeferredCheck] = None
+    kernel_checked: bool = False
+
+    @property
+    def packed(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of q, k, v, g and beta, the inputs packed along tokens."""
+        return [(name, getattr(self.inputs, name)) for name in REQUIRED_TENSORS]
+
+    def values_problem(self) -> InvalidRequest:
+        """The 400 of these inputs after a launch's input check failed (`failed_input_problem`)."""
+        return failed_input_problem(self.packed, not self.gate.fused)
 
     @property
     def tokens(self) -> int:
@@ -214,12 +230,14 @@ def first_value_problem(named: Sequence[tuple[str, torch.Tensor]], log_decay: bo
 def _check_values(x: PrefillInputs, gate: Gate, defer: bool) -> Optional[DeferredCheck]:
     """Every value finite, ``scale`` > 0, and a given log decay (g without a gate) <= 0:
     a positive one grows the state by exp(g) per token, so a finite request would leave
-    Inf or NaN in its slot. With ``defer`` the tensors on a GPU are scanned there and the
-    answer returned as a `DeferredCheck` instead of read back here."""
+    Inf or NaN in its slot. With ``defer`` q, k, v, g and beta are left to the launch's
+    kernels, and the gate tensors on a GPU are scanned there and the answer returned as a
+    `DeferredCheck` instead of read back here."""
     scale = x.params.scale
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise _fail("scale", f"scale must be a finite number > 0, got {scale}")
-    named = [(name, t) for name in TENSORS if (t := getattr(x, name)) is not None and t.numel()]
+    names = OPTIONAL_TENSORS if defer else TENSORS
+    named = [(name, t) for name in names if (t := getattr(x, name)) is not None and t.numel()]
     later = [(name, t) for name, t in named if defer and t.is_cuda]
     now = [(name, t) for name, t in named if not (defer and t.is_cuda)]
     if (why := first_value_problem(now, not gate.fused)) is not None:
@@ -245,14 +263,17 @@ def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Map
     """Check ``x`` against the pool's ``geometry`` and the server's gates, cheapest checks
     first: layer, sequences and lengths, slots named once, shapes and dtypes, the gate,
     then the values (finite; a given log decay <= 0). Raises InvalidRequest (400) on the
-    first failure. With ``defer``, the values of tensors on a GPU are scanned there without
-    waiting (``ValidPrefill.deferred``): the launch reads the answer at its one
-    synchronization and rolls the request back when it fails."""
+    first failure. With ``defer`` (the launch checks and rolls back what is deferred) the
+    values of q, k, v, g and beta are left to the launch's kernels
+    (``ValidPrefill.kernel_checked``), and those of the gate tensors on a GPU are scanned
+    there without waiting (``ValidPrefill.deferred``, read at the launch's one
+    synchronization)."""
     _check_sequences(x, geometry)
     heads = _check_tensors(x, geometry)
     gate = _resolve_gate(x, geometry, server_gates.get(x.params.layer))
     deferred = _check_values(x, gate, defer)
-    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=_batch_key(x, heads, gate), deferred=deferred)
+    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=_batch_key(x, heads, gate), deferred=deferred,
+                        kernel_checked=defer)
 
 
 def validate_form(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mapping[int, Gate]) -> ValidPrefill:
@@ -269,7 +290,7 @@ def validate_form(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mappin
     named = [(name, t) for name in OPTIONAL_TENSORS if (t := getattr(x, name)) is not None and t.numel()]
     if (why := first_value_problem(named, not gate.fused)) is not None:
         raise why
-    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=_batch_key(x, heads, gate))
+    return ValidPrefill(inputs=x, heads=heads, gate=gate, batch_key=_batch_key(x, heads, gate), kernel_checked=True)
 
 
 def packed_value_problem(names: Sequence[str], tensors: Sequence[Union[str, torch.Tensor]],

@@ -365,17 +365,14 @@ def test_a_launch_failing_after_the_kernel_placed_its_checkpoints_releases_them(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_inputs_failing_their_deferred_check_are_refused_after_the_launch_and_change_nothing(
+def test_inputs_failing_the_kernels_check_are_refused_after_the_launch_and_change_nothing(
         device: str, gen: torch.Generator) -> None:
-    """Two requests in one launch, the first with a NaN in q whose value check was deferred
-    (GPU inputs: scanned on the GPU, read at the launch's one synchronization): it gets
+    """Two requests in one launch, the first with a NaN in q, their values left to the
+    kernels (`validate_prefill` with ``defer``: no 400 before the launch): the first gets
     its 400 naming q, its slot is bit for bit as before and counts no token, its checkpoint
-    is not stored; the second stands. On the CPU the deferred check is built by hand (host
-    inputs are checked before)."""
-    import dataclasses
-
+    is not stored; the second stands, as the reference says."""
     from service.core.server import _Job
-    from service.core.validation import DeferredCheck, validate_prefill
+    from service.core.validation import validate_prefill
     from service.errors import InvalidRequest
 
     core = ServerCore(Settings(device=device, num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K,
@@ -391,13 +388,8 @@ def test_inputs_failing_their_deferred_check_are_refused_after_the_launch_and_ch
     for slot, seq in ((slots[0], bad), (slots[1], good)):
         x = PrefillInputs.of(PrefillParams(layer=0), [slot], [seq[0].shape[0]],
                              dict(zip(names, (t.to(device) for t in seq))))
-        if device == "cpu" and seq is bad:
-            finite = dataclasses.replace(x, q=torch.nan_to_num(x.q))
-            valid = dataclasses.replace(validate_prefill(finite, core.geometry, core.gates, defer=True), inputs=x,
-                                        deferred=DeferredCheck(("q",), ("q",), _ends(x.q), None, True))
-        else:
-            valid = validate_prefill(x, core.geometry, core.gates, defer=True)  # a GPU NaN: no 400 yet
-        assert (valid.deferred is not None) == (device != "cpu" or seq is bad)
+        valid = validate_prefill(x, core.geometry, core.gates, defer=True)  # the NaN: no 400 yet
+        assert valid.kernel_checked and valid.deferred is None
         end = seq[0].shape[0]
         jobs.append(_Job(valid, [slot], [], [(end, "bad" if seq is bad else "good", end)]))  # a checkpoint at its end
     outcomes = core._run_batch(jobs)
@@ -413,8 +405,32 @@ def test_inputs_failing_their_deferred_check_are_refused_after_the_launch_and_ch
     assert rel(outcomes[1].o, o2) < TOL
 
 
-def _ends(x: torch.Tensor) -> torch.Tensor:
-    """[1, 3] float32: the (-min, max, bad) row `value_extremes` gives for ``x``."""
-    finite = x[torch.isfinite(x)]
-    bad = 1.0 if finite.numel() < x.numel() else float("-inf")
-    return torch.tensor([[-finite.min().item(), finite.max().item(), bad]])
+def test_a_failed_input_check_no_scan_confirms_refuses_every_request_it_checked(gen: torch.Generator) -> None:
+    """`ServerCore._refuse_values` when the launch's check failed but every request's
+    values scan clean (inputs read in place, changed during the launch): each request the
+    kernels checked is rolled back and refused 400 (field ``inputs``); one whose values
+    validation scanned itself is not."""
+    from service.core.server import _Job
+    from service.core.validation import validate_prefill
+    from service.errors import InvalidRequest
+
+    core = ServerCore(Settings(device="cpu", num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V))
+    slots = core._alloc(3)
+    layer = core.pool.layer_view(0)
+    layer.copy_(torch.randn_like(layer))
+    before = layer.clone()
+    jobs = []
+    for i, slot in enumerate(slots):
+        seq = make_sequence(2, gen)
+        x = PrefillInputs.of(PrefillParams(layer=0), [slot], [2], dict(zip(("q", "k", "v", "g", "beta"), seq)))
+        jobs.append(_Job(validate_prefill(x, core.geometry, core.gates, defer=i < 2), [slot], [], []))
+    assert [job.valid.kernel_checked for job in jobs] == [True, True, False]
+    rows = torch.tensor([core.pool.rows([s])[0] for s in slots])
+    txn = LaunchTransaction(layer, rows, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs],
+                            checks_inputs=True)
+    layer[rows] += 1.0  # the launch's writes
+    refused = ServerCore._refuse_values(jobs, txn)
+    assert sorted(refused) == [0, 1]
+    assert all(isinstance(e, InvalidRequest) and e.field == "inputs" and "changed during the run" in e.detail
+               for e in refused.values())
+    assert torch.equal(layer[rows[:2]], before[rows[:2]]) and torch.equal(layer[rows[2]], before[rows[2]] + 1.0)
