@@ -13,10 +13,11 @@ sequence long enough to run in pieces. Each path (`decode/bfloat16/lower_bound`,
 passes when o and the final states are within the project's tolerances of the reference
 (relative L2: 1e-4 for fp32 inputs, 5e-3 for 16-bit inputs or a bf16 pool), the pool
 rows no sequence names are untouched, bit for bit, and the kernels' non-finite flags
-(`kernels.problem.PrefillProblem.nonfinite`, passed as the server passes them, so the
-kernels compiled are the server's) flag nothing. One more launch per input dtype
-(`flags/<dtype>`) poisons v of a chunked sequence and q of a decode sequence with a NaN:
-the flags must name exactly those two, or the server's transaction could not roll back.
+(`kernels.problem.PrefillProblem.nonfinite`) and their input check (`input_checks`),
+passed as the server passes them, so the kernels compiled are the server's, flag nothing.
+One more launch per input dtype (`flags/<dtype>`) poisons v of a chunked sequence and q
+of a decode sequence with a NaN: the flags must name exactly those two and the input check
+must fail, or the server's transaction could not roll back.
 
 A failure keeps the server unready; the `SelfTestReport` (in /info and the log) names each
 failed path, its errors, and the toolchain that compiled it (`toolchain`).
@@ -259,9 +260,11 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
             dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device), lower_bound=gate.lower_bound,
             use_qk_l2norm=case.flags, use_beta_sigmoid=case.flags, allow_neg_eigval=False,
             nonfinite=torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device),
+            input_checks=torch.zeros(1, dtype=torch.int32, device=device),
         )
         o, _ = kernels.run_problem(problem, backend)
         flagged = problem.nonfinite.tolist()
+        inputs_failed = bool(problem.input_checks.item())
         for kind, seqs in kinds.items():
             if seqs and fault == case.path(kind):
                 for n in seqs:
@@ -284,6 +287,8 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
             result.error = "the launch wrote pool rows that no sequence names"
         elif any(flagged):
             result.error = f"the kernels flagged finite results as non-finite (flags {flagged})"
+        elif inputs_failed:
+            result.error = "the kernels' input check failed finite inputs (every request would be refused)"
     return list(results.values())
 
 
@@ -306,18 +311,25 @@ def run_flag_case(dtype: torch.dtype, fixture: _Fixture, geometry: PoolGeometry,
             *inputs, bounds=bounds, pool=fixture.pool.clone(), indices=fixture.rows.to(device), scale=None,
             A_log=gate.A_log.to(device), dt_bias=None, lower_bound=gate.lower_bound, use_qk_l2norm=True,
             use_beta_sigmoid=True, allow_neg_eigval=False,
-            nonfinite=torch.zeros(len(bounds), dtype=torch.int32, device=device))
+            nonfinite=torch.zeros(len(bounds), dtype=torch.int32, device=device),
+            input_checks=torch.zeros(1, dtype=torch.int32, device=device))
         kernels.run_problem(problem, backend)
-        if fault == result.path:
-            problem.nonfinite.zero_()  # the injected fault: kernels that never flag
+        if fault == result.path:  # the injected fault: kernels that never flag, nor check their inputs
+            problem.nonfinite.zero_()
+            problem.input_checks.zero_()
         flagged = problem.nonfinite.tolist()
+        inputs_failed = bool(problem.input_checks.item())
     except Exception as e:
         result.error = f"launch raised {type(e).__name__}: {str(e)[:300]}"
         return result
     result.o_error = result.state_error = 0.0
     expected = [int(n in FLAG_POISON.values()) for n in range(len(bounds) - 1)]
+    errors = []
     if flagged[:-1] != expected:
-        result.error = f"the kernels' non-finite flags are {flagged}, expected {expected} (+ the unattributed one)"
+        errors.append(f"the kernels' non-finite flags are {flagged}, expected {expected} (+ the unattributed one)")
+    if not inputs_failed:
+        errors.append("the kernels' input check passed a NaN in q and in v (bad requests would change slots)")
+    result.error = "; ".join(errors) or None
     return result
 
 
