@@ -243,9 +243,28 @@ class PreparedPrefill:
 
     def _o_in_place(self) -> Optional[torch.Tensor]:
         """``io.o`` when the kernels can write o there themselves (device memory of the
-        pool's device, v's dtype, contiguous): no copy after them."""
+        pool's device, v's dtype, contiguous, sharing no byte with an input the kernels
+        read while they write o: inputs read in place may lie in the same region): no copy
+        after them."""
         o, v = self.io.o, self.valid.inputs.v
         if o is None or o.device != self._layer.device or o.dtype != v.dtype or not o.is_contiguous():
             return None
-        return o if o.shape == v.shape else None
+        if o.shape != v.shape or any(share_bytes(o, t) for _, t in self.valid.packed):
+            return None
+        return o
+
+
+def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether tensors ``a`` and ``b`` (any strides) may share a byte: on one device, the
+    spans from their first to their last element's bytes intersect."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses of ``t``'s elements (non-negative strides)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 

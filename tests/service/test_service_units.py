@@ -483,3 +483,21 @@ def test_device_gates_copy_each_gate_once_and_keep_the_most_recent() -> None:
     assert held.tensors(gates[1])[0] is not second[0]  # dropped, so copied afresh
     keyless = Gate(gates[0].A_log, None, None, key=None)
     assert held.tensors(keyless)[0] is not held.tensors(keyless)[0]
+
+
+def test_share_bytes_finds_views_of_one_region_that_overlap() -> None:
+    """`prepared.share_bytes`, which keeps the kernels from writing o over inputs they read
+    in place: views of one buffer overlap exactly when their byte spans meet (strided and
+    reshaped views included); neighbours that only touch, another buffer and an empty
+    view do not."""
+    from service.core.prepared import share_bytes
+
+    region = torch.zeros(1024, dtype=torch.uint8)
+    q = region[0:256].view(torch.bfloat16).view(8, 2, 8)
+    o = region[256:512].view(torch.bfloat16).view(8, 2, 8)
+    assert not share_bytes(q, o) and not share_bytes(o, q)  # adjacent: byte 255 and byte 256
+    assert share_bytes(region[255:511].view(8, 32), q) and share_bytes(q, region[255:511])
+    strided = region[100:612:2]  # every other byte from 100 to 610: spans q's tail and o
+    assert share_bytes(strided, q) and share_bytes(strided, o)
+    assert not share_bytes(region[0:0], q)
+    assert not share_bytes(torch.zeros(256, dtype=torch.uint8), q)
