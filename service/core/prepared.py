@@ -62,7 +62,7 @@ those the launch writes itself (`DeviceIO`)."""
 class DeviceIO:
     """Copies a run queues on the pool's device as part of its launch (inside its CUDA
     graph), between device memory and device or page-locked host memory: ``inputs``,
-    (source, destination) uint8 tensors of one size each, before the value check (into the
+    (source, destination) uint8 tensors of one size each, before the kernels (into the
     prepared input buffers); ``o`` [T, HV, V] in v's dtype and ``final_state`` [N, HV, V,
     K] in the pool's dtype: where o and the final states are copied after the kernels
     (None: `Deliver` writes them)."""
@@ -213,8 +213,8 @@ class PreparedPrefill:
         x, gate = self.valid.inputs, self.valid.gate
         A_log, dt_bias = self._gate
         return packed_problem(
-            x.q, x.k, x.v, x.g, x.beta, bounds=[0, *itertools.accumulate(x.lengths)], pool=pool, indices=indices, scale=x.params.scale,
-            A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, use_qk_l2norm=x.params.use_qk_l2norm,
+            x.q, x.k, x.v, x.g, x.beta, bounds=[0, *itertools.accumulate(x.lengths)], pool=pool, indices=indices,
+            scale=x.params.scale, A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, use_qk_l2norm=x.params.use_qk_l2norm,
             use_beta_sigmoid=x.params.use_beta_sigmoid, allow_neg_eigval=x.params.allow_neg_eigval,
             nonfinite=transaction.flags, saved_states=transaction.saved if transaction.saved_by_launch else None,
             input_checks=transaction.input_checks, o_out=o_out,
@@ -267,4 +267,3 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) byte addresses of ``t``'s elements (non-negative strides)."""
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-

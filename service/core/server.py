@@ -59,7 +59,8 @@ from .self_test import SelfTestReport, run_self_test
 from .staging import PinnedStaging, host_ints_to
 from .transaction import LaunchTransaction
 from .prepared import Deliver, DeviceIO, PreparedPrefill, PreparedRun, Refill
-from .validation import ValidPrefill, first_value_problem, validate_form, validate_prefill, validate_state
+from .validation import (ValidPrefill, changed_inputs_problem, first_value_problem, validate_form, validate_prefill,
+                         validate_state)
 from .worker import DeviceWorker, off_loop
 
 log = logging.getLogger("kda_serve.core")
@@ -586,8 +587,8 @@ class ServerCore:
         checked = [j for j, job in enumerate(jobs) if job.valid.kernel_checked]
         refused: dict[int, Exception] = {
             j: why for j in checked if (why := first_value_problem(jobs[j].valid.packed, not jobs[j].valid.gate.fused))}
-        if not refused:
-            refused = {j: jobs[j].valid.values_problem() for j in checked}
+        if not refused:  # the scans found nothing: no need to scan again for each one's 400
+            refused = {j: changed_inputs_problem() for j in checked}
         starts = list(itertools.accumulate((len(job.valid.inputs.lengths) for job in jobs), initial=0))
         for j in refused:
             transaction.roll_back(range(starts[j], starts[j + 1]))

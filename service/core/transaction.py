@@ -102,10 +102,9 @@ class LaunchTransaction:
         """`flags` as host ints and whether the input check failed (False without one), in
         one copy: the launch's one synchronization (a kernel's asynchronous failure
         surfaces here)."""
-        *flags, last = self._read.tolist()
-        if self.input_checks is None:
-            return [*flags, last], False
-        return flags, bool(last)
+        values = self._read.tolist()
+        n = self.flags.shape[0]
+        return values[:n], any(values[n:])
 
     def settle(self, o: torch.Tensor, flags: Optional[list[int]] = None) -> dict[int, UpdateDiverged]:
         """After the kernels wrote o [T, HV, V], the rows and `flags` (read here, or

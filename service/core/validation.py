@@ -279,8 +279,8 @@ def validate_prefill(x: PrefillInputs, geometry: PoolGeometry, server_gates: Map
 def validate_form(x: PrefillInputs, geometry: PoolGeometry, server_gates: Mapping[int, Gate]) -> ValidPrefill:
     """`validate_prefill` but for the values of the packed tensors (q, k, v, g, beta): the
     checks of a prepared prefill, whose packed inputs get new values at every run and are
-    checked then (by the kernels: `failed_input_problem`); the scale and the request's gate tensors
-    (A_log, dt_bias), which stay as they are, are checked here."""
+    checked then (by the kernels: `failed_input_problem`); the scale and the request's gate
+    tensors (A_log, dt_bias), which stay as they are, are checked here."""
     _check_sequences(x, geometry)
     heads = _check_tensors(x, geometry)
     gate = _resolve_gate(x, geometry, server_gates.get(x.params.layer))
@@ -311,11 +311,14 @@ def failed_input_problem(named: Sequence[tuple[str, torch.Tensor]], log_decay: b
     their values scanned here (that launch's path alone) for the first of ``named`` that
     fails; when none does now, its values changed since the launch read them (a client
     writing into inputs read in place)."""
-    why = first_value_problem(named, log_decay)
-    if why is not None:
-        return why
+    return first_value_problem(named, log_decay) or changed_inputs_problem()
+
+
+def changed_inputs_problem() -> InvalidRequest:
+    """The 400 for inputs a launch's input check failed that a scan finds no fault in now:
+    their values changed during the run (inputs read in place, written meanwhile)."""
     return _fail("inputs", "an input held a non-finite value (NaN or Inf) or a log decay > 0 when the launch "
-                              "read it, but holds none now: its values changed during the run")
+                           "read it, but holds none now: its values changed during the run")
 
 
 def _batch_key(x: PrefillInputs, heads: int, gate: Gate) -> Hashable:
