@@ -10,7 +10,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from ray_helpers import APP, HV, K, LAYERS, MAX_BODY_MB, ROOT, SHARD_SLOTS, V, Cluster, free_port
+from ray_helpers import (APP, HV, K, LAYERS, MAX_BODY_MB, ROOT, SHARD_SLOTS, V, Cluster, free_port,
+                         start_local_ray)
 
 from kda_client.client import KDAClient
 from service.config import Settings
@@ -38,8 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     scale_out = ScaleOut(shards=2, gpus_per_shard=0, cpus_per_shard=1, ingress_replicas=2, cpus_per_ingress=0.5,
                          state_dir=str(state_dir),
                          app_name=APP, health_check_period_s=0.5, move_wait_s=5.0)
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    start_local_ray(ray, num_cpus=4, env_vars={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(settings, scale_out), name=APP, route_prefix="/")
