@@ -22,7 +22,7 @@ from .records import PoolStats, SlotInfo
 _T = TypeVar("_T")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: `_resolve_all` looks for None among hundreds in C
 class _Slot:
     """A live slot: ``created`` in unix seconds, ``last_used`` on the pool's clock."""
 
@@ -31,6 +31,9 @@ class _Slot:
     last_used: float
     tokens_per_layer: list[int]
     state_lost: bool = False
+
+
+_ROW, _LAST_USED, _STATE_LOST = (operator.attrgetter(name) for name in ("row", "last_used", "state_lost"))
 
 
 def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
@@ -193,11 +196,11 @@ class StatePool:
         """
         if isinstance(slot_ids, str):
             raise TypeError("rows() takes a sequence of slot ids, not one id")
-        slots = [self._resolve(slot_id) for slot_id in slot_ids]
+        slots = self._resolve_all(slot_ids)
         now = self._clock()
         for slot in slots:
             slot.last_used = now
-        return [slot.row for slot in slots]
+        return list(map(_ROW, slots))
 
     @_locked
     def rows_checked(self, slot_ids: Sequence[str]) -> tuple[list[int], Optional[str]]:
@@ -207,14 +210,12 @@ class StatePool:
         none; otherwise every slot is marked used."""
         if isinstance(slot_ids, str):
             raise TypeError("rows_checked() takes a sequence of slot ids, not one id")
-        slots = [self._resolve(slot_id) for slot_id in slot_ids]
+        slots = self._resolve_all(slot_ids)
         now = self._clock()
-        lost = None
-        for slot_id, slot in zip(slot_ids, slots):
+        for slot in slots:
             slot.last_used = now
-            if slot.state_lost and lost is None:
-                lost = slot_id
-        return [slot.row for slot in slots], lost
+        lost = list(map(_STATE_LOST, slots))
+        return list(map(_ROW, slots)), slot_ids[lost.index(True)] if True in lost else None
 
     @_locked
     def read_state(self, slot_id: str) -> torch.Tensor:
@@ -278,7 +279,7 @@ class StatePool:
             raise ValueError(f"{len(slot_ids)} slot ids but {len(counts)} counts")
         if counts and (not set(map(type, counts)) <= {int} or min(counts) < 0):  # C loops: hundreds of counts
             raise ValueError(f"counts must be non-negative integers, got {list(counts)[:8]}")
-        slots = [self._resolve(slot_id) for slot_id in slot_ids]
+        slots = self._resolve_all(slot_ids)
         now = self._clock()
         for slot, n in zip(slots, counts):
             slot.last_used = now
@@ -287,11 +288,10 @@ class StatePool:
     @_locked
     def first_lost(self, slot_ids: Sequence[str]) -> Optional[str]:
         """The first of ``slot_ids`` flagged state_lost (`mark_lost`), or None; UnknownSlot
-        for the first id that is not live. One lock for all of them; not a use."""
-        for slot_id in slot_ids:
-            if self._resolve(slot_id).state_lost:
-                return slot_id
-        return None
+        for the first id that is not live (every id is resolved first, like `rows`). One
+        lock for all of them; not a use."""
+        lost = list(map(_STATE_LOST, self._resolve_all(slot_ids)))
+        return slot_ids[lost.index(True)] if True in lost else None
 
     @_locked
     def mark_lost(self, slot_ids: Sequence[str]) -> None:
@@ -385,6 +385,19 @@ class StatePool:
             self._expiries += 1
             raise UnknownSlot(slot_id)
         return slot
+
+    def _resolve_all(self, slot_ids: Sequence[str]) -> list[_Slot]:
+        """`_resolve` of each of ``slot_ids``, in order, in C loops (a launch names hundreds):
+        one `map` of the id dict's ``get``; only when an id is missing or not hashable, or a
+        slot has been idle past the ttl, the per-id `_resolve`, which raises for the first."""
+        try:
+            slots = list(map(self._slots.get, slot_ids))
+        except TypeError:  # an unhashable id
+            slots = [None]
+        if None in slots or (self._ttl is not None and slots
+                             and self._clock() - min(map(_LAST_USED, slots)) > self._ttl):
+            return [self._resolve(slot_id) for slot_id in slot_ids]
+        return slots
 
     def _touch(self, slot_id: str) -> _Slot:
         slot = self._resolve(slot_id)

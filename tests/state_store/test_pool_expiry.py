@@ -96,3 +96,33 @@ def test_times_are_reported_in_unix_seconds(clock):
     clock.advance(42.0)
     pool.rows([a])
     assert pool.slot_info(a).last_used == pytest.approx(info.created + 42.0)
+
+
+BATCH_USES = {
+    "rows": lambda pool, ids: pool.rows(ids),
+    "rows_checked": lambda pool, ids: pool.rows_checked(ids),
+    "record_tokens_many": lambda pool, ids: pool.record_tokens_many(ids, 0, [1] * len(ids)),
+    "first_lost": lambda pool, ids: pool.first_lost(ids),
+}
+
+
+@pytest.mark.parametrize("use", sorted(BATCH_USES))
+@pytest.mark.parametrize("odd", ["expired", "unknown", "unhashable"])
+def test_a_batch_with_one_bad_id_among_many_changes_nothing(clock, use, odd):
+    """The launch-sized methods resolve their ids in one pass and fall back to one id at a
+    time for a batch holding an expired, unknown or unhashable id: UnknownSlot naming that
+    id (an expired one freed), the others neither used nor counted."""
+    pool = make_pool(clock=clock, ttl=10.0, num_slots=64)
+    ids = pool.alloc(40)
+    clock.advance(8.0)
+    pool.rows(ids[:20] + ids[21:] if odd == "expired" else ids)  # used at t = 8 (ids[20] not, to expire it)
+    clock.advance(5.0)  # ids[20] idle 13 s > ttl when expiring; the others 5 s
+    bad = {"expired": ids[20], "unknown": "missing", "unhashable": ["not", "an", "id"]}[odd]
+    batch = ids if odd == "expired" else ids[:20] + [bad] + ids[21:]
+    others = [s for s in ids if s != ids[20]]
+    before = {s: (pool.slot_info(s).last_used, pool.slot_info(s).tokens_per_layer) for s in others}
+    with pytest.raises(UnknownSlot) as caught:
+        BATCH_USES[use](pool, batch)
+    assert caught.value.slot_id == bad
+    assert pool.contains(ids[20]) == (odd != "expired")
+    assert {s: (pool.slot_info(s).last_used, pool.slot_info(s).tokens_per_layer) for s in others} == before
