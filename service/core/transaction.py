@@ -112,6 +112,8 @@ class LaunchTransaction:
         rolled back, and its error, by request index."""
         bad = set(self.diverged(o, flags))
         refused: dict[int, UpdateDiverged] = {}
+        if not bad:  # the common case: no walk over the requests' sequences
+            return refused
         n0 = 0
         for j, (lengths, slots) in enumerate(self._requests):
             n1 = n0 + len(lengths)
@@ -128,7 +130,7 @@ class LaunchTransaction:
         given) is the launch's one synchronization; only when a stage flagged o without
         knowing whose (flags[N]), a pass over o finds which sequences."""
         *per_sequence, unattributed = self.read()[0] if flags is None else flags
-        bad = {n for n, flag in enumerate(per_sequence) if flag}
+        bad = {n for n, flag in enumerate(per_sequence) if flag} if any(per_sequence) else set()
         if unattributed:
             bad |= set(self._sequences_with_nonfinite_o(o))
         return sorted(bad)
