@@ -197,19 +197,44 @@ def test_prepared_cuda_ipc_runs_equal_binary_prefills(server: Server, framed_soc
     """A prepared prefill over CUDA IPC (PREPARE, then RUN frames: a CUDA graph replayed on
     the server) run three times on new inputs equals binary prefills of the same inputs on
     twin slots bit for bit, and the float64 reference, each run going on from the last."""
+    _prepared_runs_equal_binary_prefills(server, framed_socket, server, gen, o_over_v=False)
+
+
+def test_zero_copy_prepared_runs_with_o_over_v_equal_binary_prefills(server: Server, gen: torch.Generator,
+                                                                     tmp_path: pathlib.Path) -> None:
+    """``--cuda-ipc-zero-copy`` with o named over v's own bytes (an engine writing o where v
+    was): the kernels read v in place, so they must not write o there while they run (o is
+    copied after them, `service.core.prepared.share_bytes`); the runs still equal binary
+    prefills on the copying server and the reference."""
+    framed = str(tmp_path / "kda-zero-copy.sock")
+    zero_copy = start_server([*GEOMETRY_ARGS, "--cuda-ipc-zero-copy", "--framed-socket", framed],
+                             tmp_path / "kda-zero-copy.log")
+    try:
+        _prepared_runs_equal_binary_prefills(zero_copy, framed, server, gen, o_over_v=True)
+    finally:
+        assert zero_copy.stop() == 0, zero_copy.log_text()
+
+
+def _prepared_runs_equal_binary_prefills(ipc: Server, framed_socket: str, binary_server: Server,
+                                         gen: torch.Generator, o_over_v: bool) -> None:
+    """Three RUNs of a prepared 70 + 1 + 130-token prefill on ``ipc`` (its inputs and
+    outputs in one CUDA region of this process; o over v's bytes when ``o_over_v``), each
+    equal to a binary prefill of its inputs on twin slots of ``binary_server`` (bit for bit
+    when both are one server, else within 1e-6) and to the float64 reference."""
     lengths = (70, 1, 130)
     T, N = sum(lengths), len(lengths)
     shapes = {"q": (T, H, K), "k": (T, H, K), "v": (T, HV, V), "g": (T, HV, K), "beta": (T, HV)}
     offsets, at = {}, 0
     for name, shape in shapes.items():
         offsets[name], at = at, at + 4 * math.prod(shape)
-    o_at, final_at = at, at + T * HV * V * 4
+    o_at, final_at = (offsets["v"] if o_over_v else at), at + (0 if o_over_v else T * HV * V * 4)
+    o_end = o_at + T * HV * V * 4
     memory = torch.zeros(final_at + N * HV * V * K * 4, dtype=torch.uint8, device="cuda:0")
     handle, base = cuda_ipc_handle(memory)
-    with KDAClient(server.url) as binary:
-        slots, twins = binary.alloc(N), binary.alloc(N)
+    with KDAClient(ipc.url) as client, KDAClient(binary_server.url) as binary:
+        slots, twins = client.alloc(N), binary.alloc(N)
     doc: dict = {"layer": 0, "sequences": [{"slot": s, "length": n} for s, n in zip(slots, lengths)],
-                 "outputs": {"o": {"region": "kda-prepared", "offset": base + o_at, "byte_size": final_at - o_at},
+                 "outputs": {"o": {"region": "kda-prepared", "offset": base + o_at, "byte_size": o_end - o_at},
                              "final_state": {"region": "kda-prepared", "offset": base + final_at,
                                              "byte_size": memory.numel() - final_at}}}
     for name, shape in shapes.items():
@@ -217,32 +242,40 @@ def test_prepared_cuda_ipc_runs_equal_binary_prefills(server: Server, framed_soc
                      "shm": {"region": "kda-prepared", "offset": base + offsets[name], "byte_size": 4 * math.prod(shape)}}
     register = {"raw_handle": {"b64": base64.b64encode(handle).decode()}, "device_id": 0,
                 "byte_size": base + memory.numel()}
-    assert httpx.post(f"{server.url}/v2/cudasharedmemory/region/kda-prepared/register", json=register).status_code == 200
+    assert httpx.post(f"{ipc.url}/v2/cudasharedmemory/region/kda-prepared/register", json=register).status_code == 200
     frames = FramedExchange(framed_socket, None, 120)
     try:
         answer = frames.request(Op.PREPARE, dumps(doc))
         assert answer.status == 201 and json.loads(answer.body)["graphed"], answer.body
         prepared = PREPARED_ID.pack(json.loads(answer.body)["prepared"])
         state = None
-        with KDAClient(server.url) as binary:
+        with KDAClient(binary_server.url) as binary:
             for _ in range(3):
                 seqs = [make_sequence(n, gen) for n in lengths]
                 for i, name in enumerate(shapes):
                     packed = torch.cat([s[i] for s in seqs]).contiguous().view(-1).view(torch.uint8)
                     memory[offsets[name]:offsets[name] + packed.numel()].copy_(packed.cuda())
-                memory[o_at:].fill_(0xFF)  # poisoned: an output the run leaves unwritten shows as NaN
+                if not o_over_v:
+                    memory[o_at:].fill_(0xFF)  # poisoned: an output the run leaves unwritten shows as NaN
+                memory[final_at:].fill_(0xFF)
                 torch.cuda.synchronize()
                 answer = frames.request(Op.RUN, prepared)
                 assert answer.status == 200, answer.body
-                o = memory[o_at:final_at].view(torch.float32).view(T, HV, V).cpu()
+                o = memory[o_at:o_end].view(torch.float32).view(T, HV, V).cpu()
                 final = memory[final_at:].view(torch.float32).view(N, HV, V, K).cpu()
                 want = binary.prefill(0, [(t, *s) for t, s in zip(twins, seqs)])
-                assert torch.equal(o, want.o_packed) and torch.equal(final, want.final_state)
+                if ipc is binary_server:
+                    assert torch.equal(o, want.o_packed) and torch.equal(final, want.final_state)
+                else:
+                    assert rel(o, want.o_packed) < 1e-6 and rel(final, want.final_state) < 1e-6
                 o_ref, state = reference(seqs, initial=state)
                 assert rel(o, o_ref) < TOL and rel(final, state) < TOL
             assert frames.request(Op.RELEASE, prepared).status == 204
-            for slot in slots + twins:
+            for slot in twins:
                 binary.free(slot)
+        with KDAClient(ipc.url) as client:
+            for slot in slots:
+                client.free(slot)
     finally:
         frames.close()
-        httpx.post(f"{server.url}/v2/cudasharedmemory/region/kda-prepared/unregister")
+        httpx.post(f"{ipc.url}/v2/cudasharedmemory/region/kda-prepared/unregister")
