@@ -10,7 +10,9 @@ window. Interleaved per round, so load from other processes hits them alike:
 ``GET /health/live``, a 1-token and a 64-token prefill through `KDAClient` (safetensors, on
 one named slot each), the ratios to ``/health/live`` (goals <= 1.6x and <= 2.0x); the same
 prefills through POSIX shared memory over HTTP and over the server's framed socket
-(``--framed-socket``, `kda_client.framed`), and the framed socket's PING. Then 32
+(``--framed-socket``, `kda_client.framed`), and the framed socket's PING. Then a decode
+step of 256 one-token sequences, prepared and RUN over the framed socket, on a server of
+256 slots (the host work around the GPU's decode step; its kernels the torch backend's). Then 32
 concurrent 64-token requests (`AsyncKDAClient`) on a second server of ``bench/transport.py``
 (d)'s geometry (4 heads, K = V = 64, its 2 ms window): p50/p90 of a burst and tokens/s.
 
@@ -235,6 +237,33 @@ def cpu_concurrent(n: int, tokens: int, rounds: int) -> tuple[Figure, float]:
     return figure(f"{n} concurrent x {tokens} tokens (one burst)", walls), n * tokens * len(walls) / sum(walls)
 
 
+def cpu_decode_step(framed: str, sequences: int, calls: int, warmup: int) -> Figure:
+    """A decode step on a CPU server of the loopback case's heads and dims: ``sequences``
+    one-token sequences on named slots, prepared once and RUN ``calls`` times over the
+    framed socket (finals declined), with its phases: the CPU's view of the host work
+    around the GPU's 256-sequence step (issue 19), whose kernels here are the torch
+    backend's."""
+    server = start_server(["--num-layers", "1", "--num-slots", str(sequences), "--num-heads", "2",
+                           "--head-dim", "16", "--framed-socket", framed])
+    try:
+        with KDAClient(server.url, transport="shm", framed_socket=framed) as client:
+            step = small_sequence(sequences, 2, 16, 3)  # row i: sequence i's one token
+            slots = client.alloc(sequences)
+            prepared = client.prepare(0, [(slot, *(t[i:i + 1] for t in step)) for i, slot in enumerate(slots)],
+                                      return_final_state=False)
+            walls, timings = [], []
+            for i in range(warmup + calls):
+                t0 = time.perf_counter()
+                out = prepared.run(*step)
+                if i >= warmup:
+                    walls.append(time.perf_counter() - t0)
+                    timings.append(dict(out.server_timing))
+            prepared.release()
+    finally:
+        server.stop()
+    return figure(f"decode step, {sequences} x 1 token, HV=2 K=V=16, prepared RUN (finals declined)", walls, timings)
+
+
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     framed = framed_path()
@@ -244,6 +273,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         figures, records = cpu_loopback(server, framed, args.calls, args.warmup)
     finally:
         server.stop()
+    figures.append(cpu_decode_step(framed, 256, args.calls, args.warmup))
     burst, rate = cpu_concurrent(32, 64, args.burst_rounds)
     figures.append(burst)
     print_table(figures)
