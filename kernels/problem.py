@@ -49,8 +49,15 @@ class PrefillProblem:
     bounds: the host offsets [0, ..., T] of the N sequences (the backends build their launch
     tables from them; no device copy of them is made per launch).
     pool: [S, HV, V, K] (``state_v_first``) or [S, HV, K, V], fp32 or bf16, updated in place.
-    indices: [N] int64 on the device: sequence n reads and writes ``pool[indices[n]]``;
-    -1 means a zero initial state and no write-back.
+    indices: [N] int64 on the device: sequence n reads and (without write_indices) writes
+    ``pool[indices[n]]``; -1 means a zero initial state and no write-back.
+    write_indices: [N] int64 on the device, or None (then ``indices``): sequence n writes its
+    final state to ``pool[write_indices[n]]`` (-1: no write) and still reads its initial
+    state from ``pool[indices[n]]`` (-1: zeros), so a launch can leave the rows it reads
+    untouched (its caller commits by remapping rows). A row of write_indices must not be
+    read by another sequence of the launch, and no two sequences write one row (the
+    caller's promise; nothing checks it). Checkpoints, saved_states (the rows as read),
+    nonfinite, o and o_out are unaffected.
     A_log: [HV] or None; dt_bias: [HV, K] or None; lower_bound: float or None.
     checkpoint_tokens: packed token positions (host ints), each a chunk end of its sequence
     (``bounds[n] + 64 j``, j >= 1, or ``bounds[n + 1]``), distinct; checkpoint_states: one
@@ -104,6 +111,7 @@ class PrefillProblem:
     saved_states: Optional[torch.Tensor] = None
     input_checks: Optional[torch.Tensor] = None
     o_out: Optional[torch.Tensor] = None
+    write_indices: Optional[torch.Tensor] = None
 
     @property
     def lengths(self) -> list[int]:
@@ -141,6 +149,7 @@ def packed_problem(
     saved_states: Optional[torch.Tensor] = None,
     input_checks: Optional[torch.Tensor] = None,
     o_out: Optional[torch.Tensor] = None,
+    write_indices: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
     """The problem of packed inputs its caller has checked against the contract above
     (shapes as `PrefillProblem` gives them, all on one device; nothing is checked here).
@@ -152,7 +161,9 @@ def packed_problem(
     ``nonfinite``: the [N + 1] int32 zeros that receive the non-finite flags, or None;
     ``saved_states``: where the launch copies the rows it reads, or None;
     ``input_checks``: the [1] int32 zero that receives the input check, or None;
-    ``o_out``: where o goes, or None.
+    ``o_out``: where o goes, or None;
+    ``write_indices``: [N] int64 pool rows on that device that receive the final states
+    instead of ``indices``' (-1: no write), or None.
     """
     HV, K = v.shape[1], q.shape[2]
     bounds = tuple(bounds)
@@ -165,20 +176,21 @@ def packed_problem(
         allow_neg_eigval=allow_neg_eigval, output_intermediate_states=output_intermediate_states,
         checkpoint_tokens=checkpoint_tokens, checkpoint_states=tuple(checkpoint_states), nonfinite=nonfinite,
         checkpoint_provider=checkpoint_provider, saved_states=saved_states, input_checks=input_checks,
-        o_out=o_out,
+        o_out=o_out, write_indices=write_indices,
     )
 
 
 def save_initial_states(p: PrefillProblem) -> None:
-    """Copy each sequence's pool row into ``p.saved_states`` (queued on the current
-    stream, no synchronization; a sequence of index -1 receives row 0's)."""
+    """Copy each sequence's pool row as read (``p.indices``) into ``p.saved_states`` (queued
+    on the current stream, no synchronization; a sequence of index -1 receives row 0's)."""
     assert p.saved_states is not None
     torch.index_select(p.pool, 0, p.indices.clamp(min=0), out=p.saved_states)
 
 
 # A backend runs a problem: returns o [T, HV, V] in v's dtype and, when
 # output_intermediate_states, h [NT, HV, V, K] (or [NT, HV, K, V]) in fp32: the state
-# before each chunk; final states are written into pool rows in place, and the state after
-# each checkpoint position into its target (checkpoint_states, or the checkpoint_provider's,
-# asked once); the flags into nonfinite, the input check into input_checks.
+# before each chunk; final states are written into pool rows in place (those of
+# write_indices when given, else of indices), and the state after each checkpoint
+# position into its target (checkpoint_states, or the checkpoint_provider's, asked once);
+# the flags into nonfinite, the input check into input_checks.
 Backend = Callable[[PrefillProblem], tuple[torch.Tensor, Optional[torch.Tensor]]]

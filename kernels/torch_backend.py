@@ -64,10 +64,16 @@ def prepare_inputs(p: PrefillProblem) -> _Prepared:
     return _Prepared(q=q, k=k, v=p.v.to(f32), g=g, beta=beta)
 
 
+def _write_rows(p: PrefillProblem) -> torch.Tensor:
+    """[N] int64: the pool row each sequence of ``p`` writes its final state to (-1: none)."""
+    return p.indices if p.write_indices is None else p.write_indices
+
+
 def _every_row(p: PrefillProblem) -> bool:
-    """Whether every sequence of ``p`` reads and writes a pool row (no index -1): the
-    service's launches. Then the states are read and written without masks."""
-    return bool((p.indices >= 0).all())
+    """Whether every sequence of ``p`` reads and writes a pool row (no index -1 in the rows
+    read nor in those written): the service's launches. Then the states are read and
+    written without masks."""
+    return bool(((p.indices >= 0) & (_write_rows(p) >= 0)).all())
 
 
 def _read_states(p: PrefillProblem, every_row: bool) -> torch.Tensor:
@@ -84,17 +90,19 @@ def _read_states(p: PrefillProblem, every_row: bool) -> torch.Tensor:
 
 
 def _write_states(p: PrefillProblem, states: torch.Tensor, every_row: bool) -> None:
-    """Write math-layout states [N, HV, K, V] back to their pool rows (index -1 skipped)."""
+    """Write math-layout states [N, HV, K, V] to the pool rows they go to (`_write_rows`;
+    index -1 skipped)."""
+    targets = _write_rows(p)
     if every_row:
-        p.pool.index_copy_(0, p.indices, (states.transpose(-1, -2) if p.state_v_first else states).to(p.pool.dtype))
+        p.pool.index_copy_(0, targets, (states.transpose(-1, -2) if p.state_v_first else states).to(p.pool.dtype))
         return
-    live = (p.indices >= 0).nonzero().flatten()
+    live = (targets >= 0).nonzero().flatten()
     if live.numel() == 0:
         return
     rows = states.index_select(0, live)
     if p.state_v_first:
         rows = rows.transpose(-1, -2)
-    p.pool.index_copy_(0, p.indices.index_select(0, live), rows.to(p.pool.dtype))
+    p.pool.index_copy_(0, targets.index_select(0, live), rows.to(p.pool.dtype))
 
 
 def _checkpoints_by_chunk(p: PrefillProblem) -> list[tuple[int, int, int]]:

@@ -15,8 +15,9 @@ all five, intra q, k, g and beta, wy v (`triton_kernels.checks`).
 
 Batches of few sequence-heads run in pieces (`triton_plan`): on CUDA the state pass of each
 piece runs on a high-priority side stream while the parallel stages of the next pieces run
-on the caller's stream. The decode and state stages read initial states from, and write
-final states (and checkpoints) to, the pool rows named by ``p.indices`` themselves.
+on the caller's stream. The decode and state stages read initial states from the pool
+rows named by ``p.indices`` and write final states to those named by ``p.write_indices``
+(``p.indices`` when None) themselves, and checkpoints to their targets.
 
 Precision: no intermediate is bf16 (each bf16 rounding on the way to o costs about as much
 error as rounding o itself, which would break the 5e-3 accuracy target). States, u and the
@@ -101,7 +102,8 @@ def state_targets(p: PrefillProblem, num_chunks: int, h: Optional[torch.Tensor],
     K, V = p.q.shape[2], p.v.shape[2]
     targets = checkpoint_targets(p)
     return StateTargets(
-        pool=p.pool, indices=p.indices, pool_strides=_state_strides(p, p.pool),
+        pool=p.pool, indices=p.indices, write_indices=p.indices if p.write_indices is None else p.write_indices,
+        pool_strides=_state_strides(p, p.pool),
         h=h, h_strides=(1, K) if p.state_v_first else (V, 1),
         ckpt_addrs=checkpoint_addresses(num_chunks, ckpt_chunks, targets, p.q.device) if targets else None,
         ckpt_strides=_target_strides(p, targets), flags=p.nonfinite, saved=saved,

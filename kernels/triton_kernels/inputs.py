@@ -87,10 +87,12 @@ class StageInputs:
 class StateTargets:
     """Where a launch reads and writes states.
 
-    pool: [S, HV, ., .] fp32 or bf16, read at and written back to ``indices`` [N] int64
-    rows (-1: zeros, no write); ``pool_strides``: its (slot, head, key, value) element
-    strides. h: [NT, HV, .., ..] fp32, the state before each chunk (None: not kept), with
-    ``h_strides`` (key, value) inside one state. ckpt_addrs: [NT] int64, for each chunk (h
+    pool: [S, HV, ., .] fp32 or bf16, read at ``indices`` [N] int64 rows (-1: zeros) and
+    written at ``write_indices`` [N] int64 rows (-1: no write; the same tensor as
+    ``indices`` when the problem has no `PrefillProblem.write_indices`);
+    ``pool_strides``: its (slot, head, key, value) element strides. h: [NT, HV, .., ..]
+    fp32, the state before each chunk (None: not kept), with ``h_strides`` (key, value)
+    inside one state. ckpt_addrs: [NT] int64, for each chunk (h
     index) the address of the [HV, ., .] state (the pool's dtype) that receives the state
     after it, 0 for none (None: no checkpoints); ``ckpt_strides``: the (head, key, value)
     element strides every such state shares. flags: [N + 1] int32, the launch's non-finite
@@ -101,6 +103,7 @@ class StateTargets:
 
     pool: torch.Tensor
     indices: torch.Tensor
+    write_indices: torch.Tensor
     pool_strides: tuple[int, int, int, int]
     h: Optional[torch.Tensor]
     h_strides: tuple[int, int]

@@ -3,13 +3,14 @@
     S = diag(exp(g)) S;  S = S + k (beta (v - S^T k))^T;  o = S^T q
 
 One program per (sequence, value head, V block); the [K, BV] state slice is read from
-``pool[indices[seq]]`` and written back to the same row (index -1: zeros, no write); with
-SAVE, the row as read is also stored into ``saved[seq]`` first (a launch transaction's copy
-of the rows it writes, taken by the kernel that reads them: `StateTargets.saved`); with
-CHECKPOINT, also to the checkpoint row its chunk names (`state.store_checkpoint`); with
-FLAG, a NaN or Inf in its o or its new state (as stored) sets ``flags[sequence]``; with
-CHECK, its raw inputs are checked as they are loaded (`checks.nan_where_bad`,
-`checks.flag_if_nan`).
+``pool[indices[seq]]`` (index -1: zeros) and the new state written to
+``pool[write_indices[seq]]`` (index -1: no write; the same row unless the problem has
+`PrefillProblem.write_indices`); with SAVE, the row as read is also stored into
+``saved[seq]`` first (a launch transaction's copy of the rows it reads, taken by the kernel
+that reads them: `StateTargets.saved`); with CHECKPOINT, the new state also goes to the
+checkpoint row its chunk names (`state.store_checkpoint`); with FLAG, a NaN or Inf in its
+o or its new state (as stored) sets ``flags[sequence]``; with CHECK, its raw inputs are
+checked as they are loaded (`checks.nan_where_bad`, `checks.flag_if_nan`).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from .state import store_checkpoint
 
 @triton.jit
 def recurrent_step_kernel(
-    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, h, decs, ckpt_addrs, flags, saved, checks,
+    q, k, v, g, beta, a_log, dt_bias, o, pool, indices, write_indices, h, decs, ckpt_addrs, flags, saved, checks,
     scale, lower_bound,
     s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_head, c_k, c_v, s_saved,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -39,7 +40,9 @@ def recurrent_step_kernel(
     """Grid (N1 * cdiv(V, BV), HV). decs: [N1, 3] int64 (sequence id, token, h index).
 
     q, k: [T, H, K]; v, o: [T, HV, V]; g: [T, HV, K]; beta: [T, HV]; pool strides as in
-    the state pass; h (when STORE_H): [NT, HV, .., ..] fp32, receives the initial state;
+    the state pass; indices, write_indices: [N] int64, the rows read and written (-1:
+    zeros, no write; always given, ``indices`` itself when the rows written are the rows
+    read); h (when STORE_H): [NT, HV, .., ..] fp32, receives the initial state;
     ckpt_addrs (CHECKPOINT) and flags [N + 1] int32 (FLAG) as in `StateTargets`; saved
     (SAVE): [N, HV, ., .] in the pool's dtype, its rows ``s_saved`` apart, the pool's
     strides inside a row; checks (CHECK): the launch's input check, [1] int32.
@@ -53,6 +56,7 @@ def recurrent_step_kernel(
     t = tl.load(decs + i_n * 3 + 1)
     i_g = tl.load(decs + i_n * 3 + 2)
     slot = tl.load(indices + seq)
+    dst = tl.load(write_indices + seq)  # loaded with the row read, not at the store
 
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -78,7 +82,7 @@ def recurrent_step_kernel(
     b_b = activate_beta(b_b, BETA_SIGMOID, NEG_EIGVAL)
 
     p_pool = pool + slot * s_slot + i_hv * s_head + o_k[:, None] * s_pk + o_v[None, :] * s_pv
-    m_live = m_kv & (slot + o_k * 0 >= 0)[:, None]  # slot -1: zeros, no write
+    m_live = m_kv & (slot + o_k * 0 >= 0)[:, None]  # slot -1: zeros
     b_raw = tl.load(p_pool, mask=m_live, other=0.0)  # [BK, BV] math layout, the pool's dtype
     if SAVE:  # before this program's store below; no other program writes this row's slice
         p_saved = saved + seq * s_saved + i_hv * s_head + o_k[:, None] * s_pk + o_v[None, :] * s_pv
@@ -93,7 +97,8 @@ def recurrent_step_kernel(
     b_o = tl.sum(b_s * b_q[:, None], axis=0).to(o.dtype.element_ty)
     tl.store(o + (t * HV + i_hv) * V + o_v, b_o, mask=m_v)
     b_final = b_s.to(pool.dtype.element_ty)
-    tl.store(p_pool, b_final, mask=m_live)
+    p_dst = pool + dst * s_slot + i_hv * s_head + o_k[:, None] * s_pk + o_v[None, :] * s_pv
+    tl.store(p_dst, b_final, mask=m_kv & (dst + o_k * 0 >= 0)[:, None])  # dst -1: no write
     if FLAG:
         flag_nonfinite(flags + seq, b_o, m_v)
         flag_nonfinite(flags + seq, b_final, m_kv)
@@ -103,15 +108,15 @@ def recurrent_step_kernel(
 
 def launch_decode(x: StageInputs, decs: torch.Tensor, o: torch.Tensor, st: StateTargets, cfg: LaunchConfig) -> None:
     """One recurrent step for each single-token sequence of ``decs`` ([N1, 3],
-    `kernels.triton_plan`): o [T, HV, V] at its token, its pool row (and h, checkpoints,
-    non-finite flags, the rows as read into ``st.saved``, the raw inputs' checks into
-    ``x.checks``)."""
+    `kernels.triton_plan`): o [T, HV, V] at its token, its new state to the pool row it
+    writes (and h, checkpoints, non-finite flags, the rows as read into ``st.saved``, the
+    raw inputs' checks into ``x.checks``)."""
     h, ckpt_addrs = st.pointers(o)
     saved = st.pool if st.saved is None else st.saved
     grid = (decs.shape[0] * triton.cdiv(x.V, cfg.rec_bv), x.HV)
     recurrent_step_kernel[grid](
-        x.q, x.k, x.v, x.g, x.beta, x.a_log, x.dt_bias, o, st.pool, st.indices, h, decs, ckpt_addrs,
-        st.flag_pointer(st.indices), saved, x.check_pointer(st.indices),
+        x.q, x.k, x.v, x.g, x.beta, x.a_log, x.dt_bias, o, st.pool, st.indices, st.write_indices, h, decs,
+        ckpt_addrs, st.flag_pointer(st.indices), saved, x.check_pointer(st.indices),
         x.scale, x.lower_bound, *st.pool_strides, *st.h_strides, *st.ckpt_strides, saved.stride(0),
         H=x.H, HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=cfg.rec_bv, **x.flags,
         STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,

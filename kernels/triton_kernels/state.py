@@ -8,12 +8,13 @@ fp32 across the sequence's chunks:
     o         = qg S + A_qk v_new                    (FUSE_OUT; else the output stage does it)
     S         = diag(exp(G_last)) S + kg^T v_new
 
-The initial state is read from ``pool[indices[seq]]`` and the final state written back to
-the same row by this kernel (no gather/scatter copies); index -1 reads zeros and writes
-nothing. A segment of a sequence cut into pieces (`kernels.triton_plan`) reads and/or
-writes a carry row instead, by its segment-table entry. The pool is addressed through its strides, so [S, HV, V, K] and [S, HV, K, V]
-layouts (fp32 or bf16) are one code path. This kernel must never be autotuned: a timing
-run would advance live states.
+The initial state is read from ``pool[indices[seq]]`` and the final state written to
+``pool[write_indices[seq]]`` (the same row unless the problem has
+`PrefillProblem.write_indices`) by this kernel (no gather/scatter copies); index -1 reads
+zeros, or writes nothing. A segment of a sequence cut into pieces (`kernels.triton_plan`)
+reads and/or writes a carry row instead, by its segment-table entry. The pool is addressed
+through its strides, so [S, HV, V, K] and [S, HV, K, V] layouts (fp32 or bf16) are one
+code path. This kernel must never be autotuned: a timing run would advance live states.
 
 Checkpoints (CHECKPOINT): when ``ckpt_addrs[chunk]`` holds an address, the state after
 that chunk goes to the [HV, ., .] state there as well, in the pool's dtype
@@ -105,7 +106,7 @@ def chunk_step(b_h, o_bad, i_t, bos, eos, hoff, i_hv, w, u, kg, gexp, qg, aqk, o
 
 @triton.jit
 def chunk_state_kernel(
-    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, segs, carry, ckpt_addrs, flags,
+    w, u, kg, gexp, qg, aqk, o, v_new, h, pool, indices, write_indices, segs, carry, ckpt_addrs, flags,
     s_slot, s_head, s_pk, s_pv, s_hk, s_hv, c_head, c_k, c_v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
@@ -119,7 +120,9 @@ def chunk_state_kernel(
     w, kg, qg: [T, HV, K] and aqk: [T, HV, 64] in the operand dtype (fp32 or fp16: the
     products cast S and v_new to it); u, v_new: [T, HV, V] and gexp: [NT, HV, K] fp32; o: [T, HV, V] in v's dtype (FUSE_OUT) ; v_new written unless FUSE_OUT;
     h: [NT, HV, .., ..] with strides s_hk, s_hv inside one [K, V] state (STORE_H);
-    pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices: [N] int64;
+    pool: slot stride s_slot, head stride s_head, element strides s_pk, s_pv; indices,
+    write_indices: [N] int64, the rows read and written (-1: zeros, no write; always given,
+    ``indices`` itself when the rows written are the rows read);
     ckpt_addrs [NT] int64 (head, key, value strides c_*) and flags [N + 1] int32 (FLAG) as
     in `StateTargets`. CKPT_PREFETCH: each chunk's checkpoint address is loaded one chunk
     ahead (carried through the loop) instead of just before its store, whose branch would
@@ -177,10 +180,11 @@ def chunk_state_kernel(
         tl.store(carry + (store_carry * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :]), b_h, mask=m_kv)
         if FLAG:
             flag_nonfinite(flags + seq, b_h, m_kv)
-    else:  # slot -1: no write
-        p_pool = pool + slot * s_slot + i_hv * s_head + (o_k[:, None] * s_pk + o_v[None, :] * s_pv)
+    else:  # dst -1: no write
+        dst = tl.load(write_indices + seq)
+        p_pool = pool + dst * s_slot + i_hv * s_head + (o_k[:, None] * s_pk + o_v[None, :] * s_pv)
         b_final = b_h.to(pool.dtype.element_ty)
-        tl.store(p_pool, b_final, mask=m_kv & (slot + o_k * 0 >= 0)[:, None])
+        tl.store(p_pool, b_final, mask=m_kv & (dst + o_k * 0 >= 0)[:, None])
         if FLAG:
             flag_nonfinite(flags + seq, b_final, m_kv)
 
@@ -223,8 +227,9 @@ def launch_state(x: StageInputs, segs: torch.Tensor, wy: WyOutputs, aqk: torch.T
     bv, warps, stages = launch
     h, ckpt_addrs = st.pointers(o)
     fused = v_new is None
-    args = (wy.w, wy.u, wy.kg, wy.gexp, wy.qg, aqk, o, o if fused else v_new, h, st.pool, st.indices, segs, carry,
-            ckpt_addrs, st.flag_pointer(st.indices), *st.pool_strides, *st.h_strides, *st.ckpt_strides)
+    args = (wy.w, wy.u, wy.kg, wy.gexp, wy.qg, aqk, o, o if fused else v_new, h, st.pool, st.indices,
+            st.write_indices, segs, carry, ckpt_addrs, st.flag_pointer(st.indices), *st.pool_strides,
+            *st.h_strides, *st.ckpt_strides)
     consts = dict(HV=x.HV, K=x.K, V=x.V, BK=max(16, triton.next_power_of_2(x.K)), BV=bv, FUSE_OUT=fused,
                   STORE_H=st.h is not None, CHECKPOINT=st.ckpt_addrs is not None, FLAG=st.flags is not None,
                   DOT_PREC=x.dot_prec, CKPT_PREFETCH=prefetch and not at_end, CKPT_AT_END=at_end)

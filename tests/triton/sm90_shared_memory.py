@@ -80,8 +80,8 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
            dict(H=HEADS, HV=HEADS, K=K, V=V, BK=cfg.wy_bk, BV=cfg.wy_bv, GATE=GATE_LOWER_BOUND, HAS_A_LOG=True,
                 HAS_DT_BIAS=True, DOT_PREC=dot_prec, FLOOR=LOG_DECAY_FLOOR, BLOCK_SCAN=cfg.wy_block_scan),
            cfg.wy_warps, cfg.wy_stages)
-    state_ptrs = {**io, "w": mat, "kg": mat, "qg": mat, "aqk": mat, "indices": "i64", "segs": "i64",
-                  "ckpt_addrs": "i64"}
+    state_ptrs = {**io, "w": mat, "kg": mat, "qg": mat, "aqk": mat, "indices": "i64", "write_indices": "i64",
+                  "segs": "i64", "ckpt_addrs": "i64"}
     for seq_heads in (HEADS, WIDE_STATE_MIN_SEQ_HEADS):
         for fuse, ckpt, at_end in ((True, False, False), (True, True, False), (True, True, True), (False, True, False),
                                    (False, True, True)):
@@ -95,7 +95,8 @@ def launches(K: int, fp32_inputs: bool) -> Iterator[tuple[str, dict, triton.JITF
                    warps, stages)
     yield ("output", {}, chunk_output_kernel, {"qg": mat, "aqk": mat, "o": inp, "chunks": "i64"},
            dict(HV=HEADS, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, DOT_PREC=dot_prec), cfg.out_warps, cfg.out_stages)
-    yield ("recurrent", {}, recurrent_step_kernel, {**io, "indices": "i64", "decs": "i64", "ckpt_addrs": "i64"},
+    yield ("recurrent", {}, recurrent_step_kernel,
+           {**io, "indices": "i64", "write_indices": "i64", "decs": "i64", "ckpt_addrs": "i64"},
            dict(H=HEADS, HV=HEADS, K=K, V=V, BK=bk, BV=cfg.rec_bv, **flags, STORE_H=False, CHECKPOINT=True, FLAG=True,
                 SAVE=True),
            cfg.rec_warps, 3)
