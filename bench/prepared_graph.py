@@ -2,7 +2,7 @@
 
 A prepared prefill (`service.core.prepared`) replays one graph per run: the launch
 transaction (its flags, and the copy of the rows it writes: taken before the kernels, or
-saved by the decode kernel), the kernels (which check the inputs as they read them and
+saved by the decode kernel; or none, the new states written to spare rows instead), the kernels (which check the inputs as they read them and
 write o into the client's region) and, when asked, the final states' gather and copy. The
 value check as a pass of its own (`value_extremes`, what the graph ran before) is timed
 beside the kernels' own checks. This bench captures
@@ -32,9 +32,13 @@ import torch  # noqa: E402
 import kernels  # noqa: E402
 from bench.serving_case import event_ms, make_case, problem_of  # noqa: E402
 from kernels.triton_kernels.extremes import value_extremes  # noqa: E402
-from service.core.transaction import LaunchTransaction  # noqa: E402
+from service.core.transaction import LaunchTransaction, MovedRows  # noqa: E402
 
 Step = Callable[[], object]
+
+# the prepared step (finals declined) with its new states written to spare rows: timed against it in place
+SPARE_ROWS_STEP = "the prepared step writing its new states to spare rows instead (nothing copied or saved)"
+IN_PLACE_STEP = "+ o written into the client's region by the kernels (finals declined: the prepared step)"
 
 
 def steps(c: dict) -> dict[str, Step]:
@@ -42,21 +46,27 @@ def steps(c: dict) -> dict[str, Step]:
     on the case's pool rows; the rows only drift, as a prepared prefill's do)."""
     pool, idx = c["pool"], c["idx"]
     requests = [(c["lengths"], [f"s{i}" for i in range(len(c["lengths"]))])]
+    spare = sorted(set(range(pool.shape[0])) - set(idx.tolist()))[:len(c["lengths"])]
+    moved = MovedRows(spare, torch.tensor(spare, device=pool.device), lambda positions: None, lambda positions: None)
     inputs = [c[n] for n in ("q", "k", "v", "g", "beta")]
     client_o = torch.empty_like(c["v"])  # the client's region, for o
     client_final = torch.empty((len(c["lengths"]), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
 
-    def kernel(saved: bool = False, check: str = "", o_out: bool = False, finals: bool = False) -> Step:
-        """``check``: "" none, "pass" a `value_extremes` pass first, "kernels" the kernels' own."""
+    def kernel(saved: bool = False, check: str = "", o_out: bool = False, finals: bool = False,
+               spare_rows: bool = False) -> Step:
+        """``check``: "" none, "pass" a `value_extremes` pass first, "kernels" the kernels' own;
+        ``spare_rows``: the new states written to spare rows (nothing copied or saved)."""
         def step() -> None:
-            txn = LaunchTransaction(pool, idx, requests, saved_by_launch=saved, checks_inputs=check == "kernels")
+            txn = LaunchTransaction(pool, idx, requests, saved_by_launch=saved, checks_inputs=check == "kernels",
+                                    moved=moved if spare_rows else None)
             if check == "pass":
                 value_extremes(inputs)
-            problem = problem_of(c, txn.flags, saved_states=txn.saved if saved else None,
-                                 input_checks=txn.input_checks, o_out=client_o if o_out else None)
+            problem = problem_of(c, txn.flags, saved_states=txn.saved if txn.saved_by_launch else None,
+                                 input_checks=txn.input_checks, o_out=client_o if o_out else None,
+                                 write_indices=txn.write_indices)
             kernels.run_problem(problem, "triton")
             if finals:
-                client_final.copy_(pool.index_select(0, idx))
+                client_final.copy_(pool.index_select(0, txn.written))
         return step
 
     def bare() -> None:
@@ -69,9 +79,9 @@ def steps(c: dict) -> dict[str, Step]:
         "+ the inputs' value check, a pass of its own (value_extremes; until 2026-12-04)": kernel(saved=True,
                                                                                                  check="pass"),
         "+ the inputs checked by the kernels instead (input_checks)": kernel(saved=True, check="kernels"),
-        "+ o written into the client's region by the kernels (finals declined: the prepared step)": kernel(
-            saved=True, check="kernels", o_out=True),
+        IN_PLACE_STEP: kernel(saved=True, check="kernels", o_out=True),
         "+ the final states gathered and copied": kernel(saved=True, check="kernels", o_out=True, finals=True),
+        SPARE_ROWS_STEP: kernel(check="kernels", o_out=True, spare_rows=True),
     }
 
 
@@ -88,7 +98,7 @@ def captured(step: Step) -> torch.cuda.CUDAGraph:
 
 def bench_case(name: str, reps: int, device: torch.device) -> None:
     n_seq, length = map(int, name.split("x"))
-    c = make_case(n_seq, length, 32, device)
+    c = make_case(n_seq, length, 32, device, spare_rows=n_seq)  # room for the spare-rows step
     graphs = {label: captured(step) for label, step in steps(c).items()}
     bare = steps(c)["kernels alone"]
     times: dict[str, list[float]] = {label: [] for label in graphs}
@@ -108,9 +118,11 @@ def bench_case(name: str, reps: int, device: torch.device) -> None:
     print(f"  eager kernels, one call with its host gaps: {statistics.median(eager):.3f}; back to back: "
           f"{begin.elapsed_time(end) / reps:.3f} per call")
     previous = before_pass = None
+    medians = {label: statistics.median(ts) for label, ts in times.items()}
     for label, ts in times.items():  # each row against the row above; the kernels' checks against the pass's base
-        m = statistics.median(ts)
+        m = medians[label]
         base = before_pass if "checked by the kernels" in label else previous
+        base = medians[IN_PLACE_STEP] if label == SPARE_ROWS_STEP else base
         step = "" if base is None else f" ({m - base:+.3f})"
         print(f"  graph, {label}: {m:.3f}{step}")
         before_pass = previous if "a pass of its own" in label else before_pass

@@ -42,18 +42,18 @@ def make_case(n_seq: int, length: int, heads: int, device: torch.device, spare_r
 
 def problem_of(c: dict, nonfinite: Optional[torch.Tensor] = None, checkpoint_tokens: tuple[int, ...] = (),
                checkpoint_states: Sequence[torch.Tensor] = (), saved_states: Optional[torch.Tensor] = None,
-               input_checks: Optional[torch.Tensor] = None, o_out: Optional[torch.Tensor] = None
-               ) -> kernels.PrefillProblem:
-    """The server's problem for case ``c`` (in place on its scratch pool), with the
-    non-finite flags, checkpoints (their targets: a [C, HV, V, K] tensor or C states
-    [HV, V, K]), the rows' copy (``saved_states``), the input check and o's destination
-    given (none by default)."""
+               input_checks: Optional[torch.Tensor] = None, o_out: Optional[torch.Tensor] = None,
+               write_indices: Optional[torch.Tensor] = None) -> kernels.PrefillProblem:
+    """The server's problem for case ``c`` (in place on its scratch pool, or writing to the
+    rows ``write_indices``), with the non-finite flags, checkpoints (their targets: a
+    [C, HV, V, K] tensor or C states [HV, V, K]), the rows' copy (``saved_states``), the
+    input check and o's destination given (none by default)."""
     return packed_problem(
         c["q"], c["k"], c["v"], c["g"], c["beta"], bounds=c["bounds"], pool=c["pool"], indices=c["idx"],
         scale=None, A_log=c["A_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND, use_qk_l2norm=True,
         use_beta_sigmoid=True, allow_neg_eigval=False, nonfinite=nonfinite,
         checkpoint_tokens=checkpoint_tokens, checkpoint_states=checkpoint_states, saved_states=saved_states,
-        input_checks=input_checks, o_out=o_out,
+        input_checks=input_checks, o_out=o_out, write_indices=write_indices,
     )
 
 

@@ -58,6 +58,10 @@ class Settings:
     head_dim: int = _opt(64, "key head dim K (and V unless --head-v-dim)")
     head_v_dim: Optional[int] = _opt(None, "value head dim V (default: --head-dim)")
     state_dtype: str = _opt("float32", "pool dtype: float32 | bfloat16")
+    spare_rows: Optional[int] = _opt(
+        None, "pool rows beside the slots' (one layer's state each) that launches write new states to, committing "
+              "by moving the slots' rows: nothing copied for a refusal to restore (default: --num-slots, 1/num_layers "
+              "more memory; 0: launches update rows in place and copy them first)")
     gate_params: Optional[str] = _opt(
         None, "safetensors with layers.{i}.A_log, layers.{i}.dt_bias[, layers.{i}.lower_bound]"
     )
@@ -142,6 +146,8 @@ class Settings:
         for name in ("prefix_cache_mb", "prefix_cache_host_mb"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.spare_rows is not None and self.spare_rows < 0:
+            problems.append(f"spare_rows must be >= 0, got {self.spare_rows}")
         if self.max_shm_regions < 0:
             problems.append(f"max_shm_regions must be >= 0, got {self.max_shm_regions}")
         if self.slot_ttl_s is not None and not self.slot_ttl_s > 0:

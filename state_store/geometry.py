@@ -12,7 +12,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16:
 
 @dataclass(frozen=True)
 class PoolGeometry:
-    """Geometry of a pool tensor ``[num_layers, num_slots, num_heads, head_v_dim, head_k_dim]``.
+    """Geometry of a logical pool ``[num_layers, num_slots, num_heads, head_v_dim, head_k_dim]``
+    (`StatePool` keeps it in storage rows, with spares beside them).
 
     num_heads is HV, the value heads (the state's heads). The state of one head is stored
     V-first, ``[head_v_dim, head_k_dim]`` with K contiguous. dtype is float32 or bfloat16.
@@ -38,7 +39,7 @@ class PoolGeometry:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """The pool tensor's shape [L, S, HV, V, K]."""
+        """The logical pool's shape [L, S, HV, V, K] (a snapshot's tensor)."""
         return (self.num_layers, self.num_slots, self.num_heads, self.head_v_dim, self.head_k_dim)
 
     @property
@@ -58,7 +59,7 @@ class PoolGeometry:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the whole pool tensor."""
+        """Bytes of the logical pool (its spare rows not counted)."""
         return self.bytes_per_slot * self.num_slots
 
     def state_fields(self) -> dict[str, Any]:

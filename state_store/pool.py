@@ -18,6 +18,7 @@ from .geometry import PoolGeometry
 from .ids import check_prefix, new_slot_id
 from .memory import available_bytes
 from .records import PoolStats, SlotInfo
+from .row_map import RowMap
 
 _T = TypeVar("_T")
 
@@ -50,16 +51,20 @@ def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
 class StatePool:
     """Recurrent states of many sequences in one tensor, handed out as slots.
 
-    ``tensor`` is [num_layers, num_slots, num_heads, head_v_dim, head_k_dim] (V-first, K
-    contiguous), float32 or bfloat16, on ``device``, allocated once. A slot is one row
-    across all layers; its public id is an opaque string, ``id_prefix`` then 128 random
-    bits, never equal to a live id (reissuing a dead one has probability 2**-128). A row
-    is never mapped by two live ids.
+    A slot is one slot row (0..num_slots-1) across all layers; its public id is an opaque
+    string, ``id_prefix`` then 128 random bits, never equal to a live id (reissuing a dead
+    one has probability 2**-128). A slot row is never mapped by two live ids. The states
+    live in ``storage``, [R, num_heads, head_v_dim, head_k_dim] (V-first, K contiguous),
+    float32 or bfloat16, on ``device``, allocated once: R = num_layers * num_slots storage
+    rows hold the slots' states (where each (layer, slot row) lives: a `RowMap`) and
+    ``spare_rows`` more (default num_slots) let a launch write new states beside the old
+    ones and commit by moving the slots' rows (`take_spares`, `commit_rows`,
+    `return_spares`). `image` is the logical pool [L, S, HV, V, K].
 
     Slots idle (not used by rows, read_state, write_state, fork, export, import_,
     record_tokens) for more than ``ttl`` seconds of ``clock`` are freed: lazily, on access
     to the id, and by `sweep`. Every method holds ``lock`` (a re-entrant lock the caller
-    may also hold, e.g. across a kernel launch on `layer_view`).
+    may also hold, e.g. across a kernel launch on `storage`).
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class StatePool:
         ttl: Optional[float] = None,
         clock: Callable[[], float] = time.monotonic,
         id_prefix: str = "",
+        spare_rows: Optional[int] = None,
     ) -> None:
         geometry = PoolGeometry(
             num_layers, num_slots, num_heads, head_k_dim, head_v_dim, dtype, torch.device(device)
@@ -83,9 +89,14 @@ class StatePool:
         ):
             raise ValueError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
         self._id_prefix = check_prefix(id_prefix)
-        _check_fits(geometry)
-        self._tensor = torch.zeros(geometry.shape, dtype=dtype, device=geometry.device)
-        self._geometry = dataclasses.replace(geometry, device=self._tensor.device)
+        spares = num_slots if spare_rows is None else spare_rows
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ValueError(f"spare_rows must be a non-negative integer or None, got {spare_rows!r}")
+        self._map = RowMap(num_layers, num_slots, spares)
+        _check_fits(geometry, self._map.storage_rows)
+        self._storage = torch.zeros((self._map.storage_rows, *geometry.shape[2:]), dtype=dtype,
+                                    device=geometry.device)
+        self._geometry = dataclasses.replace(geometry, device=self._storage.device)
         self._ttl = ttl
         self._clock = clock
         self._wall_offset = time.time() - clock()
@@ -109,18 +120,53 @@ class StatePool:
         return self._geometry
 
     @property
-    def tensor(self) -> torch.Tensor:
-        """The pool, [L, S, HV, V, K]; kernels update rows of it in place."""
-        return self._tensor
+    def storage(self) -> torch.Tensor:
+        """The storage rows, [R, HV, V, K] (the kernels' pool): a layer's slot rows are
+        `layer_rows` of it; kernels update them in place or write new states to spares."""
+        return self._storage
+
+    @property
+    def spare_rows(self) -> int:
+        """How many spare rows the pool has (free or taken): the most one launch can take."""
+        return self._map.num_spares
 
     @property
     def lock(self) -> threading.RLock:
         return self._lock
 
     @_locked
-    def layer_view(self, layer: int) -> torch.Tensor:
-        """Layer ``layer`` of the pool, [S, HV, V, K], a view (the kernels' ``initial_state``)."""
-        return self._tensor[self._layer_index(layer)]
+    def image(self) -> torch.Tensor:
+        """A copy of the logical pool, [L, S, HV, V, K], on the pool's device: what a whole-pool
+        snapshot holds (free slot rows too)."""
+        index = torch.tensor([r for layer in range(self._geometry.num_layers) for r in self._map.layer(layer)],
+                             device=self._storage.device)
+        return self._storage.index_select(0, index).view(self._geometry.shape)
+
+    @_locked
+    def layer_rows(self, layer: int, rows: Sequence[int]) -> list[int]:
+        """Storage rows of slot ``rows`` (`rows`) on ``layer``, in order: the kernels' indices."""
+        return self._map.rows_of_layer(self._layer_index(layer), rows)
+
+    @_locked
+    def take_spares(self, count: int) -> Optional[list[int]]:
+        """``count`` spare storage rows for a launch to write new states to, or None when
+        fewer are free (the launch then updates rows in place). Each goes back by
+        `commit_rows` or `return_spares`."""
+        return self._map.take_spares(count)
+
+    @_locked
+    def return_spares(self, spares: Sequence[int]) -> None:
+        """Spare rows of `take_spares` that no slot takes (a refused launch's)."""
+        self._map.give_back(spares)
+
+    @_locked
+    def commit_rows(self, layer: int, rows: Sequence[int], read: Sequence[int], written: Sequence[int]) -> None:
+        """Slot ``rows`` of ``layer`` now hold the states a launch wrote to the spare rows
+        ``written``; the rows ``read`` (their `layer_rows` when the launch took them)
+        become spare. No copy. ValueError, nothing committed and ``written`` handed back,
+        when a row moved in between (the caller keeps the slots from other updates:
+        `SlotOrdering`). Does not count as a use (the launch's `rows` did)."""
+        self._map.commit(self._layer_index(layer), rows, read, written)
 
     @_locked
     def alloc(self, count: int = 1) -> list[str]:
@@ -128,7 +174,7 @@ class StatePool:
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"count must be a positive integer, got {count!r}")
         rows = self._take_rows(count)
-        self._tensor.index_fill_(1, torch.tensor(rows, device=self._tensor.device), 0)
+        self._storage.index_fill_(0, self._slot_index([r for row in rows for r in self._map.rows_of_slot(row)]), 0)
         return [self._issue(row, [0] * self._geometry.num_layers) for row in rows]
 
     @_locked
@@ -147,9 +193,11 @@ class StatePool:
             raise ValueError(f"count must be a positive integer, got {count!r}")
         rows = self._take_rows(count)
         try:
-            self._tensor[:, rows[0]].copy_(state)
-            for row in rows[1:]:  # from the pool's own copy (one transfer from a host state)
-                self._tensor[:, row].copy_(self._tensor[:, rows[0]])
+            self._write_slot(rows[0], state)
+            if rows[1:]:  # from the pool's own copy (one transfer from a host state)
+                first = self._storage.index_select(0, self._slot_index(self._map.rows_of_slot(rows[0])))
+                for row in rows[1:]:
+                    self._storage.index_copy_(0, self._slot_index(self._map.rows_of_slot(row)), first)
         except BaseException:
             for row in rows:
                 heapq.heappush(self._free_rows, row)
@@ -169,7 +217,7 @@ class StatePool:
         counts): prefix reuse. The two are independent afterwards."""
         source = self._touch(slot_id)
         row = self._take_rows(1)[0]
-        self._tensor[:, row].copy_(self._tensor[:, source.row])
+        self._write_slot(row, self._read_slot(source.row))
         return self._issue(row, list(source.tokens_per_layer), source.state_lost)
 
     @_locked
@@ -220,8 +268,7 @@ class StatePool:
     @_locked
     def read_state(self, slot_id: str) -> torch.Tensor:
         """A copy of the slot's state, [L, HV, V, K] in the pool dtype, on the pool device."""
-        row = self._touch(slot_id).row
-        return self._tensor[:, row].clone(memory_format=torch.contiguous_format)
+        return self._read_slot(self._touch(slot_id).row)
 
     @_locked
     def write_state(self, slot_id: str, state: torch.Tensor) -> None:
@@ -231,14 +278,14 @@ class StatePool:
         """
         self._check_state(state)
         slot = self._touch(slot_id)
-        self._tensor[:, slot.row].copy_(state)
+        self._write_slot(slot.row, state)
         slot.state_lost = False
 
     @_locked
     def export(self, slot_id: str) -> bytes:
         """The slot's state as safetensors bytes (see `state_store.transfer`)."""
         slot = self._touch(slot_id)
-        layers = [self._tensor[layer, slot.row] for layer in range(self._geometry.num_layers)]
+        layers = [self._storage[r] for r in self._map.rows_of_slot(slot.row)]
         return transfer.encode(self._geometry, layers, slot.tokens_per_layer)
 
     @_locked
@@ -253,10 +300,10 @@ class StatePool:
         tokens = tokens if tokens is not None else [0] * self._geometry.num_layers
         if slot_id is None:
             row = self._take_rows(1)[0]
-            self._tensor[:, row].copy_(state)
+            self._write_slot(row, state)
             return self._issue(row, tokens)
         slot = self._touch(slot_id)
-        self._tensor[:, slot.row].copy_(state)
+        self._write_slot(slot.row, state)
         slot.tokens_per_layer = tokens
         slot.state_lost = False
         return slot_id
@@ -319,7 +366,8 @@ class StatePool:
         ``generation`` (see `state_store.snapshot`)."""
         self._expire_idle()
         infos = [self._info(slot_id, slot) for slot_id, slot in self._slots.items()]
-        snapshot.write(path, self._geometry, self._tensor, infos, self._wall(self._clock()), generation)
+        rows = [self._storage[r] for layer in range(self._geometry.num_layers) for r in self._map.layer(layer)]
+        snapshot.write(path, self._geometry, rows, infos, self._wall(self._clock()), generation)
 
     @_locked
     def restore(self, path: snapshot.PathLike) -> snapshot.Stamp:
@@ -332,7 +380,9 @@ class StatePool:
         """
         read = snapshot.read(path, self._geometry)
         infos, saved_at = read.slots, read.stamp.saved_at
-        self._tensor.copy_(read.pool)
+        self._map.reset()
+        L, S = self._geometry.num_layers, self._geometry.num_slots
+        self._storage[:L * S].view(self._geometry.shape).copy_(read.pool)
         now = self._clock()
         self._slots = {
             info.slot_id: _Slot(
@@ -413,6 +463,30 @@ class StatePool:
             got = {"shape": list(state.shape), "dtype": str(state.dtype).removeprefix("torch.")}
             raise GeometryMismatch(expected, got)
 
+    def _slot_index(self, storage_rows: list[int]) -> torch.Tensor:
+        """``storage_rows`` as an index tensor on the pool's device (on a GPU from page-locked
+        memory, without waiting for the work queued before it)."""
+        host = torch.tensor(storage_rows, dtype=torch.int64)
+        return host.pin_memory().to(self._storage.device, non_blocking=True) if self._storage.is_cuda else host
+
+    def _read_slot(self, row: int) -> torch.Tensor:
+        """A copy of slot row ``row``'s state on every layer, [L, HV, V, K], on the pool's device."""
+        return self._storage.index_select(0, self._slot_index(self._map.rows_of_slot(row)))
+
+    def _write_slot(self, row: int, state: torch.Tensor) -> None:
+        """Copy ``state`` [L, HV, V, K] (pool dtype, any device) into slot row ``row``, complete
+        when this returns. From the pool's device one scatter; from the host into a GPU pool
+        one copy per layer, straight into its row (queued at once: they overlap the transfer,
+        where a device copy first would add a second pass over the state)."""
+        rows = self._map.rows_of_slot(row)
+        if state.device == self._storage.device:
+            self._storage.index_copy_(0, self._slot_index(rows), state)
+            return
+        for layer, r in enumerate(rows):
+            self._storage[r].copy_(state[layer], non_blocking=True)
+        if self._storage.is_cuda:
+            torch.cuda.current_stream(self._storage.device).synchronize()  # the host state may change after
+
     def _take_rows(self, count: int) -> list[int]:
         """Pop ``count`` free rows (freeing idle slots if short), or raise PoolFull."""
         if count > len(self._free_rows):
@@ -458,13 +532,14 @@ class StatePool:
         )
 
 
-def _check_fits(geometry: PoolGeometry) -> None:
-    """Refuse, before allocating, a pool larger than the device's free memory."""
-    needed = geometry.total_bytes
+def _check_fits(geometry: PoolGeometry, storage_rows: int) -> None:
+    """Refuse, before allocating, a pool of ``storage_rows`` rows larger than the device's free memory."""
+    needed = storage_rows * geometry.bytes_per_slot // geometry.num_layers
     available = available_bytes(geometry.device)
     if available is not None and needed > available:
         raise PoolError(
-            f"a {geometry.dtype_name} pool of shape {list(geometry.shape)} needs {needed} bytes "
+            f"a {geometry.dtype_name} pool of shape {list(geometry.shape)} and "
+            f"{storage_rows - geometry.num_layers * geometry.num_slots} spare rows needs {needed} bytes "
             f"({needed / 2**30:.2f} GiB) on {geometry.device}, but only {available} bytes "
             f"({available / 2**30:.2f} GiB) are available"
         )

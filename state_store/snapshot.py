@@ -19,7 +19,7 @@ import json
 import math
 import os
 import tempfile
-from typing import Any, Iterable, Iterator, Union
+from typing import Any, Iterable, Sequence, Union
 
 import torch
 
@@ -57,16 +57,18 @@ class Snapshot:
 def write(
     path: PathLike,
     geometry: PoolGeometry,
-    pool: torch.Tensor,
+    rows: Sequence[torch.Tensor],
     slots: list[SlotInfo],
     saved_at: float,
     generation: int = 0,
 ) -> None:
-    """Write ``pool`` [L, S, HV, V, K] (any device) and its id map to ``path`` atomically.
+    """Write the pool [L, S, HV, V, K] given as its L * S ``rows`` (each [HV, V, K], layer by
+    layer, slot rows in order; any device, views of the pool's storage) and its id map to
+    ``path`` atomically.
 
     The file is written to a temporary name in the same directory, flushed and fsynced,
     renamed over ``path``, and the directory fsynced: a crash leaves the old snapshot or
-    the new one, never a mix. The pool is copied to the host one layer at a time.
+    the new one, never a mix. The pool is copied to the host one row at a time.
     Raises SnapshotError when the file cannot be written.
     """
     index = json.dumps(
@@ -77,9 +79,11 @@ def write(
             "slots": [dataclasses.asdict(slot) for slot in slots],
         }
     )
+    if len(rows) != geometry.num_layers * geometry.num_slots:
+        raise ValueError(f"a pool of {geometry.num_layers} x {geometry.num_slots} rows, got {len(rows)}")
     pool_hash = hashlib.sha256()
-    for layer in _layers(pool):
-        pool_hash.update(tensor_bytes(layer))
+    for row in rows:
+        pool_hash.update(tensor_bytes(row))
     metadata = {
         "format": FORMAT,
         "version": VERSION,
@@ -87,7 +91,7 @@ def write(
         "index_sha256": hashlib.sha256(index.encode()).hexdigest(),
         "pool_sha256": pool_hash.hexdigest(),
     }
-    write_atomically(path, TENSOR_NAME, geometry.dtype, geometry.shape, _layers(pool), metadata)
+    write_atomically(path, TENSOR_NAME, geometry.dtype, geometry.shape, rows, metadata)
 
 
 def write_atomically(path: PathLike, name: str, dtype: torch.dtype, shape: tuple[int, ...],
@@ -112,11 +116,6 @@ def write_atomically(path: PathLike, name: str, dtype: torch.dtype, shape: tuple
         fsync_directory(directory)
     except OSError as exc:
         raise SnapshotError(path, f"cannot write: {exc}") from exc
-
-
-def _layers(pool: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The pool's layers [S, HV, V, K] in order; their bytes concatenated are the pool's."""
-    return (pool[layer] for layer in range(pool.shape[0]))
 
 
 def fsync_directory(directory: str) -> None:

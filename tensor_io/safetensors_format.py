@@ -270,7 +270,7 @@ def write(stream: BinaryIO, name: str, dtype: torch.dtype, shape: Sequence[int],
           tensor_pieces: Iterable[torch.Tensor], metadata: Mapping[str, str]) -> None:
     """Write a container of one tensor ``name`` of ``shape``/``dtype`` whose row-major bytes
     are the concatenation of ``tensor_pieces`` (tensors on any device, each brought to the
-    host alone: a GPU pool is written one layer at a time)."""
+    host alone: a GPU pool is written one piece at a time)."""
     head, _, size = header_bytes({name: (dtype, shape)}, metadata)
     stream.write(head)
     written = 0

@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -44,7 +45,7 @@ import kernels
 from kernels.problem import PrefillProblem, packed_problem
 
 from .inputs import PrefillResult
-from .transaction import LaunchTransaction
+from .transaction import LaunchTransaction, MovedRows
 from ..errors import InvalidRequest
 from .validation import ValidPrefill
 
@@ -106,12 +107,16 @@ class _Step:
 
 class PreparedPrefill:
     """A checked prefill (``valid``: its inputs' tensors are the buffers ``refill`` fills)
-    on ``pool_layer`` ([S, HV, V, K], one layer of the pool) at ``rows`` (host ints, one
-    per sequence, the rows of ``valid.inputs.slots``), with the gate tensors ``A_log``
-    [HV] / ``dt_bias`` [HV, K] on the pool's device (or None), run by ``backend``; ``io``:
-    the copies its launch makes itself; on a GPU captured as a CUDA graph (`capture`)."""
+    on the slot rows ``rows`` (host ints, one per sequence, the rows of
+    ``valid.inputs.slots``) of the pool whose storage rows are ``storage`` [R, HV, V, K],
+    with the gate tensors ``A_log`` [HV] / ``dt_bias`` [HV, K] on the pool's device (or
+    None), run by ``backend``; ``io``: the copies its launch makes itself; on a GPU
+    captured as a CUDA graph (`capture`). With ``moves`` every run writes its new states to
+    spare rows (`MovedRows`, given per run), else over the rows it reads (copied first).
+    Each run is told the storage rows it reads (they move as launches commit) and uploads
+    them, with its spare rows, into one device buffer the graph reads."""
 
-    def __init__(self, valid: ValidPrefill, rows: Sequence[int], indices: torch.Tensor, pool_layer: torch.Tensor,
+    def __init__(self, valid: ValidPrefill, rows: Sequence[int], storage: torch.Tensor, moves: bool,
                  A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], backend: str,
                  refill: Refill, deliver: Deliver, io: DeviceIO) -> None:
         self.valid = valid
@@ -121,8 +126,13 @@ class PreparedPrefill:
         self.checked_generation: Optional[int] = None  # the pool's generation at the last check of the slots
         self.tokens = sum(valid.inputs.lengths)
         self.refill, self.deliver, self.io = refill, deliver, io
-        self._indices = indices
-        self._layer = pool_layer
+        self.moves = moves
+        n, device = len(self.rows), storage.device
+        self._row_buffer = torch.zeros(2 * n if moves else n, dtype=torch.int64, device=device)
+        self._host_rows = torch.zeros(self._row_buffer.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._indices = self._row_buffer[:n]  # the rows read (and, in place, written)
+        self.written: Optional[torch.Tensor] = self._row_buffer[n:] if moves else None  # the spare rows written
+        self._storage = storage
         self._gate = (A_log, dt_bias)
         self._backend = backend
         self._graph: Optional[torch.cuda.CUDAGraph] = None
@@ -135,22 +145,26 @@ class PreparedPrefill:
         return self._graph is not None
 
     def capture(self) -> None:
-        """On a GPU (on the device thread): compile and warm the kernels on scratch rows,
-        then capture the launch as a CUDA graph; eager runs when capture fails."""
-        device = self._layer.device
+        """On a GPU (on the device thread): compile and warm the kernels on scratch rows
+        (as the runs call them: to spare rows or in place), then capture the launch as a
+        CUDA graph; eager runs when capture fails."""
+        device = self._storage.device
         if device.type != "cuda":
             return
-        scratch = torch.zeros((len(self.rows), *self._layer.shape[1:]), dtype=self._layer.dtype, device=device)
-        rows = torch.arange(len(self.rows), dtype=torch.int64, device=device)
-        self._step(self._transaction(scratch, rows, True), scratch, rows)  # compiles, caches the plan
+        n = len(self.rows)
+        scratch = torch.zeros((2 * n, *self._storage.shape[1:]), dtype=self._storage.dtype, device=device)
+        rows = torch.arange(2 * n, dtype=torch.int64, device=device)
+        warm = _scratch_moves(rows[n:]) if self.moves else None
+        self._step(self._transaction(scratch, rows[:n], True, warm), scratch, rows[:n])  # compiles, caches the plan
         torch.cuda.current_stream(device).synchronize()
         graph = torch.cuda.CUDAGraph()
         inside: Optional[Exception] = None  # what failed inside the capture (ending it may raise another error)
+        placeholder = _scratch_moves(self.written) if self.written is not None else None  # renewed per run
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 try:
-                    self._captured = self._step(self._transaction(self._layer, self._indices, True),
-                                                self._layer, self._indices)
+                    self._captured = self._step(self._transaction(self._storage, self._indices, True, placeholder),
+                                                self._storage, self._indices)
                 except Exception as e:
                     inside = e
                     raise
@@ -161,39 +175,49 @@ class PreparedPrefill:
             return
         self._graph = graph
 
-    def launch(self, mark_lost: Callable[[], None]) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
+    def launch(self, read: Sequence[int], moved: Optional[MovedRows],
+               mark_lost: Callable[[], None]) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
         """One run (where the core runs device work: its device thread, or the event loop
-        while that thread is idle; after ``refill``): o [T, HV, V] and the final
-        states [N, HV, V, K] (or None), complete, and the host's seconds until the launch
-        was queued (before its synchronization). InvalidRequest (400) when an input holds
-        a NaN or Inf (or a given log decay > 0), UpdateDiverged (422) when the update is
-        not finite: both rolled back; LaunchFailed when the kernels failed (every row
-        restored, or ``mark_lost`` called when that failed too)."""
+        while that thread is idle; after ``refill``) reading the storage rows ``read`` (one
+        per sequence) and, with ``moves``, writing to ``moved`` (taken for this run, handed
+        on to the transaction, which commits or gives them back in every case): o [T, HV,
+        V] and the final states [N, HV, V, K] (or None), complete, and the host's seconds
+        until the launch was queued (before its synchronization). InvalidRequest (400) when
+        an input holds a NaN or Inf (or a given log decay > 0), UpdateDiverged (422) when
+        the update is not finite: both rolled back; LaunchFailed when the kernels failed
+        (every row restored, or ``mark_lost`` called when that failed too)."""
         step: Optional[_Step] = None
-        transaction = self._captured.transaction if self._graph is not None else None
+        transaction: Optional[LaunchTransaction] = None
         start = time.perf_counter()
         try:
             if self._graph is not None:
+                transaction = self._captured.transaction
+                if moved is not None:
+                    transaction.renew(moved)
+                self._upload_rows(read, moved)
                 self._graph.replay()  # queues the whole launch, or raises having queued nothing
                 step = self._captured
             else:
-                transaction = self._transaction(self._layer, self._indices, False)
-                step = self._step(transaction, self._layer, self._indices)
-            assert step is not None
+                self._upload_rows(read, moved)  # first: in place, the transaction copies the rows it reads
+                transaction = self._transaction(self._storage, self._indices, False, moved)
+                step = self._step(transaction, self._storage, self._indices)
             queued_s = time.perf_counter() - start
-            flags, inputs_failed = step.transaction.read()  # the one synchronization
+            flags, inputs_failed = transaction.read()  # the one synchronization
+            refusal: Optional[Exception] = None
             if inputs_failed:
-                step.transaction.roll_back()
-                raise self.valid.values_problem()
-            refused = step.transaction.settle(step.o, flags)
-        except InvalidRequest:
-            raise
+                transaction.roll_back()
+                refusal = self.valid.values_problem()
+            elif refused := transaction.settle(step.o, flags):
+                refusal = refused[0]
+            transaction.finish()  # the slots onto the rows written (unless refused), spare rows back
         except Exception as e:
             if transaction is None:
+                if moved is not None:
+                    moved.give_back(list(range(len(moved.rows))))
                 raise
             raise transaction.abort(e, mark_lost, started=step is not None) from e
-        if refused:
-            raise refused[0]
+        if refusal is not None:
+            raise refusal
         return step.o, step.finals, queued_s
 
     def close(self) -> None:
@@ -202,11 +226,21 @@ class PreparedPrefill:
         self._graph = None
         self._captured = None
 
-    def _transaction(self, pool: torch.Tensor, indices: torch.Tensor, graphed: bool) -> LaunchTransaction:
-        """The launch's transaction on ``pool`` rows ``indices``: in a graph the launch
-        saves the rows it reads itself (a replay starts whole or not at all)."""
+    def _upload_rows(self, read: Sequence[int], moved: Optional[MovedRows]) -> None:
+        """The run's rows (read, then written) into the device buffer the launch reads,
+        queued on the current stream ahead of it (from page-locked memory on a GPU: no wait;
+        the previous run's copy is complete, its synchronization came after it)."""
+        values = array("q", read) if moved is None else array("q", [*read, *moved.rows])
+        self._host_rows.copy_(torch.frombuffer(values, dtype=torch.int64))
+        self._row_buffer.copy_(self._host_rows, non_blocking=True)
+
+    def _transaction(self, pool: torch.Tensor, indices: torch.Tensor, graphed: bool,
+                     moved: Optional[MovedRows]) -> LaunchTransaction:
+        """The launch's transaction on ``pool`` rows ``indices``: writing to ``moved``'s rows,
+        or in place (in a graph the launch saves the rows it reads itself: a replay starts
+        whole or not at all)."""
         return LaunchTransaction(pool, indices, [(self.valid.inputs.lengths, self.valid.inputs.slots)],
-                                 saved_by_launch=graphed, checks_inputs=True)
+                                 saved_by_launch=graphed, checks_inputs=True, moved=moved)
 
     def _problem(self, pool: torch.Tensor, indices: torch.Tensor, transaction: LaunchTransaction,
                  o_out: Optional[torch.Tensor]) -> PrefillProblem:
@@ -217,27 +251,27 @@ class PreparedPrefill:
             scale=x.params.scale, A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, use_qk_l2norm=x.params.use_qk_l2norm,
             use_beta_sigmoid=x.params.use_beta_sigmoid, allow_neg_eigval=x.params.allow_neg_eigval,
             nonfinite=transaction.flags, saved_states=transaction.saved if transaction.saved_by_launch else None,
-            input_checks=transaction.input_checks, o_out=o_out,
+            input_checks=transaction.input_checks, o_out=o_out, write_indices=transaction.write_indices,
         )
 
     def _step(self, transaction: LaunchTransaction, pool: torch.Tensor, indices: torch.Tensor) -> _Step:
         """Queue one launch on ``pool`` rows ``indices`` (inside a capture, or eagerly;
         ``transaction`` made on the same rows): the kernels (which check the inputs they
-        read), the final states' gather."""
+        read), the final states' gather from the rows written."""
         x = self.valid.inputs
         for source, dest in self.io.inputs:
             dest.copy_(source, non_blocking=True)  # device or page-locked host memory: no synchronization
-        o_out = self._o_in_place() if pool is self._layer else None  # not for the warm-up's scratch rows
+        o_out = self._o_in_place() if pool is self._storage else None  # not for the warm-up's scratch rows
         o, _ = kernels.run_problem(self._problem(pool, indices, transaction, o_out), self._backend)
-        into = self.io.final_state if pool is self._layer else None  # not for the warm-up's scratch rows
+        into = self.io.final_state if pool is self._storage else None  # not for the warm-up's scratch rows
         finals = None
         if x.params.return_final_state and into is not None and into.device == pool.device:
-            finals = torch.index_select(pool, 0, indices, out=into)  # gathered into the client's region: one pass
+            finals = torch.index_select(pool, 0, transaction.written, out=into)  # into the client's region: one pass
         elif x.params.return_final_state:
-            finals = pool.index_select(0, indices)
+            finals = pool.index_select(0, transaction.written)
             if into is not None:
                 into.copy_(finals, non_blocking=True)
-        if self.io.o is not None and pool is self._layer and o is not self.io.o:
+        if self.io.o is not None and pool is self._storage and o is not self.io.o:
             self.io.o.copy_(o, non_blocking=True)
         return _Step(o, finals, transaction)
 
@@ -247,11 +281,17 @@ class PreparedPrefill:
         read while they write o: inputs read in place may lie in the same region): no copy
         after them."""
         o, v = self.io.o, self.valid.inputs.v
-        if o is None or o.device != self._layer.device or o.dtype != v.dtype or not o.is_contiguous():
+        if o is None or o.device != self._storage.device or o.dtype != v.dtype or not o.is_contiguous():
             return None
         if o.shape != v.shape or any(share_bytes(o, t) for _, t in self.valid.packed):
             return None
         return o
+
+
+def _scratch_moves(written: torch.Tensor) -> MovedRows:
+    """`MovedRows` writing to ``written`` that commit nothing anywhere: the warm-up's (on
+    scratch rows), and the captured transaction's until a run renews it."""
+    return MovedRows([], written, lambda positions: None, lambda positions: None)
 
 
 def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -11,10 +11,12 @@ and beta sigmoid where a gate is fused (the serving setup) and without them for 
 decay; on the GPU also a batch wide enough for the wide state pass and, where it fits, a
 sequence long enough to run in pieces. Each path (`decode/bfloat16/lower_bound`, ...)
 passes when o and the final states are within the project's tolerances of the reference
-(relative L2: 1e-4 for fp32 inputs, 5e-3 for 16-bit inputs or a bf16 pool), the pool
-rows no sequence names are untouched, bit for bit, and the kernels' non-finite flags
-(`kernels.problem.PrefillProblem.nonfinite`) and their input check (`input_checks`),
-passed as the server passes them, so the kernels compiled are the server's, flag nothing.
+(relative L2: 1e-4 for fp32 inputs, 5e-3 for 16-bit inputs or a bf16 pool), each launch
+writing its new states to spare rows as the server's do (`PrefillProblem.write_indices`),
+every other pool row (the rows read too) untouched, bit for bit, and the kernels'
+non-finite flags (`kernels.problem.PrefillProblem.nonfinite`) and their input check
+(`input_checks`), passed as the server passes them, so the kernels compiled are the
+server's, flag nothing.
 One more launch per input dtype (`flags/<dtype>`) poisons v of a chunked sequence and q
 of a decode sequence with a NaN: the flags must name exactly those two and the input check
 must fail, or the server's transaction could not roll back.
@@ -197,13 +199,15 @@ def _piece_tokens(geometry: PoolGeometry) -> Optional[int]:
 class _Fixture:
     """What every input dtype of one (gate, layout) shares: the inputs q, k, v, g, beta
     ([T, ...] float32 on the host, each value exact in float32, bfloat16 and float16, so
-    one reference serves them all), the scratch pool's starting rows ([N + 3, HV, V, K] in
-    the pool dtype, on the device), the rows the sequences use, and the float64 reference
-    o [T, HV, V] and final states [N, HV, V, K] (host)."""
+    one reference serves them all), the scratch pool's starting rows ([2N + 3, HV, V, K] in
+    the pool dtype, on the device), the rows the sequences read and the spare rows they
+    write their new states to (as the server's launches do), and the float64 reference o
+    [T, HV, V] and final states [N, HV, V, K] (host)."""
 
     inputs: tuple[torch.Tensor, ...]
     pool: torch.Tensor
     rows: torch.Tensor
+    written: torch.Tensor
     bounds: list[int]
     ref_o: torch.Tensor
     ref_h: torch.Tensor
@@ -224,8 +228,9 @@ def _fixture(case: Case, geometry: PoolGeometry, seed: int) -> _Fixture:
         g = -F.softplus(g - 2.0)
     beta = torch.randn(T, HV, generator=gen) if case.flags else torch.rand(T, HV, generator=gen) * 0.9 + 0.05
     inputs = tuple(t.to(torch.bfloat16).to(torch.float16).float() for t in (q, k, v, g, beta))  # exact in all three
-    rows = torch.randperm(N + 3, generator=gen)[:N]
-    pool = (torch.randn(N + 3, *geometry.slot_shape[1:], generator=gen) * 0.3).to(device=device, dtype=geometry.dtype)
+    rows, written = torch.randperm(2 * N + 3, generator=gen)[:2 * N].split(N)
+    pool = (torch.randn(2 * N + 3, *geometry.slot_shape[1:], generator=gen) * 0.3).to(device=device,
+                                                                                     dtype=geometry.dtype)
     bounds = [0, *itertools.accumulate(case.lengths)]
     gate = case.params
     ref_o, ref_h = kernels.naive_recurrent_kda(  # on the device: thousands of small steps
@@ -233,7 +238,7 @@ def _fixture(case: Case, geometry: PoolGeometry, seed: int) -> _Fixture:
         A_log=None if gate.A_log is None else gate.A_log.to(device),
         dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device), lower_bound=gate.lower_bound,
         use_qk_l2norm=case.flags, use_beta_sigmoid=case.flags)
-    return _Fixture(inputs, pool, rows, bounds, ref_o.cpu(), ref_h.cpu())
+    return _Fixture(inputs, pool, rows, written, bounds, ref_o.cpu(), ref_h.cpu())
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -252,7 +257,7 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
              "chunked": [i for i, n in enumerate(lengths) if n > 1]}
     tol = max(TOLERANCE[case.dtype], TOLERANCE[torch.bfloat16] if geometry.dtype == torch.bfloat16 else 0.0)
     results = {kind: PathResult(case.path(kind), tolerance=tol) for kind, seqs in kinds.items() if seqs}
-    pool, rows, gate = fixture.pool.clone(), fixture.rows.to(device), case.params
+    pool, rows, written, gate = fixture.pool.clone(), fixture.rows.to(device), fixture.written.to(device), case.params
     try:
         problem = packed_problem(  # as `ServerCore._launch` builds and runs it
             *(t.to(device=device, dtype=case.dtype) for t in fixture.inputs), bounds=bounds, pool=pool,
@@ -260,7 +265,7 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
             dt_bias=None if gate.dt_bias is None else gate.dt_bias.to(device), lower_bound=gate.lower_bound,
             use_qk_l2norm=case.flags, use_beta_sigmoid=case.flags, allow_neg_eigval=False,
             nonfinite=torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device),
-            input_checks=torch.zeros(1, dtype=torch.int32, device=device),
+            input_checks=torch.zeros(1, dtype=torch.int32, device=device), write_indices=written,
         )
         o, _ = kernels.run_problem(problem, backend)
         flagged = problem.nonfinite.tolist()
@@ -269,12 +274,12 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
             if seqs and fault == case.path(kind):
                 for n in seqs:
                     o[bounds[n]:bounds[n + 1]] += 1.0  # the injected fault: this path's o is wrong
-        o, finals, after = o.cpu(), pool.index_select(0, rows).cpu(), pool.cpu()
+        o, finals, after = o.cpu(), pool.index_select(0, written).cpu(), pool.cpu()
     except Exception as e:  # a kernel that fails to compile or launch fails its paths
         for result in results.values():
             result.error = f"launch raised {type(e).__name__}: {str(e)[:300]}"
         return list(results.values())
-    stray = [r for r in range(pool.shape[0]) if r not in set(fixture.rows.tolist())]
+    stray = [r for r in range(pool.shape[0]) if r not in set(fixture.written.tolist())]  # the rows read too
     untouched = torch.equal(after[stray], fixture.pool.cpu()[stray])
     for kind, seqs in kinds.items():
         if not seqs:
@@ -284,7 +289,7 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
         result.o_error = _rel(o[tokens], fixture.ref_o[tokens])
         result.state_error = _rel(finals[seqs], fixture.ref_h[seqs])
         if not untouched:
-            result.error = "the launch wrote pool rows that no sequence names"
+            result.error = "the launch wrote pool rows other than those it was to write its new states to"
         elif any(flagged):
             result.error = f"the kernels flagged finite results as non-finite (flags {flagged})"
         elif inputs_failed:
@@ -308,7 +313,8 @@ def run_flag_case(dtype: torch.dtype, fixture: _Fixture, geometry: PoolGeometry,
     gate = Gate(A_log=torch.zeros(geometry.num_heads), dt_bias=None, lower_bound=-5.0)
     try:
         problem = packed_problem(
-            *inputs, bounds=bounds, pool=fixture.pool.clone(), indices=fixture.rows.to(device), scale=None,
+            *inputs, bounds=bounds, pool=fixture.pool.clone(), indices=fixture.rows.to(device),
+            write_indices=fixture.written.to(device), scale=None,
             A_log=gate.A_log.to(device), dt_bias=None, lower_bound=gate.lower_bound, use_qk_l2norm=True,
             use_beta_sigmoid=True, allow_neg_eigval=False,
             nonfinite=torch.zeros(len(bounds), dtype=torch.int32, device=device),

@@ -57,7 +57,7 @@ from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics, build_info
 from .self_test import SelfTestReport, run_self_test
 from .staging import PinnedStaging, host_ints_to
-from .transaction import LaunchTransaction
+from .transaction import LaunchTransaction, MovedRows
 from .prepared import Deliver, DeviceIO, PreparedPrefill, PreparedRun, Refill
 from .validation import (ValidPrefill, changed_inputs_problem, first_value_problem, validate_form, validate_prefill,
                          validate_state)
@@ -93,7 +93,7 @@ class ServerCore:
         device = settings.torch_device()
         self.pool = StatePool(
             settings.num_layers, settings.num_slots, settings.num_heads, settings.head_dim, settings.v_dim,
-            dtype=settings.torch_state_dtype, device=device, ttl=settings.slot_ttl_s,
+            dtype=settings.torch_state_dtype, device=device, ttl=settings.slot_ttl_s, spare_rows=settings.spare_rows,
         )
         self.geometry = self.pool.geometry
         self.backend = kernels.default_backend(self.geometry.device) if settings.backend == "auto" else settings.backend
@@ -453,12 +453,12 @@ class ServerCore:
         rows, lost = self.pool.rows_checked(slots)  # or UnknownSlot
         if lost is not None:
             raise StateLost(lost)
-        device = self.geometry.device
 
         def build() -> PreparedPrefill:
             A_log, dt_bias = self._device_gates.tensors(valid.gate)
-            prepared = PreparedPrefill(valid, rows, host_ints_to(rows, device), self.pool.layer_view(inputs.params.layer),
-                                       A_log, dt_bias, self.backend, refill, deliver, io)
+            moves = self.pool.spare_rows >= len(rows)  # one launch at a time: its spare rows are always free
+            prepared = PreparedPrefill(valid, rows, self.pool.storage, moves, A_log, dt_bias, self.backend, refill,
+                                       deliver, io)
             prepared.capture()
             return prepared
 
@@ -492,7 +492,12 @@ class ServerCore:
         t0 = time.perf_counter()
         prepared.refill()
         t1 = time.perf_counter()
-        o, finals, queued_s = prepared.launch(lambda: self.pool.mark_lost(prepared.slots))
+        layer = prepared.valid.inputs.params.layer
+        read = self.pool.layer_rows(layer, prepared.rows)
+        moved = self.moved_rows(layer, prepared.rows, read, prepared.written) if prepared.moves else None
+        if prepared.moves and moved is None:  # launches run one at a time, each giving its spare rows back
+            raise RuntimeError(f"no {len(read)} spare pool rows free for a prepared run: another launch kept them")
+        o, finals, queued_s = prepared.launch(read, moved, lambda: self.pool.mark_lost(prepared.slots))
         t2 = time.perf_counter()
         inputs = prepared.valid.inputs
         result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], t2 - t0)
@@ -625,16 +630,23 @@ class ServerCore:
             return torch.cat(parts).to(device)
 
         lengths = [n for job in jobs for n in job.valid.inputs.lengths]
-        indices = host_ints_to(rows, device)
-        pool_layer = self.pool.layer_view(layer)
+        read = self.pool.layer_rows(layer, rows)
+        indices = host_ints_to(read, device)
+        storage = self.pool.storage
         slots = [s for job in jobs for s in job.slots]
         wants_final = any(job.valid.inputs.params.return_final_state for job in jobs)
         to_host = any(not job.valid.inputs.device_outputs for job in jobs)
         start = time.perf_counter()
         staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in REQUIRED_TENSORS])
-        transaction = LaunchTransaction(  # the rows as they are, to restore; room for the kernels' input check
-            pool_layer, indices, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs],
-            checks_inputs=any(job.valid.kernel_checked for job in jobs))
+        moved = self.moved_rows(layer, rows, read)  # new states to spare rows (else the rows copied)
+        try:
+            transaction = LaunchTransaction(  # with room for the kernels' input check
+                storage, indices, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs],
+                checks_inputs=any(job.valid.kernel_checked for job in jobs), moved=moved)
+        except BaseException:
+            if moved is not None:
+                moved.give_back(list(range(len(rows))))
+            raise
         positions, starts = [], list(itertools.accumulate((job.valid.tokens for job in jobs[:-1]), initial=0))
         for job, start_t in zip(jobs, starts):
             positions.extend(start_t + pos for pos, _, _ in job.checkpoints)
@@ -642,26 +654,28 @@ class ServerCore:
             q, k, v, g, beta = staged or [packed(name) for name in REQUIRED_TENSORS]
             A_log, dt_bias = self._device_gates.tensors(gate)
             # the checkpoints' targets, for the launch itself to write (kernels.checkpoints), placed when it asks
-            provider = None if placed is None else partial(self._checkpoint_states, jobs, pool_layer, placed)
+            provider = None if placed is None else partial(self._checkpoint_states, jobs, storage, placed)
             problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
-                q, k, v, g, beta, bounds=[0, *itertools.accumulate(lengths)], pool=pool_layer, indices=indices,
+                q, k, v, g, beta, bounds=[0, *itertools.accumulate(lengths)], pool=storage, indices=indices,
                 scale=x.scale, A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound,
                 use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
                 allow_neg_eigval=x.allow_neg_eigval, checkpoint_tokens=tuple(positions), nonfinite=transaction.flags,
                 checkpoint_provider=provider, input_checks=transaction.input_checks,
+                write_indices=transaction.write_indices,
             )
             o, _ = kernels.run_problem(problem, self.backend)
             # gathered, and the deferred input checks queued for the host, before the flags are read:
             # that read is the launch's one wait, and the checks' host copies are complete after it. A
             # request rolled back below answers with its error, never with these rows; the others'
             # rows stay as gathered
-            finals = pool_layer.index_select(0, indices) if wants_final else None
+            finals = storage.index_select(0, transaction.written) if wants_final else None
             checks = {j: job.valid.deferred.read() for j, job in enumerate(jobs) if job.valid.deferred is not None}
             flags, inputs_failed = transaction.read()  # the one wait (an async failure shows here)
             refused: dict[int, Exception] = dict(transaction.settle(o, flags))  # diverged requests rolled back
             refused.update(self._refuse_inputs(jobs, checks, transaction))
             if inputs_failed:
                 refused.update(self._refuse_values(jobs, transaction))
+            transaction.finish()  # the standing requests' slots onto their new rows
             o_host = o.cpu() if to_host else None  # (or here)
             finals_host = finals.cpu() if to_host and finals is not None else None
             if device.type == "cuda" and not to_host:
@@ -692,20 +706,42 @@ class ServerCore:
             t0, n0 = t1, n1
         return results
 
-    def _checkpoint_states(self, jobs: list[_Job], pool_layer: torch.Tensor,
+    def moved_rows(self, layer: int, rows: Sequence[int], read: Sequence[int],
+                   written: Optional[torch.Tensor] = None) -> Optional[MovedRows]:
+        """Spare rows for a launch on slot ``rows`` of ``layer`` (read from the storage rows
+        ``read``) to write its new states to, as a transaction's `MovedRows` (``written``:
+        the device buffer a prepared launch uploads them into itself, else a new copy), or
+        None when the pool has too few free."""
+        spares = self.pool.take_spares(len(rows))
+        if spares is None:
+            return None
+        if written is None:
+            written = host_ints_to(spares, self.geometry.device)
+
+        def commit(positions: list[int]) -> None:
+            if len(positions) == len(rows):  # every sequence stands: the lists as they are
+                self.pool.commit_rows(layer, rows, read, spares)
+            else:
+                self.pool.commit_rows(layer, [rows[i] for i in positions], [read[i] for i in positions],
+                                      [spares[i] for i in positions])
+
+        return MovedRows(spares, written, commit,
+                         lambda positions: self.pool.return_spares([spares[i] for i in positions]))
+
+    def _checkpoint_states(self, jobs: list[_Job], storage: torch.Tensor,
                            placed: list[tuple[CheckpointTarget, torch.Tensor]]) -> list[torch.Tensor]:
         """The launch's checkpoint provider (`kernels.problem.PrefillProblem.checkpoint_provider`):
         where it writes each of ``jobs``' checkpoints, in order, [HV, V, K] each in
-        ``pool_layer``'s dtype: its place in the prefix cache (`PrefixCache.place`, at the
+        ``storage``'s dtype: its place in the prefix cache (`PrefixCache.place`, at the
         first call), or a row of one scratch tensor for those the cache placed nowhere. The
         (target, state) pairs are kept in ``placed``, for the commit and the release."""
         if not placed:
             wanted = [(key, offset) for job in jobs for _, key, offset in job.checkpoints]
             targets = self.prefix_cache.place(jobs[0].valid.inputs.params.layer, wanted)
             try:
-                spare = sum(1 for t in targets if t.state is None)
-                rows = iter(torch.empty((spare, *pool_layer.shape[1:]), dtype=pool_layer.dtype,
-                                        device=pool_layer.device).unbind(0) if spare else ())
+                unplaced = sum(1 for t in targets if t.state is None)
+                rows = iter(torch.empty((unplaced, *storage.shape[1:]), dtype=storage.dtype,
+                                        device=storage.device).unbind(0) if unplaced else ())
                 states = [t.state if t.state is not None else next(rows) for t in targets]
             except BaseException:
                 self.prefix_cache.release(targets)
@@ -807,8 +843,7 @@ class ServerCore:
         if len(counts) != 1:
             raise PrefixConflict(f"slot {slot_id!r} holds unequal token counts per layer {info.tokens_per_layer}; "
                                  "an entry holds one offset in every layer", field="slot")
-        (row,) = self.pool.rows([slot_id])
-        published = self.prefix_cache.publish(key, counts.pop(), self.pool.tensor[:, row])
+        published = self.prefix_cache.publish(key, counts.pop(), self.pool.read_state(slot_id))
         if published is None:
             raise PrefixTooLarge(f"an entry of {self.prefix_cache.entry_bytes} bytes finds no room in the prefix "
                                  f"cache's budgets (or every entry in the way is being restored)", field="key")

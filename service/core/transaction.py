@@ -1,6 +1,12 @@
 """Transactional launches: a launch applies to every slot it touches, or leaves each as it was.
 
-Before the kernels run, `LaunchTransaction` copies the pool rows the launch will write (one
+Where the pool has spare rows (`state_store.StatePool.take_spares`: the common case), the
+launch writes its new states to them (`MovedRows`, the problem's ``write_indices``) and
+never over the rows it reads: a request that must be refused simply does not commit
+(`finish` moves the standing requests' slots onto their new rows and hands the others'
+spares back), nothing is copied or written back, and a failed launch changed no slot.
+
+Otherwise, before the kernels run, `LaunchTransaction` copies the pool rows the launch will write (one
 [HV, V, K] row per sequence, on the pool's device: 2 MiB at HV = 32, K = V = 128, fp32), or
 the launch copies them itself as it reads them (``saved_by_launch``: the problem's
 ``saved_states``; the Triton decode kernel then stores each row as it loads it, so a decode
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -65,11 +72,31 @@ class LaunchFailed(ServiceError):
         self.restored = restored
 
 
+@dataclass(frozen=True)
+class MovedRows:
+    """Where a launch writes its N new states instead of over the rows it reads: ``rows``,
+    spare rows of the pool taken for it (host ints), and ``written`` [N] int64 on the pool's
+    device holding them (or about to: a prepared launch uploads them itself); ``commit``
+    moves the slots of the given sequence positions onto their new rows (the rows they
+    were read from become spare), ``give_back`` returns the spare rows of the given
+    positions."""
+
+    rows: list[int]
+    written: torch.Tensor
+    commit: Callable[[list[int]], None]
+    give_back: Callable[[list[int]], None]
+
+
 class LaunchTransaction:
-    """Copies of the rows ``indices`` [N] (int64, on the pool's device) of ``layer`` (one
-    layer of the pool, [S, HV, V, K]) taken at construction. ``requests`` are the launch's
-    requests in order, each as (its sequences' lengths, the slot each names, None for a
-    new one): together N sequences, packed along tokens in that order.
+    """The launch on the rows ``indices`` [N] (int64, on the pool's device) of ``layer`` (the
+    pool's rows, [R, HV, V, K]). ``requests`` are the launch's requests in order, each as
+    (its sequences' lengths, the slot each names, None for a new one): together N
+    sequences, packed along tokens in that order.
+
+    With ``moved`` the launch writes its new states to ``moved.written`` (`write_indices`,
+    for the problem): nothing is copied, `roll_back` only marks sequences not to commit,
+    and `finish` (after every refusal is known) commits the rest. Without it, copies of
+    the rows are taken at construction, to write back.
 
     With ``saved_by_launch`` nothing is copied here: the launch must receive `saved` as its
     problem's ``saved_states`` (it fills it before it writes any row), and a launch that
@@ -83,20 +110,58 @@ class LaunchTransaction:
 
     def __init__(self, layer: torch.Tensor, indices: torch.Tensor,
                  requests: Sequence[tuple[Sequence[int], Sequence[Optional[str]]]],
-                 saved_by_launch: bool = False, checks_inputs: bool = False) -> None:
+                 saved_by_launch: bool = False, checks_inputs: bool = False,
+                 moved: Optional[MovedRows] = None) -> None:
         self._layer = layer
         self._indices = indices
         self._requests = requests
         self._bounds = [0, *itertools.accumulate(n for lengths, _ in requests for n in lengths)]
         n = len(self._bounds) - 1
-        self.saved_by_launch = saved_by_launch
-        if saved_by_launch:  # [N, HV, V, K], filled by the launch
+        self.moved = moved
+        self._dropped: set[int] = set()  # moved: positions not to commit
+        self._finished = False  # moved: committed and given back
+        self.saved_by_launch = saved_by_launch and moved is None
+        self.saved: Optional[torch.Tensor] = None  # in place: the rows as they were, [N, HV, V, K]
+        if self.saved_by_launch:  # filled by the launch
             self.saved = torch.empty((n, *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
-        else:
+        elif moved is None:
             self.saved = layer.index_select(0, indices)  # a copy, on the device
         self._read = torch.zeros(n + 1 + checks_inputs, dtype=torch.int32, device=layer.device)
         self.flags = self._read[:n + 1]  # the launch's `nonfinite`
         self.input_checks = self._read[n + 1:] if checks_inputs else None  # its `input_checks`
+
+    @property
+    def write_indices(self) -> Optional[torch.Tensor]:
+        """The problem's ``write_indices``: the spare rows it writes, or None (in place)."""
+        return None if self.moved is None else self.moved.written
+
+    @property
+    def written(self) -> torch.Tensor:
+        """[N] int64 on the device: the rows holding the launch's new states after it."""
+        return self._indices if self.moved is None else self.moved.written
+
+    def renew(self, moved: MovedRows) -> None:
+        """The same transaction (its flags, captured in a graph) for the next run, writing to
+        ``moved``: a prepared launch's spare rows change from run to run."""
+        assert self.moved is not None and moved.written is self.moved.written, "a graph's rows stay where captured"
+        self.moved, self._dropped, self._finished = moved, set(), False
+
+    def finish(self) -> None:
+        """After the launch and every refusal (`roll_back`): with moved rows, the sequences
+        not rolled back committed (their slots on their new rows), the others' spare rows
+        handed back. In place, nothing to do (the rows were written, or written back)."""
+        if self.moved is None or self._finished:
+            return
+        self._finished = True  # a second finish does nothing
+        n = len(self._bounds) - 1
+        standing = [i for i in range(n) if i not in self._dropped] if self._dropped else list(range(n))
+        dropped = sorted(self._dropped)
+        try:
+            if standing:
+                self.moved.commit(standing)
+        finally:
+            if dropped:
+                self.moved.give_back(dropped)
 
     def read(self) -> tuple[list[int], bool]:
         """`flags` as host ints and whether the input check failed (False without one), in
@@ -144,7 +209,11 @@ class LaunchTransaction:
         return [i for i, bad in enumerate(flags) if bad]
 
     def roll_back(self, positions: Optional[Iterable[int]] = None) -> None:
-        """Write back the copied rows of ``positions`` (every row when None)."""
+        """Undo the launch for ``positions`` (every sequence when None): write back their
+        copied rows, or with moved rows, mark them not to commit (`finish`)."""
+        if self.moved is not None:
+            self._dropped.update(range(len(self._bounds) - 1) if positions is None else positions)
+            return
         if positions is None:
             self._layer.index_copy_(0, self._indices, self.saved)
             return
@@ -155,12 +224,17 @@ class LaunchTransaction:
     def abort(self, cause: BaseException, mark_lost: Callable[[], None], started: bool = True) -> LaunchFailed:
         """After a failed launch: every row written back, synchronized; when that fails
         too, ``mark_lost`` flags the slots. The error to raise (logged here). A launch that
-        saves the rows itself and never ``started`` wrote none: nothing to write back."""
+        saves the rows itself and never ``started`` wrote none: nothing to write back. With
+        moved rows no slot's row was written: once the device is done with them, every
+        spare row goes back."""
         try:
-            if started or not self.saved_by_launch:
+            if self.moved is None and (started or not self.saved_by_launch):
                 self.roll_back()
             if self._layer.is_cuda:
                 torch.cuda.current_stream(self._layer.device).synchronize()
+            if self.moved is not None:
+                self.roll_back()
+                self.finish()
             restored = True
         except Exception:
             log.exception("restoring the rows of a failed launch failed")

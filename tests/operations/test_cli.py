@@ -48,7 +48,7 @@ def test_version_flag() -> None:
 def test_a_pool_that_does_not_fit_is_refused_in_one_line() -> None:
     done = cli(["--device", "cpu", "--num-layers", "4096", "--num-slots", "4096", "--num-heads", "32",
                 "--head-dim", "128"])
-    assert_refused(done, r"pool of shape \[4096, 4096, 32, 128, 128\] needs \d+ bytes .* available")
+    assert_refused(done, r"pool of shape \[4096, 4096, 32, 128, 128\] and 4096 spare rows needs \d+ bytes .* available")
 
 
 def test_a_bad_gate_file_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -17,13 +17,22 @@ from kernels.problem import PrefillProblem
 from service.config import Settings
 from service.core.inputs import PrefillInputs, PrefillParams
 from service.core.server import ServerCore
-from service.core.transaction import LaunchFailed, LaunchTransaction, UpdateDiverged
+from service.core.transaction import LaunchFailed, LaunchTransaction, MovedRows, UpdateDiverged
 
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                    reason="needs a CUDA device")]),
 ]
+
+
+def _all_spares_free(core: ServerCore) -> bool:
+    """Whether every spare row of the core's pool is free (no launch kept one)."""
+    taken = core.pool.take_spares(core.pool.spare_rows)
+    if taken is None:
+        return False
+    core.pool.return_spares(taken)
+    return True
 
 
 def _layer(device: str, gen: torch.Generator) -> torch.Tensor:
@@ -134,6 +143,50 @@ def test_one_read_brings_back_the_flags_and_the_input_check(device: str, gen: to
         assert list(txn.settle(o, flags)) == ([1] if poisoned else [])
 
 
+class _Moves:
+    """A stand-in for the pool's side of `MovedRows`: the positions committed and given back."""
+
+    def __init__(self, written: torch.Tensor) -> None:
+        self.committed: list[list[int]] = []
+        self.given_back: list[list[int]] = []
+        self.rows = MovedRows(written.tolist(), written, self.committed.append, self.given_back.append)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moved_rows_commit_the_standing_requests_and_write_nothing_back(device: str,
+                                                                        gen: torch.Generator) -> None:
+    """With spare rows: the launch writes its new states to rows [2, 4, 7] and reads rows
+    [5, 1, 6]; request 0's sequence 1 diverged, so `finish` commits request 1's sequence (2)
+    and gives back request 0's two spares (0, 1); no row is copied or written back, and a
+    second `finish` does nothing."""
+    layer = _layer(device, gen)
+    moves = _Moves(torch.tensor([2, 4, 7], device=device))
+    txn = LaunchTransaction(layer, torch.tensor([5, 1, 6], device=device), [([3, 2], ["a", "b"]), ([4], ["c"])],
+                            moved=moves.rows)
+    assert txn.saved is None and txn.write_indices is moves.rows.written and txn.written is moves.rows.written
+    layer[moves.rows.written] += 1.0  # the kernel's writes
+    after_kernel = layer.clone()
+    txn.flags[1] = 1
+    refused = txn.settle(torch.randn(9, HV, V, device=device))
+    assert sorted(refused) == [0] and refused[0].sequences == [1]
+    txn.finish()
+    assert moves.committed == [[2]] and moves.given_back == [[0, 1]]
+    assert torch.equal(layer, after_kernel)  # nothing written back: the rows read were never written
+    txn.finish()
+    assert moves.committed == [[2]] and moves.given_back == [[0, 1]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moved_rows_abort_commits_nothing_and_gives_every_spare_back(device: str, gen: torch.Generator) -> None:
+    layer = _layer(device, gen)
+    moves = _Moves(torch.tensor([3, 6], device=device))
+    txn = LaunchTransaction(layer, torch.tensor([4, 0], device=device), [([2, 3], [None, "s"])], moved=moves.rows)
+    flagged: list[bool] = []
+    error = txn.abort(RuntimeError("kernel fault"), lambda: flagged.append(True))
+    assert error.restored and not flagged
+    assert moves.committed == [] and moves.given_back == [[0, 1]]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_abort_restores_every_row_and_flags_nothing(device: str, gen: torch.Generator) -> None:
     layer = _layer(device, gen)
@@ -177,17 +230,20 @@ def test_abort_flags_the_slots_when_even_the_restore_fails(gen: torch.Generator)
 
 def _failing_kernel(real: Any) -> Any:
     def run(problem: PrefillProblem, backend: Optional[str] = None) -> Any:
-        real(problem, backend)  # writes the pool's rows in place
-        problem.pool.fill_(float("nan"))  # and leaves garbage in the whole layer
+        real(problem, backend)  # writes the rows it writes: in place, or spare rows
+        written = problem.indices if problem.write_indices is None else problem.write_indices
+        problem.pool[written] = float("nan")  # and leaves garbage there
         raise RuntimeError("injected kernel failure")
     return run
 
 
+@pytest.mark.parametrize("spare_rows", [None, 0], ids=["spare rows", "in place"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_failed_launch_restores_its_slots_in_the_server(device: str, gen: torch.Generator,
+def test_a_failed_launch_restores_its_slots_in_the_server(device: str, spare_rows: Optional[int],
+                                                          gen: torch.Generator,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings(device=device, num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V,
-                        batch_window_ms=0)
+                        batch_window_ms=0, spare_rows=spare_rows)
     first, second = make_sequence(9, gen), make_sequence(70, gen)
 
     def prefill_inputs(slot: str, seq: tuple[torch.Tensor, ...]) -> PrefillInputs:
@@ -208,6 +264,7 @@ def test_a_failed_launch_restores_its_slots_in_the_server(device: str, gen: torc
             monkeypatch.setattr(server_module.kernels, "run_problem", real)
             after = await core.get_state(slot)
             info = await core.slot_info(slot)
+            assert _all_spares_free(core)
             result = await core.prefill(prefill_inputs(slot, second))
             return before, after, failed.value, info, result
         finally:
@@ -364,9 +421,10 @@ def test_a_launch_failing_after_the_kernel_placed_its_checkpoints_releases_them(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("spare_rows", [None, 0], ids=["spare rows", "in place"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_inputs_failing_the_kernels_check_are_refused_after_the_launch_and_change_nothing(
-        device: str, gen: torch.Generator) -> None:
+        device: str, spare_rows: Optional[int], gen: torch.Generator) -> None:
     """Two requests in one launch, the first with a NaN in q, their values left to the
     kernels (`validate_prefill` with ``defer``: no 400 before the launch): the first gets
     its 400 naming q, its slot is bit for bit as before and counts no token, its checkpoint
@@ -376,7 +434,7 @@ def test_inputs_failing_the_kernels_check_are_refused_after_the_launch_and_chang
     from service.errors import InvalidRequest
 
     core = ServerCore(Settings(device=device, num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K,
-                               head_v_dim=V, batch_window_ms=0))
+                               head_v_dim=V, batch_window_ms=0, spare_rows=spare_rows))
     slots = core._alloc(2)
     for slot in slots:
         core._write_state(slot, (torch.randn(LAYERS, HV, V, K, generator=gen) * 0.3).to(device))
@@ -401,6 +459,7 @@ def test_inputs_failing_the_kernels_check_are_refused_after_the_launch_and_chang
     assert not torch.equal(core.pool.read_state(slots[1]).cpu(), before[1])
     assert core.pool.slot_info(slots[0]).tokens_per_layer == [0, 0]
     assert core.pool.slot_info(slots[1]).tokens_per_layer == [3, 0]
+    assert _all_spares_free(core)  # the refused request's spare row went back, the other's old row too
     o2, h2 = reference([good], initial=before[1][0:1])
     assert rel(outcomes[1].o, o2) < TOL
 
@@ -414,9 +473,10 @@ def test_a_failed_input_check_no_scan_confirms_refuses_every_request_it_checked(
     from service.core.validation import validate_prefill
     from service.errors import InvalidRequest
 
-    core = ServerCore(Settings(device="cpu", num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V))
+    core = ServerCore(Settings(device="cpu", num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V,
+                               spare_rows=0))  # rows updated in place, copied first
     slots = core._alloc(3)
-    layer = core.pool.layer_view(0)
+    layer = core.pool.storage
     layer.copy_(torch.randn_like(layer))
     before = layer.clone()
     jobs = []
@@ -425,7 +485,7 @@ def test_a_failed_input_check_no_scan_confirms_refuses_every_request_it_checked(
         x = PrefillInputs.of(PrefillParams(layer=0), [slot], [2], dict(zip(("q", "k", "v", "g", "beta"), seq)))
         jobs.append(_Job(validate_prefill(x, core.geometry, core.gates, defer=i < 2), [slot], [], []))
     assert [job.valid.kernel_checked for job in jobs] == [True, True, False]
-    rows = torch.tensor([core.pool.rows([s])[0] for s in slots])
+    rows = torch.tensor(core.pool.layer_rows(0, core.pool.rows(slots)))
     txn = LaunchTransaction(layer, rows, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs],
                             checks_inputs=True)
     layer[rows] += 1.0  # the launch's writes

@@ -41,9 +41,9 @@ def random_state(pool: StatePool, seed: int) -> torch.Tensor:
 
 
 def fill_random(pool: StatePool, seed: int = 0) -> None:
-    """Fill the whole pool tensor (free rows too) with random non-zero data."""
+    """Fill the whole storage (free slot rows and spare rows too) with random non-zero data."""
     gen = torch.Generator().manual_seed(seed)
-    pool.tensor.copy_((torch.rand(pool.geometry.shape, generator=gen) + 0.5).to(pool.geometry.dtype))
+    pool.storage.copy_((torch.rand(pool.storage.shape, generator=gen) + 0.5).to(pool.geometry.dtype))
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ class PoolImage:
     def of(cls, pool: StatePool) -> "PoolImage":
         stats = pool.stats()
         slots = {slot_id: pool.slot_info(slot_id) for slot_id in pool.slot_ids()}
-        return cls(pool.tensor.clone(), slots, stats.free, stats.allocations)
+        return cls(pool.image(), slots, stats.free, stats.allocations)
 
     def assert_same(self, pool: StatePool) -> None:
         after = PoolImage.of(pool)

@@ -85,4 +85,4 @@ def test_threads_allocating_and_freeing():
     assert not any(thread.is_alive() for thread in threads) and errors == []
     everything = [slot_id for ids in issued for slot_id in ids]
     assert len(everything) == len(set(everything)) == 600
-    assert pool.stats().free == 8 and torch.count_nonzero(pool.tensor) > 0
+    assert pool.stats().free == 8 and torch.count_nonzero(pool.image()) > 0

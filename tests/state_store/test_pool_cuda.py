@@ -14,7 +14,7 @@ pytestmark = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_pool_round_trips_through_host_formats(tmp_path, dtype):
     pool = make_pool(device="cuda", dtype=dtype)
-    assert pool.tensor.is_cuda and pool.geometry.device == pool.tensor.device
+    assert pool.storage.is_cuda and pool.geometry.device == pool.storage.device
     fill_random(pool)
     a, b = pool.alloc(2)
     assert torch.count_nonzero(pool.read_state(a)) == 0
@@ -28,7 +28,7 @@ def test_cuda_pool_round_trips_through_host_formats(tmp_path, dtype):
     assert_bit_equal(cpu_pool.read_state(cpu_pool.import_(pool.export(a))), state)
     pool.snapshot(tmp_path / "s")
     cpu_pool.restore(tmp_path / "s")
-    assert_bit_equal(cpu_pool.tensor, pool.tensor)
+    assert_bit_equal(cpu_pool.image(), pool.image())
     cuda_again = make_pool(device="cuda", dtype=dtype)
     cuda_again.restore(tmp_path / "s")
     assert_bit_equal(cuda_again.read_state(b), random_state(pool, 2))

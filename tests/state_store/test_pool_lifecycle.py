@@ -20,9 +20,11 @@ from state_store import (
 def test_geometry_and_tensor_layout():
     pool = make_pool()
     assert pool.geometry == PoolGeometry(3, 6, 2, 8, 4, torch.float32, torch.device("cpu"))
-    assert pool.tensor.shape == (3, 6, 2, 4, 8)  # [L, S, HV, V, K]
-    assert pool.tensor.dtype == torch.float32 and pool.tensor.is_contiguous()
-    assert pool.tensor.stride()[-1] == 1
+    assert pool.storage.shape == (3 * 6 + 6, 2, 4, 8)  # [R, HV, V, K]: L * S rows and S spares
+    assert pool.storage.dtype == torch.float32 and pool.storage.is_contiguous()
+    assert pool.storage.stride()[-1] == 1
+    assert pool.image().shape == (3, 6, 2, 4, 8)  # [L, S, HV, V, K]
+    assert make_pool(spare_rows=0).storage.shape[0] == 3 * 6
     with pytest.raises(AttributeError):
         pool.geometry.num_slots = 7  # frozen
 
@@ -42,6 +44,9 @@ def test_geometry_and_tensor_layout():
         {"ttl": float("nan")},
         {"id_prefix": "has/slash"},
         {"id_prefix": "x" * 65},
+        {"spare_rows": -1},
+        {"spare_rows": 1.5},
+        {"spare_rows": True},
     ],
 )
 def test_constructor_refuses_bad_arguments(overrides):
@@ -51,22 +56,22 @@ def test_constructor_refuses_bad_arguments(overrides):
 
 def test_oversized_geometry_is_refused_before_allocating(monkeypatch):
     huge = dict(num_layers=64, num_slots=2**20, num_heads=64, head_k_dim=256, head_v_dim=256)
-    needed = 64 * 2**20 * 64 * 256 * 256 * 4
+    needed = (64 + 1) * 2**20 * 64 * 256 * 256 * 4  # L * S rows and S spares
     with pytest.raises(PoolError) as caught:
         StatePool(**huge)
     assert str(needed) in str(caught.value) and "available" in str(caught.value)
 
     monkeypatch.setattr(state_store.pool, "available_bytes", lambda device: 1000)
     with pytest.raises(PoolError) as caught:
-        make_pool()
+        make_pool(spare_rows=2)
     message = str(caught.value)
-    assert f"needs {3 * 6 * 2 * 4 * 8 * 4} bytes" in message and "only 1000 bytes" in message
+    assert f"needs {(3 * 6 + 2) * 2 * 4 * 8 * 4} bytes" in message and "only 1000 bytes" in message
 
 
 def test_alloc_gives_distinct_ids_and_zeroed_rows():
     pool = make_pool(id_prefix="gpu0.")
     fill_random(pool)
-    before = pool.tensor.clone()
+    before = pool.image()
     ids = pool.alloc(3)
     rows = pool.rows(ids)
     assert len(set(ids)) == 3 and sorted(rows) == [0, 1, 2]
@@ -74,8 +79,8 @@ def test_alloc_gives_distinct_ids_and_zeroed_rows():
         assert slot_id.startswith("gpu0.") and len(slot_id) >= len("gpu0.") + 22
         assert pool.contains(slot_id)
         assert torch.count_nonzero(pool.read_state(slot_id)) == 0
-    assert torch.count_nonzero(pool.tensor[:, rows]) == 0
-    assert_bit_equal(pool.tensor[:, 3:], before[:, 3:])  # other rows untouched
+    assert torch.count_nonzero(pool.image()[:, rows]) == 0
+    assert_bit_equal(pool.image()[:, 3:], before[:, 3:])  # other rows untouched
     assert pool.slot_ids() == ids
 
 
@@ -209,7 +214,7 @@ def test_fork_copies_every_layer_and_stays_independent():
 
     pool.write_state(b, random_state(pool, 5))
     assert_bit_equal(pool.read_state(a), original)
-    pool.layer_view(2)[pool.rows([a])[0]].add_(1.0)  # a kernel updating a in place
+    pool.storage[pool.layer_rows(2, pool.rows([a]))[0]].add_(1.0)  # a kernel updating a in place
     assert_bit_equal(pool.read_state(b), random_state(pool, 5))
     pool.record_tokens(a, 0, 3)
     assert pool.slot_info(b).tokens_per_layer == [0, 100, 0]
@@ -221,9 +226,9 @@ class _CopyFails(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.copy_:
+        if func is torch.Tensor.index_copy_:  # (storage, dim 0, storage rows, state)
             with torch._C.DisableTorchFunctionSubclass():
-                args[0][0].copy_(args[1][0])
+                args[0][int(args[2][0])].copy_(args[3][0])
             raise RuntimeError("copy failed")
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -267,26 +272,26 @@ def test_alloc_copies_is_all_or_none_and_a_failed_copy_shows_no_old_state():
         pool.alloc_copies(state.clone().as_subclass(_CopyFails), 2, [1, 1, 1])
     stats = pool.stats()
     assert (stats.used, stats.free, stats.allocations, pool.slot_ids()) == (0, 6, 0, [])  # no slot was issued
-    assert not torch.equal(pool.tensor, image.tensor)  # the copy did land partly in a free row ...
+    assert not torch.equal(pool.image(), image.tensor)  # the copy did land partly in a free row ...
     for slot in pool.alloc(6):  # ... which the next allocation zeroes: no slot shows it
         assert not pool.read_state(slot).any()
 
 
-def test_layer_view_is_a_view_and_checks_the_layer():
+def test_layer_rows_address_the_storage_and_check_the_layer():
     pool = make_pool()
-    (a,) = pool.alloc(1)
-    view = pool.layer_view(1)
-    assert view.shape == (6, 2, 4, 8) and view.data_ptr() == pool.tensor[1].data_ptr()
+    a, b = pool.alloc(2)
+    rows = pool.layer_rows(1, pool.rows([a, b]))
+    assert len(set(rows)) == 2 and all(0 <= r < pool.storage.shape[0] for r in rows)
     state = random_state(pool, 6)
-    view[pool.rows([a])[0]] = state[1]
+    pool.storage[rows[0]] = state[1]
     assert_bit_equal(pool.read_state(a)[1], state[1])
-    assert torch.count_nonzero(pool.read_state(a)[0]) == 0
+    assert torch.count_nonzero(pool.read_state(a)[0]) == 0 and torch.count_nonzero(pool.read_state(b)) == 0
     for layer in (-1, 3):
         with pytest.raises(IndexError):
-            pool.layer_view(layer)
+            pool.layer_rows(layer, [0])
     for layer in ("0", 1.0, True, None):
         with pytest.raises(ValueError):
-            pool.layer_view(layer)
+            pool.layer_rows(layer, [0])
 
 
 def test_record_tokens_and_slot_info(clock):

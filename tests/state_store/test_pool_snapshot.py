@@ -32,7 +32,7 @@ def test_restore_into_a_new_pool_is_bit_exact(populated, clock, tmp_path):
     stale = pool.alloc(2)  # replaced by the restore
     pool.restore(str(path))
 
-    assert_bit_equal(pool.tensor, populated.tensor)  # free rows' contents too
+    assert_bit_equal(pool.image(), populated.image())  # free rows' contents too
     assert sorted(pool.slot_ids()) == sorted(saved_ids)
     assert not any(pool.contains(slot_id) for slot_id in stale)
     for slot_id, info in saved.items():
@@ -55,7 +55,7 @@ def test_restored_ids_keep_working_and_free_rows_are_right(tmp_path, dtype):
     pool.snapshot(tmp_path / "s")
 
     restored = _restored(tmp_path / "s", dtype=dtype)
-    assert_bit_equal(restored.tensor, pool.tensor)
+    assert_bit_equal(restored.image(), pool.image())
     live_rows = set(restored.rows([ids[0], ids[2], ids[3]]))
     assert live_rows == {0, 2, 3}
     new = restored.alloc(3)
@@ -99,7 +99,7 @@ def test_snapshot_is_safetensors_with_verified_metadata(populated, tmp_path):
     path = tmp_path / "s.safetensors"
     populated.snapshot(path)
     with safe_open(str(path), framework="pt") as snapshot:
-        assert_bit_equal(snapshot.get_tensor("pool"), populated.tensor)
+        assert_bit_equal(snapshot.get_tensor("pool"), populated.image())
         meta = snapshot.metadata()
     assert (meta["format"], meta["version"]) == ("kda-serve/pool-snapshot", "1")
     index = json.loads(meta["index"])
@@ -149,7 +149,7 @@ def _header_end(data: bytes) -> int:
 
 
 def _bare_pool_file(metadata=None) -> bytes:
-    return safetensors.torch.save({"pool": make_pool().tensor + 1.0}, metadata=metadata)
+    return safetensors.torch.save({"pool": make_pool().image() + 1.0}, metadata=metadata)
 
 
 # Each makes a bad file from a good snapshot and a slot export of the same pool.

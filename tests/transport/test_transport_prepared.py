@@ -200,12 +200,48 @@ def test_a_refused_run_changes_nothing(server: Server, frames: FramedExchange, r
     assert rel(o, o_ref) < TOL and rel(final, final_ref) < TOL
 
 
+@pytest.fixture(scope="module")
+def in_place_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server whose pool has no spare rows (``--spare-rows 0``): launches update their rows
+    in place, copied first (on a GPU a prepared decode step's kernel saves them as it reads)."""
+    folder = tmp_path_factory.mktemp("in-place")
+    srv = start_server([*GEOMETRY_ARGS, "--spare-rows", "0", "--framed-socket", str(folder / "kda.sock")],
+                       folder / "kda.log")
+    yield srv
+    assert srv.stop() == 0, srv.log_text()
+
+
 def test_a_refused_decode_step_changes_nothing(server: Server, frames: FramedExchange, region: Region,
                                                slots: list[str], gen: torch.Generator) -> None:
-    """A prepared decode step (one token per sequence; on a GPU its decode kernel saves the
-    rows it reads, the rows a refusal writes back): a NaN (400) and an update that diverges
-    (422: v = 3e38 with unit-variance k and beta 1 overflows the state) change no slot, and
-    the next step goes on from the states before them."""
+    """A prepared decode step writing its new states to spare rows (committed by moving the
+    slots' rows): a NaN (400) and an update that diverges (422: v = 3e38 with
+    unit-variance k and beta 1 overflows the state) change no slot, and the next step goes
+    on from the states before them."""
+    _refused_decode_steps_change_nothing(server, frames, region, slots, gen)
+
+
+def test_a_refused_in_place_decode_step_changes_nothing(in_place_server: Server, gen: torch.Generator) -> None:
+    """The same on a pool without spare rows: the rows a refusal writes back were copied
+    first (on a GPU by the decode kernel as it reads them)."""
+    r = Region(1 << 20)
+    assert httpx.post(f"{in_place_server.url}/shm/regions", json=r.registration()).status_code == 201
+    exchange = FramedExchange(str(in_place_server.log.parent / "kda.sock"), None, 60)
+    try:
+        with KDAClient(in_place_server.url) as client:
+            made = client.alloc(len(LENGTHS))
+            _refused_decode_steps_change_nothing(in_place_server, exchange, r, made, gen)
+            for slot in made:
+                client.free(slot)
+    finally:
+        exchange.close()
+        httpx.delete(f"{in_place_server.url}/shm/regions/{r.name}")
+        r.unlink()
+
+
+def _refused_decode_steps_change_nothing(server: Server, frames: FramedExchange, region: Region,
+                                         slots: list[str], gen: torch.Generator) -> None:
+    """Two prepared decode steps on ``slots``, a NaN step and a diverging one between them:
+    the refusals change no slot, the second step continues the first."""
     steps = [[make_sequence(1, gen) for _ in LENGTHS] for _ in range(2)]
     prepared = _prepare(frames, shm_request(region, slots, steps[0]), server)
     assert frames.request(Op.RUN, prepared).status == 200
