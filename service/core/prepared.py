@@ -3,22 +3,24 @@
 An engine calls the same layer with the same batch shape step after step (a decode step of
 N sequences, a prefill chunk of fixed size). `PreparedPrefill` holds everything of such a
 call that does not change between its runs: the checked form (`validation.validate_form`:
-layer, slots, lengths, shapes, dtypes, gate), the pool rows, the launch's device tensors,
-and where its inputs come from and its outputs go (``refill`` and ``deliver``, given by the
-front end that owns them). A run is then: refill the packed inputs in place, launch,
-synchronize once, check, deliver: no parsing, no validation of the form, no batching, no
-host-to-device copies of indices or bounds.
+layer, slots, lengths, shapes, dtypes, gate), the slots' rows, the launch's device
+tensors, and where its inputs come from and its outputs go (``refill`` and ``deliver``,
+given by the front end that owns them). A run is then: refill the packed inputs in place,
+upload the storage rows it reads and the spare rows it writes (one small copy: rows move
+as launches commit), launch, synchronize once, check, commit, deliver: no parsing, no
+validation of the form, no batching, no other host-to-device copy.
 
 The kernels check the inputs' values as they read them (`PrefillProblem.input_checks`:
 no pass of their own); the run reads the check back with the non-finite flags, in one
 copy, and when it failed rolls the launch back and scans the inputs to name the one.
-On a GPU the launch is a CUDA graph captured at preparation (`capture`): the transaction's
-copy of the rows it writes (made by the decode kernel as it reads them when every sequence
-is one token: ``saved_by_launch``), the flags and checks, every kernel of the pipeline
+On a GPU the launch is a CUDA graph captured at preparation (`capture`): the transaction
+(new states to spare rows, `MovedRows`; on a pool without enough spare rows, the copy of
+the rows it writes, made by the decode kernel as it reads them when every sequence is one
+token: ``saved_by_launch``), the flags and checks, every kernel of the pipeline
 (writing o straight into the client's region when it is on the device) and the final
 states' gather (there too), replayed by one call. Each graph has a memory pool of
-its own (what its replays write: o, the final states, the copied rows, the
-intermediates), freed when the prepared prefill is released. (One pool shared by a
+its own (what its replays write: o, the final states, the intermediates, the copied rows
+when in place), freed when the prepared prefill is released. (One pool shared by a
 core's graphs, through a pool handle, failed under torch 2.11 on the H200: an allocator
 assertion, ``use_count > 0``, when a graph was captured into a handle whose earlier graphs
 had been released.) When capture fails the call runs the same steps eagerly, so it stays
@@ -27,7 +29,7 @@ On a CPU every run is eager.
 
 The guarantees of every prefill hold: inputs with a NaN or Inf (or a given log decay > 0)
 are refused 400 and rolled back; an update that diverges is refused 422 and rolled back; a
-failed launch restores every row (`LaunchTransaction`). The core keeps per-slot ordering,
+failed launch changes no slot (`LaunchTransaction`). The core keeps per-slot ordering,
 the slots' liveness and token counts around each run (`ServerCore.run_prepared`).
 """
 from __future__ import annotations
