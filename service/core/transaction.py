@@ -6,18 +6,20 @@ never over the rows it reads: a request that must be refused simply does not com
 (`finish` moves the standing requests' slots onto their new rows and hands the others'
 spares back), nothing is copied or written back, and a failed launch changed no slot.
 
-Otherwise, before the kernels run, `LaunchTransaction` copies the pool rows the launch will write (one
-[HV, V, K] row per sequence, on the pool's device: 2 MiB at HV = 32, K = V = 128, fp32), or
-the launch copies them itself as it reads them (``saved_by_launch``: the problem's
-``saved_states``; the Triton decode kernel then stores each row as it loads it, so a decode
-step of 256 sequences reads its 512 MiB of rows once instead of twice).
+Otherwise (a pool without enough spare rows), before the kernels run, `LaunchTransaction`
+copies the pool rows the launch will write (one [HV, V, K] row per sequence, on the pool's
+device: 2 MiB at HV = 32, K = V = 128, fp32), or the launch copies them itself as it reads
+them (``saved_by_launch``: the problem's ``saved_states``; the Triton decode kernel then
+stores each row as it loads it, so a decode step of 256 sequences reads its 512 MiB of rows
+once instead of twice).
 The kernels flag the sequences whose final state or output holds a non-finite value as
 they store them (`flags`, passed as the problem's ``nonfinite``: no second read of o or
-of the states); `diverged` reads the flags, the launch's one synchronization. The rows of a
-request with such a sequence are written back (`roll_back`), so that request changes
-nothing and is refused with `UpdateDiverged` (422) while the other requests of the launch
-stand; when the launch itself fails, every row is written back (`abort`), and only when
-even that fails are the slots flagged ``state_lost``.
+of the states); `diverged` reads the flags, the launch's one synchronization. A request
+with such a sequence is rolled back (`roll_back`: not committed, or its rows written back),
+so it changes nothing and is refused with `UpdateDiverged` (422) while the other requests
+of the launch stand; when the launch itself fails, no slot changed (`abort`: nothing
+committed, or every row written back), and only when even that fails are the slots
+flagged ``state_lost``.
 
 Finite inputs can still diverge: the recurrence multiplies the state by about |k|^2 per
 token without l2norm, and v near float32's largest value overflows the update; a given log
