@@ -96,6 +96,12 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # issue 21's goal alone: the plain launch against the server's path, many interleaved repetitions
     prefix-cache-goal) run_step "$name" "$limit" python3 bench/prefix_cache.py --server-path-only --reps 300 ;;
     # the launch transaction's rows saved by the decode kernel (`saved_states`), compiled, and the graph and transaction tests
+    # the spare-row commit on the GPU: kernels writing other rows, the pool's moved rows, the
+    # transaction, prepared graphs uploading their rows per run, the self-test's launches
+    spare-rows-tests) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_write_indices.py \
+        tests/state_store/test_pool_cuda.py tests/service/test_transaction.py tests/service/test_prepared_rows.py \
+        tests/transport/test_transport_prepared.py tests/transport/test_transport_cuda_ipc.py \
+        tests/reliability/test_self_test.py ;;
     decode-save-tests) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_saved_states.py \
         tests/triton/test_triton_graph.py tests/service/test_transaction.py ;;
     # where a checkpointed launch's extra time sits: per-kernel device times, prebuilt problems, state-pass variants
