@@ -309,6 +309,7 @@ def test_head_dims_the_kernels_cannot_run_are_refused_in_the_settings():
     (["--num-slots", "0"], {}), (["--device", "tpu"], {}), (["--state-dtype", "float16"], {}),
     (["--batch-window-ms", "-1"], {}), ([], {"KDA_PORT": "eighty"}), (["--bogus"], {}),
     (["--head-dim", "257"], {}), (["--cuda-ipc-zero-copy", "maybe"], {}), ([], {"KDA_CUDA_IPC_ZERO_COPY": "2"}),
+    (["--spare-rows", "-1"], {}), ([], {"KDA_SPARE_ROWS": "some"}),
 ])
 def test_bad_settings_exit_with_usage(argv, env, capsys):
     with pytest.raises(SystemExit) as e:
