@@ -187,7 +187,8 @@ class PreparedPrefill:
         until the launch was queued (before its synchronization). InvalidRequest (400) when
         an input holds a NaN or Inf (or a given log decay > 0), UpdateDiverged (422) when
         the update is not finite: both rolled back; LaunchFailed when the kernels failed
-        (every row restored, or ``mark_lost`` called when that failed too)."""
+        (no slot changed: nothing committed, or every row restored; ``mark_lost`` called
+        when that failed too)."""
         step: Optional[_Step] = None
         transaction: Optional[LaunchTransaction] = None
         start = time.perf_counter()
