@@ -97,8 +97,9 @@ class Settings:
         False, "for trusted co-located clients only: the kernels read a request's inputs in its CUDA IPC regions in "
                "place, without the copy that keeps a client writing them during the launch from reaching the pool "
                "(the client must leave them alone until the reply; docs/RELIABILITY.md)")
-    self_test_fault: Optional[str] = _opt(None, "testing only: corrupt o of the self-test path of this name, "
-                                                "to prove a mismatch keeps the server unready")
+    self_test_fault: Optional[str] = _opt(None, "testing only: corrupt o of the self-test path of this name (as "
+                                                "check:PATH, fail its input check), to prove a mismatch keeps the "
+                                                "server unready")
     # -- prefix cache (docs/PREFIX_CACHE.md) ------------------------------------------
     prefix_cache_mb: float = _opt(1024.0, "device memory for prefix cache entries, in MiB, allocated as entries "
                                           "arrive (0: the cache is off)")

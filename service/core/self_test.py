@@ -25,7 +25,8 @@ A failure keeps the server unready; the `SelfTestReport` (in /info and the log) 
 failed path, its errors, and the toolchain that compiled it (`toolchain`).
 
 ``fault`` (the test-only setting ``--self-test-fault``) names one path whose o is corrupted
-after its kernel ran (for a ``flags/`` path: whose flags are cleared), to prove that a
+after its kernel ran (for a ``flags/`` path: whose flags are cleared), or, as
+``check:PATH``, one whose input check is set on its finite inputs, to prove that a
 mismatch keeps the server unready.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ NARROW = (1, 67, 1, 130)  # two decode sequences, two chunked ones (1 chunk + 3,
 WIDE_SEQ_HEADS = 128  # sequence-heads from which the Triton state pass takes its wide form
 MAX_PIECE_TOKENS = 16384  # a longer "pieces" case would make the reference too slow to run at start
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-3, torch.float16: 5e-3}
+CHECK_FAULT = "check:"  # a fault of this prefix and a path: that path's input check fails its finite inputs
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -274,6 +276,7 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
             if seqs and fault == case.path(kind):
                 for n in seqs:
                     o[bounds[n]:bounds[n + 1]] += 1.0  # the injected fault: this path's o is wrong
+        check_failed = {kind: inputs_failed or fault == CHECK_FAULT + case.path(kind) for kind in kinds}  # or injected
         o, finals, after = o.cpu(), pool.index_select(0, written).cpu(), pool.cpu()
     except Exception as e:  # a kernel that fails to compile or launch fails its paths
         for result in results.values():
@@ -292,7 +295,7 @@ def run_case(case: Case, fixture: _Fixture, geometry: PoolGeometry, backend: str
             result.error = "the launch wrote pool rows other than those it was to write its new states to"
         elif any(flagged):
             result.error = f"the kernels flagged finite results as non-finite (flags {flagged})"
-        elif inputs_failed:
+        elif check_failed[kind]:
             result.error = "the kernels' input check failed finite inputs (every request would be refused)"
     return list(results.values())
 
@@ -354,7 +357,7 @@ def run_self_test(geometry: PoolGeometry, backend: str, gates: Mapping[int, Gate
         narrow = fixtures.get(("given", "narrow"))
         if narrow is not None:
             results += [run_flag_case(dtype, narrow, geometry, backend, fault) for dtype in INPUT_DTYPES]
-    if fault is not None and fault not in {r.path for r in results}:  # a fault that corrupts nothing proves nothing
+    if fault is not None and fault.removeprefix(CHECK_FAULT) not in {r.path for r in results}:  # proves nothing
         results.append(PathResult(fault, error="--self-test-fault names no path of this server's self-test"))
     if geometry.device.type == "cuda":
         torch.cuda.synchronize(geometry.device)

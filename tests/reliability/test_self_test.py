@@ -113,8 +113,8 @@ DEVICES = [
 def test_the_self_test_passes_and_catches_each_injected_fault(device: str, backend: str) -> None:
     """Every path passes on a sound backend; a fault in any one path fails that path alone
     (on the GPU: the wide and pieces layouts of the Triton kernels too), the last being a
-    ``flags/`` path whose kernels never flag the NaN inputs nor fail their input check. A
-    fault naming no path fails
+    ``flags/`` path whose kernels never flag the NaN inputs nor fail their input check, and
+    a ``check:`` fault whose input check fails finite inputs. A fault naming no path fails
     the test rather than passing it unnoticed."""
     core = ServerCore(Settings(device=device, backend=backend, num_layers=1, num_slots=2, num_heads=4,
                                head_dim=16, head_v_dim=32))
@@ -131,6 +131,9 @@ def test_the_self_test_passes_and_catches_each_injected_fault(device: str, backe
         bad = run_self_test(core.geometry, core.backend, core.gates, fault=fault)
         assert [r.path for r in bad.failures] == [fault], bad.describe()
     assert "input check passed a NaN" in bad.describe()  # the flags/ fault: no flag, no input check
+    check = run_self_test(core.geometry, core.backend, core.gates, fault="check:" + paths[0])
+    assert [r.path for r in check.failures] == [paths[0]], check.describe()
+    assert "input check failed finite inputs" in check.describe()  # a check that fails clean inputs
     typo = run_self_test(core.geometry, core.backend, core.gates, fault="decode/float64/none")
     assert not typo.passed and "names no path" in typo.describe()
     core.worker.close()
