@@ -2,11 +2,11 @@
 
 A prepared prefill (`service.core.prepared`) replays one graph per run: the launch
 transaction (its flags, and the copy of the rows it writes: taken before the kernels, or
-saved by the decode kernel; or none, the new states written to spare rows instead), the kernels (which check the inputs as they read them and
-write o into the client's region) and, when asked, the final states' gather and copy. The
-value check as a pass of its own (`value_extremes`, what the graph ran before) is timed
-beside the kernels' own checks. This bench captures
-growing prefixes of that graph on the serving case (bench/serving_case.py: bf16, H = 32,
+saved by the decode kernel; or none, the new states written to spare rows instead), the
+kernels (which check the inputs as they read them and write o into the client's region)
+and, when asked, the final states' gather and copy. The value check as a pass of its own
+(`value_extremes`, what the graph ran before) is timed beside the kernels' own checks. This
+bench captures growing prefixes of that graph on the serving case (bench/serving_case.py: bf16, H = 32,
 K = V = 128, fp32 pool) and replays each, so the differences between rows are each stage's
 device time; the eager kernel call is timed beside them (back to back, and one call at a
 time with CUDA events: the host's launch gaps included, as `latency.py`'s "kernel" row).

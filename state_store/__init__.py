@@ -3,10 +3,10 @@ slot ids, with fork, export/import, snapshot/restore and idle expiry. Knows noth
 
 `StatePool` owns the logical pool [L, S, HV, V, K], kept in storage rows with spares
 (`row_map.RowMap`: launches write new states to spare rows and commit by moving rows);
-`SlotOrdering` orders asyncio work per (slot, layer); `Persistence` adds periodic snapshots and a journal of the slots changed
-since the latest one, for restarts after a crash; `PrefixCache` keeps slot states under
-callers' keys (device and pinned host tiers, LRU within byte budgets) to start new slots
-from. Every error is a `PoolError`.
+`SlotOrdering` orders asyncio work per (slot, layer); `Persistence` adds periodic
+snapshots and a journal of the slots changed since the latest one, for restarts after a
+crash; `PrefixCache` keeps slot states under callers' keys (device and pinned host tiers,
+LRU within byte budgets) to start new slots from. Every error is a `PoolError`.
 """
 from .errors import GeometryMismatch, PoolError, PoolFull, SnapshotError, UnknownSlot
 from .geometry import PoolGeometry
