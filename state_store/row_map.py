@@ -68,10 +68,11 @@ class RowMap:
         self._spares.extend(spares)
 
     def commit(self, layer: int, rows: Sequence[int], read: Sequence[int], written: Sequence[int]) -> None:
-        """Slot ``rows`` of ``layer`` now live in the storage rows ``written`` (taken spares),
-        and the rows ``read`` they lived in become spare. ValueError, having changed nothing
-        but handed ``written`` back, when a slot row no longer lives in its ``read`` row (the
-        caller must keep the slots from other updates between reading and committing)."""
+        """Slot ``rows`` of ``layer`` (distinct: one launch updates a slot once) now live in the
+        storage rows ``written`` (taken spares), and the rows ``read`` they lived in become
+        spare. ValueError, having changed nothing but handed ``written`` back, when a slot
+        row no longer lives in its ``read`` row (the caller must keep the slots from other
+        updates between reading and committing)."""
         where = self._where[layer]
         if len(rows) != len(read) or len(rows) != len(written) or self.rows_of_layer(layer, rows) != list(read):
             self.give_back(written)
