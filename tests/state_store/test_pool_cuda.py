@@ -32,3 +32,26 @@ def test_cuda_pool_round_trips_through_host_formats(tmp_path, dtype):
     cuda_again = make_pool(device="cuda", dtype=dtype)
     cuda_again.restore(tmp_path / "s")
     assert_bit_equal(cuda_again.read_state(b), random_state(pool, 2))
+
+
+def test_cuda_slot_copies_follow_moved_rows():
+    """After a commit moved a slot's rows (as a launch does), the host's and the device's
+    copies into it (write_state, alloc_copies: one copy per layer from the host, one scatter
+    on the device) land in the rows it now lives in, and read back bit for bit."""
+    pool = make_pool(device="cuda")
+    a, b = pool.alloc(2)
+    rows = pool.rows([a, b])
+    read = pool.layer_rows(1, rows)
+    spares = pool.take_spares(2)
+    assert spares is not None
+    pool.storage[spares] = 1.0
+    pool.commit_rows(1, rows, read, spares)
+    assert pool.layer_rows(1, rows) == spares
+    host, device = random_state(pool, 3), random_state(pool, 4).cuda()
+    pool.write_state(a, host)
+    pool.write_state(b, device)
+    assert_bit_equal(pool.read_state(a), host)
+    assert_bit_equal(pool.read_state(b), device)
+    pool.free(a)
+    (c,) = pool.alloc_copies(host, 1, [1, 1, 1])  # a's slot row again, its layer-1 row moved
+    assert_bit_equal(pool.read_state(c), host)
