@@ -138,9 +138,7 @@ class StatePool:
     def image(self) -> torch.Tensor:
         """A copy of the logical pool, [L, S, HV, V, K], on the pool's device: what a whole-pool
         snapshot holds (free slot rows too)."""
-        index = torch.tensor([r for layer in range(self._geometry.num_layers) for r in self._map.layer(layer)],
-                             device=self._storage.device)
-        return self._storage.index_select(0, index).view(self._geometry.shape)
+        return self._storage.index_select(0, self._slot_index(self._map.all_rows())).view(self._geometry.shape)
 
     @_locked
     def layer_rows(self, layer: int, rows: Sequence[int]) -> list[int]:
@@ -366,7 +364,7 @@ class StatePool:
         ``generation`` (see `state_store.snapshot`)."""
         self._expire_idle()
         infos = [self._info(slot_id, slot) for slot_id, slot in self._slots.items()]
-        rows = [self._storage[r] for layer in range(self._geometry.num_layers) for r in self._map.layer(layer)]
+        rows = [self._storage[r] for r in self._map.all_rows()]
         snapshot.write(path, self._geometry, rows, infos, self._wall(self._clock()), generation)
 
     @_locked

@@ -51,9 +51,10 @@ class RowMap:
         """Storage rows of slot ``row`` on every layer, in layer order."""
         return list(map(operator.itemgetter(row), self._where))
 
-    def layer(self, layer: int) -> list[int]:
-        """Storage rows of every slot row of ``layer``, in slot row order."""
-        return list(self._where[layer])
+    def all_rows(self) -> list[int]:
+        """Storage rows of every (layer, slot row), layer by layer, slot rows in order: the
+        logical pool [L, S] flattened."""
+        return [row for layer in self._where for row in layer]
 
     def take_spares(self, count: int) -> Optional[list[int]]:
         """``count`` spare rows, no longer spare, or None (nothing taken) when fewer are free."""
