@@ -9,8 +9,10 @@
 # call for everything a change needs, the most important steps first:
 #   run(command="bash bench/h200.sh gpu-tests:220 kernel-paths:80 prefix-cache:75 kernel-ab:110 latency:80",
 #       carry=[".whl", ".srvwhl", ".peers"])
-# .whl holds fla-core 0.6.0 and einops, .srvwhl the server's wheels (fastapi, starlette,
-# pydantic, pydantic-core, uvicorn, httptools, ...), all cp312, downloaded as
+# .whl holds fla-core 0.6.0 and einops, .srvwhl the server's wheels at constraints.txt's
+# versions (fastapi and its opentelemetry-api, starlette, pydantic, pydantic-core,
+# typing-inspection, annotated-types, annotated-doc, typing-extensions, anyio, uvicorn,
+# httptools, httpx, httpcore, h11, fastapi-offline, py-spy), all cp312, downloaded as
 # /work/.library/device/README.md says, .peers the FlashKDA build (its README in the shared
 # peers folder says how), all git-ignored. Figures land under $OUT; record them in
 # bench/RESULTS.md with the commit.
@@ -23,6 +25,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:$PWD/.peers FLA_FLASH_KDA=0 TRITON_DEFAULT_FP_FUSION=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log --oneline -1 2>/dev/null
+# a wheel missing from .srvwhl fails every server step and test the same way: say so at once
+python3 -c "import service.cli" || { echo "the server does not import: a wheel is missing from .srvwhl"; exit 1; }
 # Steps run in the order given; `name:seconds` caps one step's time (default below), so
 # several steps fit one 10-minute call.
 run_step() {  # name, time limit (s), command...
@@ -95,13 +99,13 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     extremes-sweep) run_step "$name" "$limit" python3 bench/prepared_graph.py --extremes --cases 8x4096,1x4096 ;;
     # issue 21's goal alone: the plain launch against the server's path, many interleaved repetitions
     prefix-cache-goal) run_step "$name" "$limit" python3 bench/prefix_cache.py --server-path-only --reps 300 ;;
-    # the launch transaction's rows saved by the decode kernel (`saved_states`), compiled, and the graph and transaction tests
     # the spare-row commit on the GPU: kernels writing other rows, the pool's moved rows, the
     # transaction, prepared graphs uploading their rows per run, the self-test's launches
     spare-rows-tests) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_write_indices.py \
         tests/state_store/test_pool_cuda.py tests/service/test_transaction.py tests/service/test_prepared_rows.py \
         tests/transport/test_transport_prepared.py tests/transport/test_transport_cuda_ipc.py \
         tests/reliability/test_self_test.py ;;
+    # the launch transaction's rows saved by the decode kernel (`saved_states`), compiled, and the graph and transaction tests
     decode-save-tests) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_saved_states.py \
         tests/triton/test_triton_graph.py tests/service/test_transaction.py ;;
     # where a checkpointed launch's extra time sits: per-kernel device times, prebuilt problems, state-pass variants
