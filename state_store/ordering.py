@@ -7,17 +7,45 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Hashable, Iterable
+from typing import Hashable, Iterable, Optional
 
 
 @dataclass(eq=False)
 class _Ticket:
-    """One holder: its keys and the future that resolves when it is at the head of all."""
+    """One holder: its keys, and the future that resolves when it is first on all of them
+    (None for a holder that was first everywhere on arrival: nothing to wait for)."""
 
     keys: frozenset[Hashable]
-    turn: asyncio.Future[None] = field(repr=False)
+    turn: Optional[asyncio.Future[None]] = field(default=None, repr=False)
+
+
+class _Hold:
+    """``async with`` one `SlotOrdering.hold`: enqueued on entry, gone from every queue on
+    exit, or on a cancellation while it waits. A class, not a generator-based context
+    manager: a decode step enters one per layer per step, and the uncontended entry makes
+    no future and never suspends."""
+
+    __slots__ = ("_ordering", "_keys", "_ticket")
+
+    def __init__(self, ordering: SlotOrdering, keys: Iterable[Hashable]) -> None:
+        self._ordering = ordering
+        self._keys = keys
+        self._ticket: Optional[_Ticket] = None
+
+    async def __aenter__(self) -> None:
+        ticket = self._ordering._enqueue(self._keys)
+        self._ticket = ticket
+        if ticket.turn is not None:
+            try:
+                await ticket.turn
+            except BaseException:  # cancelled while waiting: leave every queue
+                self._ordering._leave(ticket)
+                raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._ticket is not None
+        self._ordering._leave(self._ticket)
 
 
 class SlotOrdering:
@@ -34,41 +62,48 @@ class SlotOrdering:
         self._first: dict[Hashable, _Ticket] = {}  # each key's first holder (running, or waiting on other keys)
         self._behind: dict[Hashable, deque[_Ticket]] = {}  # those queued after it, for contended keys only
 
-    @asynccontextmanager
-    async def hold(self, keys: Iterable[Hashable]) -> AsyncIterator[None]:
-        """``async with ordering.hold([(slot_id, layer), ...]):`` run the body holding those keys."""
-        ticket = _Ticket(frozenset(keys), asyncio.get_running_loop().create_future())
+    def hold(self, keys: Iterable[Hashable]) -> _Hold:
+        """``async with ordering.hold([(slot_id, layer), ...]):`` run the body holding those keys
+        (a frozenset is taken as it is: a caller holding the same keys often builds it once)."""
+        return _Hold(self, keys)
+
+    def _enqueue(self, keys: Iterable[Hashable]) -> _Ticket:
+        """A ticket for ``keys``, queued on each; its ``turn`` is None when it is first on all
+        of them at once (the common case; a decode step names hundreds of keys: C loops only),
+        else a future resolved when it is."""
+        ticket = _Ticket(frozenset(keys))
         first, behind = self._first, self._behind
-        if first.keys().isdisjoint(ticket.keys):  # first on every key: no one to wait for (the common case;
-            first.update(dict.fromkeys(ticket.keys, ticket))  # a decode step names hundreds: C loops only)
-            ticket.turn.set_result(None)
-        else:
-            for key in ticket.keys:
-                if key in first:
-                    behind.setdefault(key, deque()).append(ticket)
-                else:
-                    first[key] = ticket
-            self._grant_if_first(ticket)
-        try:
-            await ticket.turn
-            yield
-        finally:
-            self._leave(ticket)
+        if first.keys().isdisjoint(ticket.keys):
+            first.update(dict.fromkeys(ticket.keys, ticket))
+            return ticket
+        ticket.turn = asyncio.get_running_loop().create_future()
+        for key in ticket.keys:
+            if key in first:
+                behind.setdefault(key, deque()).append(ticket)
+            else:
+                first[key] = ticket
+        self._grant_if_first(ticket)
+        return ticket
 
     def queued(self, key: Hashable) -> int:
         """Holders of ``key``, running or waiting."""
         return (key in self._first) + len(self._behind.get(key, ()))
 
     def _grant_if_first(self, ticket: _Ticket) -> None:
-        if not ticket.turn.done() and all(self._first.get(key) is ticket for key in ticket.keys):
-            ticket.turn.set_result(None)
+        """Resolve a waiting ``ticket``'s turn once it is first on every one of its keys."""
+        turn = ticket.turn
+        if turn is not None and not turn.done() and all(self._first.get(key) is ticket for key in ticket.keys):
+            turn.set_result(None)
 
     def _leave(self, ticket: _Ticket) -> None:
         """Remove ``ticket`` from its queues and grant whoever that puts first everywhere."""
         first, behind, successors = self._first, self._behind, []
         if not behind:  # no one queued on any key: ``ticket`` is first on all of its own, and no one follows
-            for key in ticket.keys:
-                del first[key]
+            if len(first) == len(ticket.keys):  # and it is the only holder: one C call
+                first.clear()
+            else:
+                for key in ticket.keys:
+                    del first[key]
             return
         for key in ticket.keys:
             queue = behind.get(key)
