@@ -13,11 +13,12 @@ from .geometry import PoolGeometry
 from .ordering import SlotOrdering
 from .persistence import Persistence, RestoreReport
 from .prefix_cache import HOST, CheckpointTarget, PrefixCache, PrefixInfo, PrefixMatch, TierStats, key_problem
-from .pool import StatePool
+from .pool import SlotGroup, StatePool
 from .records import PoolStats, SlotInfo
 
 __all__ = [
     "StatePool",
+    "SlotGroup",
     "PoolGeometry",
     "SlotInfo",
     "PoolStats",

@@ -37,6 +37,20 @@ class _Slot:
 _ROW, _LAST_USED, _STATE_LOST = (operator.attrgetter(name) for name in ("row", "last_used", "state_lost"))
 
 
+
+@dataclasses.dataclass(eq=False)
+class SlotGroup:
+    """Slots a caller names run after run (a prepared prefill's), resolved once
+    (`StatePool.group`): their ``ids`` and slot ``rows`` in order. Opaque otherwise: the pool
+    says whether it still vouches for them (`StatePool.group_live`) and counts their tokens
+    without resolving them again (`StatePool.record_group_tokens`)."""
+
+    ids: tuple[str, ...]
+    rows: list[int]
+    _slots: list[_Slot] = dataclasses.field(repr=False)
+    _generation: int = dataclasses.field(repr=False)  # the pool's generation when they were resolved
+    _used_at: float = dataclasses.field(repr=False)  # the pool clock's time when all were last marked used
+
 def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
     """Run ``method`` holding the pool's lock."""
 
@@ -108,11 +122,13 @@ class StatePool:
 
     @property
     def generation(self) -> int:
-        """A counter that moves whenever a live slot stops being live (freed, expired, the
-        id map restored) or is flagged lost: slots found live and sound (`rows_checked`) at
-        one generation still are while it has not moved, so a caller checking the same
-        slots again and again (a prepared prefill's runs) may skip the check until then.
-        Read it before the check it vouches for."""
+        """A counter that moves whenever a live slot stops being live (freed, swept, the id
+        map restored) or is flagged lost: slots found live and sound (`rows_checked`) at one
+        generation still are while it has not moved and none has idled past the ttl (an
+        idle slot expires lazily, when next resolved: no generation moves before), so a
+        caller checking the same slots again and again (a prepared prefill's runs) may skip
+        the check until then: `group_live` checks both. Read it before the check it vouches
+        for."""
         return self._generation
 
     @property
@@ -254,14 +270,8 @@ class StatePool:
         of slots): the rows of ``slot_ids`` in order and the first of them flagged
         state_lost, or None. UnknownSlot for the first id that is not live, having resolved
         none; otherwise every slot is marked used."""
-        if isinstance(slot_ids, str):
-            raise TypeError("rows_checked() takes a sequence of slot ids, not one id")
-        slots = self._resolve_all(slot_ids)
-        now = self._clock()
-        for slot in slots:
-            slot.last_used = now
-        lost = list(map(_STATE_LOST, slots))
-        return list(map(_ROW, slots)), slot_ids[lost.index(True)] if True in lost else None
+        group, lost = self.group(slot_ids)
+        return group.rows, lost
 
     @_locked
     def read_state(self, slot_id: str) -> torch.Tensor:
@@ -305,6 +315,42 @@ class StatePool:
         slot.tokens_per_layer = tokens
         slot.state_lost = False
         return slot_id
+
+    @_locked
+    def group(self, slot_ids: Sequence[str]) -> tuple[SlotGroup, Optional[str]]:
+        """`rows_checked` kept for later runs: the slots of ``slot_ids`` as a `SlotGroup`
+        (every one marked used now) and the first of them flagged state_lost, or None.
+        UnknownSlot for the first id that is not live, having resolved none."""
+        if isinstance(slot_ids, str):
+            raise TypeError("a sequence of slot ids is needed, not one id")
+        slots = self._resolve_all(slot_ids)  # (an expiry found here raises, having moved the generation)
+        now = self._clock()
+        for slot in slots:
+            slot.last_used = now
+        lost = list(map(_STATE_LOST, slots))
+        return (SlotGroup(tuple(slot_ids), list(map(_ROW, slots)), slots, self._generation, now),
+                slot_ids[lost.index(True)] if True in lost else None)
+
+    def group_live(self, group: SlotGroup) -> bool:
+        """Whether every slot of ``group`` is still live and sound as `group` found it: no
+        slot of the pool stopped being live or was flagged lost since (the `generation`
+        stands) and none can have idled past the ttl (all were used at once, no longer than
+        the ttl ago). When False, resolve them again (`group`: UnknownSlot or the lost one)."""
+        return group._generation == self._generation and (
+            self._ttl is None or self._clock() - group._used_at <= self._ttl)
+
+    @_locked
+    def record_group_tokens(self, group: SlotGroup, layer: int, counts: Sequence[int]) -> None:
+        """`record_tokens_many` for a `group` the pool vouched for (`group_live`) at the start
+        of the work it counts (whose caller held its slots since): ``counts[i]`` tokens
+        (non-negative ints, one per slot, the caller's promise) added on ``layer`` to slot
+        i, every slot marked used. Resolves nothing, so it raises nothing for a slot."""
+        layer = self._layer_index(layer)
+        now = self._clock()
+        for slot, n in zip(group._slots, counts):
+            slot.last_used = now
+            slot.tokens_per_layer[layer] += n
+        group._used_at = now
 
     @_locked
     def record_tokens(self, slot_id: str, layer: int, count: int) -> None:

@@ -45,6 +45,7 @@ import torch
 
 import kernels
 from kernels.problem import PrefillProblem, packed_problem
+from state_store import SlotGroup
 
 from .inputs import PrefillResult
 from .transaction import LaunchTransaction, MovedRows
@@ -96,6 +97,10 @@ class PreparedRun:
         return ", ".join(f"{name};dur={s * 1000:.3f}" for name, s in phases)
 
 
+
+Answer = Callable[[PreparedRun], None]
+"""A front end's reply to a run that stands, given the run (`ServerCore.run_prepared`)."""
+
 @dataclass
 class _Step:
     """What one launch leaves to read after it: o [T, HV, V] in v's dtype, the final
@@ -109,8 +114,9 @@ class _Step:
 
 class PreparedPrefill:
     """A checked prefill (``valid``: its inputs' tensors are the buffers ``refill`` fills)
-    on the slot rows ``rows`` (host ints, one per sequence, the rows of
-    ``valid.inputs.slots``) of the pool whose storage rows are ``storage`` [R, HV, V, K],
+    on the slots of ``group`` (`state_store.SlotGroup`: ``valid.inputs.slots`` resolved, one
+    slot row per sequence; the core renews it when the pool no longer vouches for it) of
+    the pool whose storage rows are ``storage`` [R, HV, V, K],
     with the gate tensors ``A_log`` [HV] / ``dt_bias`` [HV, K] on the pool's device (or
     None), run by ``backend``; ``io``: the copies its launch makes itself; on a GPU
     captured as a CUDA graph (`capture`). With ``moves`` every run writes its new states to
@@ -118,14 +124,14 @@ class PreparedPrefill:
     Each run is told the storage rows it reads (they move as launches commit) and uploads
     them, with its spare rows, into one device buffer the graph reads."""
 
-    def __init__(self, valid: ValidPrefill, rows: Sequence[int], storage: torch.Tensor, moves: bool,
+    def __init__(self, valid: ValidPrefill, group: SlotGroup, storage: torch.Tensor, moves: bool,
                  A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], backend: str,
                  refill: Refill, deliver: Deliver, io: DeviceIO) -> None:
         self.valid = valid
         self.slots: list[str] = [s for s in valid.inputs.slots if s is not None]
-        self.rows = list(rows)
+        self.group = group
+        self.rows = list(group.rows)  # a live slot's row never changes
         self.keys = frozenset((s, valid.inputs.params.layer) for s in self.slots)  # `SlotOrdering.hold` takes it as is
-        self.checked_generation: Optional[int] = None  # the pool's generation at the last check of the slots
         self.tokens = sum(valid.inputs.lengths)
         self.refill, self.deliver, self.io = refill, deliver, io
         self.moves = moves

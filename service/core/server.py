@@ -58,7 +58,7 @@ from .metrics import Metrics, build_info
 from .self_test import SelfTestReport, run_self_test
 from .staging import PinnedStaging, host_ints_to
 from .transaction import LaunchTransaction, MovedRows
-from .prepared import Deliver, DeviceIO, PreparedPrefill, PreparedRun, Refill
+from .prepared import Answer, Deliver, DeviceIO, PreparedPrefill, PreparedRun, Refill
 from .validation import (ValidPrefill, changed_inputs_problem, first_value_problem, validate_form, validate_prefill,
                          validate_state)
 from .worker import DeviceWorker, off_loop
@@ -450,43 +450,52 @@ class ServerCore:
         if any(inputs.checkpoints):
             raise InvalidRequest("a prepared prefill stores no checkpoints", field="checkpoints")
         slots = [s for s in inputs.slots if s is not None]
-        rows, lost = self.pool.rows_checked(slots)  # or UnknownSlot
+        group, lost = self.pool.group(slots)  # or UnknownSlot
         if lost is not None:
             raise StateLost(lost)
 
         def build() -> PreparedPrefill:
             A_log, dt_bias = self._device_gates.tensors(valid.gate)
-            moves = self.pool.spare_rows >= len(rows)  # one launch at a time: its spare rows are always free
-            prepared = PreparedPrefill(valid, rows, self.pool.storage, moves, A_log, dt_bias, self.backend, refill,
+            moves = self.pool.spare_rows >= len(slots)  # one launch at a time: its spare rows are always free
+            prepared = PreparedPrefill(valid, group, self.pool.storage, moves, A_log, dt_bias, self.backend, refill,
                                        deliver, io)
             prepared.capture()
             return prepared
 
         return await self.worker.run(build)
 
-    async def run_prepared(self, prepared: PreparedPrefill) -> PreparedRun:
+    async def run_prepared(self, prepared: PreparedPrefill, answer: Optional[Answer] = None) -> PreparedRun:
         """One run of ``prepared`` (see `PreparedPrefill.launch` for its refusals), in
         arrival order with the other work on its slots; UnknownSlot (404) or StateLost (409)
         when a slot was freed or lost since. Its slots count the tokens, as a prefill's do.
         Like a lone prefill, a run that finds the device thread idle runs on the event loop
-        when it is small (``--inline-launch-tokens``): no hop to the thread and back."""
+        when it is small (``--inline-launch-tokens``): no hop to the thread and back.
+
+        ``answer``: the front end's reply, given the run once it stands (its slots on their
+        new rows, its outputs delivered); not for a refusal or a failure (raised). A run on
+        the event loop answers before it counts its slots' tokens and its metrics, so the
+        reply leaves while the server does them: nothing else runs on the loop until they are
+        done, so no request sees the counts before. A run on the device thread answers once
+        it returns (on the loop)."""
         if self.self_test_report is not None and not self.self_test_report.passed:
             raise NotReady(self.self_test_report.describe())
         if prepared.closed:
             raise InvalidRequest("this prepared prefill was released", field="prepared")
         async with self.ordering.hold(prepared.keys):
             if prepared.tokens <= self._inline_tokens and self.worker.idle:  # as the batcher does a lone launch
-                return self.worker.run_inline(self._run_prepared, prepared)
-            return await self.worker.run(self._run_prepared, prepared)
+                return self.worker.run_inline(self._run_prepared, prepared, answer)
+            run = await self.worker.run(self._run_prepared, prepared, None)
+        if answer is not None:
+            answer(run)
+        return run
 
-    def _run_prepared(self, prepared: PreparedPrefill) -> PreparedRun:
-        generation = self.pool.generation  # read before the check it vouches for
-        if prepared.checked_generation != generation:  # a slot freed, expired or lost since the last run's check
-            rows, lost = self.pool.rows_checked(prepared.slots)
+    def _run_prepared(self, prepared: PreparedPrefill, answer: Optional[Answer]) -> PreparedRun:
+        if not self.pool.group_live(prepared.group):  # a slot freed, expired or lost since the last run's check
+            group, lost = self.pool.group(prepared.slots)
             if lost is not None:
                 raise StateLost(lost)
-            assert rows == prepared.rows, "a live slot's row never changes"
-            prepared.checked_generation = generation
+            assert group.rows == prepared.rows, "a live slot's row never changes"
+            prepared.group = group
         if self.persistence is not None:
             self.persistence.advancing(prepared.slots)
         t0 = time.perf_counter()
@@ -501,12 +510,17 @@ class ServerCore:
         t2 = time.perf_counter()
         inputs = prepared.valid.inputs
         result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], t2 - t0)
-        self.pool.record_tokens_many(prepared.slots, inputs.params.layer, inputs.lengths)
-        self.metrics.tokens.inc(prepared.tokens)
-        self.metrics.sequences.inc(len(inputs.lengths))
-        prepared.deliver(result)  # the slots advanced even when the outputs cannot be delivered
-        return PreparedRun(result, refill_s=t1 - t0, queue_s=queued_s, launch_s=t2 - t1,
-                           deliver_s=time.perf_counter() - t2)
+        try:
+            prepared.deliver(result)  # the slots advanced even when the outputs cannot be delivered
+            run = PreparedRun(result, refill_s=t1 - t0, queue_s=queued_s, launch_s=t2 - t1,
+                              deliver_s=time.perf_counter() - t2)
+            if answer is not None:
+                answer(run)
+        finally:  # the launch committed: its tokens count whatever became of the reply
+            self.pool.record_group_tokens(prepared.group, layer, inputs.lengths)
+            self.metrics.tokens.inc(prepared.tokens)
+            self.metrics.sequences.inc(len(inputs.lengths))
+        return run
 
     async def release_prepared(self, prepared: PreparedPrefill) -> None:
         """Let go of ``prepared``'s graph and buffers (on the device thread: never under a run)."""

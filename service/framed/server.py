@@ -149,28 +149,31 @@ class FramedServer:
             if request is None:
                 return
             op, payload = request
-            started = time.perf_counter()
-            status, timing, body, created = await self._answer(op, payload, authorized, prepared)
-            if timing:  # the request's whole time in the server, its phases and all between them
-                timing += f", total;dur={(time.perf_counter() - started) * 1000:.3f}"
-            authorized = authorized or (op == Op.AUTH and status < 400)
             name = _OP_NAMES.get(op, "unknown")
+            reply = _Reply(writer, time.perf_counter())
+            status, timing, body, created = await self._answer(op, payload, authorized, prepared, reply)
+            authorized = authorized or (op == Op.AUTH and status < 400)
             try:
-                await self._reply(writer, name, status, body, timing)
+                if not reply.sent:
+                    reply.send(status, timing, body)
+                await writer.drain()
             except ConnectionError:
                 for slot_id in created:  # the reply cannot be delivered: nor may the slots made for it
                     await self.core.free(slot_id)
                 raise
-            self.core.metrics.framed_latency.labels(name).observe(time.perf_counter() - started)
+            self.core.metrics.framed_requests.labels(name, str(reply.status)).inc()
+            self.core.metrics.framed_latency.labels(name).observe(time.perf_counter() - reply.started)
 
-    async def _reply(self, writer: asyncio.StreamWriter, op: str, status: int, body: bytes, timing: str = "") -> None:
-        writer.write(reply_frame(status, timing, body))
+    async def _reply(self, writer: asyncio.StreamWriter, op: str, status: int, body: bytes) -> None:
+        """A reply outside the request loop (a frame refused unread)."""
+        writer.write(reply_frame(status, "", body))
         await writer.drain()
         self.core.metrics.framed_requests.labels(op, str(status)).inc()
 
-    async def _answer(self, op: int, payload: bytes, authorized: bool, prepared: "_Prepared"
+    async def _answer(self, op: int, payload: bytes, authorized: bool, prepared: "_Prepared", reply: "_Reply"
                       ) -> tuple[int, str, bytes, list[str]]:
-        """(status, timing, body, slots created) of one request."""
+        """(status, timing, body, slots created) of one request (a RUN may have sent its
+        reply already: ``reply.sent``)."""
         try:
             if op == Op.AUTH:
                 if self.key is not None and not hmac.compare_digest(payload, self.key):
@@ -184,7 +187,7 @@ class FramedServer:
             if op == Op.PREFILL:
                 return await self._prefill(payload)
             if op == Op.RUN:
-                return await self._run(prepared.named(payload))
+                return await self._run(prepared.named(payload), reply)
             if op == Op.PREPARE:
                 return await self._prepare(payload, prepared)
             if op == Op.RELEASE:
@@ -237,10 +240,29 @@ class FramedServer:
         self.core.metrics.prepared.dec()
         await held.release(self.core)
 
-    async def _run(self, held: ShmPrepared) -> tuple[int, str, bytes, list[str]]:
-        """RUN: one run of a prepared prefill, its outputs in place when it answers."""
-        run = await self.core.run_prepared(held.prepared)
-        return 200, run.server_timing(), b"", []
+    async def _run(self, held: ShmPrepared, reply: "_Reply") -> tuple[int, str, bytes, list[str]]:
+        """RUN: one run of a prepared prefill, its outputs in place when it answers; the
+        reply sent as soon as the run stands (before the core's bookkeeping, on the loop)."""
+        await self.core.run_prepared(held.prepared, lambda run: reply.send(200, run.server_timing(), b""))
+        return 200, "", b"", []  # sent
+
+
+class _Reply:
+    """One request's reply on ``writer``: `send` writes it once (without waiting for the
+    socket: the caller drains), its timing given ``total``, the request's whole time in the
+    server from ``started`` (its phases and all between them)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, started: float) -> None:
+        self._writer = writer
+        self.started = started
+        self.sent = False
+        self.status = 0
+
+    def send(self, status: int, timing: str, body: bytes) -> None:
+        if timing:
+            timing += f", total;dur={(time.perf_counter() - self.started) * 1000:.3f}"
+        self._writer.write(reply_frame(status, timing, body))
+        self.sent, self.status = True, status
 
 
 class _Prepared:

@@ -126,3 +126,33 @@ def test_a_batch_with_one_bad_id_among_many_changes_nothing(clock, use, odd):
     assert caught.value.slot_id == bad
     assert pool.contains(ids[20]) == (odd != "expired")
     assert {s: (pool.slot_info(s).last_used, pool.slot_info(s).tokens_per_layer) for s in others} == before
+
+
+def test_a_group_is_vouched_for_only_while_no_slot_can_have_expired(clock):
+    """`group_live` holds while the generation stands and the group's slots were used at
+    most ttl ago: a slot idle past the ttl but not yet swept is not live (the lazy expiry
+    of `_resolve`), so the generation alone cannot vouch for it."""
+    pool = make_pool(clock=clock, ttl=10.0)
+    a, b = pool.alloc(2)
+    group, lost = pool.group([a, b])
+    assert lost is None and group.rows == pool.rows([a, b]) and group.ids == (a, b)
+    clock.advance(10.0)
+    assert pool.group_live(group)  # idle exactly ttl: still live
+    clock.advance(0.5)
+    assert not pool.group_live(group), "idle past the ttl, though no sweep moved the generation"
+    with pytest.raises(UnknownSlot):
+        pool.group([a, b])
+
+
+def test_counting_a_groups_tokens_marks_its_slots_used(clock):
+    pool = make_pool(clock=clock, ttl=10.0)
+    a, b, c = pool.alloc(3)
+    group, _ = pool.group([a, b])
+    for _ in range(3):
+        clock.advance(6.0)
+        assert pool.group_live(group)
+        pool.record_group_tokens(group, 1, [1, 2])
+    assert [pool.slot_info(s).tokens_per_layer for s in (a, b)] == [[0, 3, 0], [0, 6, 0]]
+    assert pool.contains(a) and pool.contains(b) and not pool.contains(c)  # c idled 18 s
+    pool.free(b)
+    assert not pool.group_live(group), "a slot freed: the generation moved"

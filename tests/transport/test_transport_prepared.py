@@ -119,6 +119,20 @@ def test_prepared_runs_equal_prefills_and_the_reference(server: Server, frames: 
             client.free(slot)
 
 
+
+def test_a_runs_tokens_are_counted_before_any_later_request_sees_its_slots(
+        server: Server, frames: FramedExchange, region: Region, slots: list[str], gen: torch.Generator) -> None:
+    """A RUN's reply leaves before the server counts the run's tokens (the run is on the
+    event loop): a request sent the moment the reply arrives still sees them counted."""
+    prepared = _prepare(frames, shm_request(region, slots, _sequences(gen)), server)
+    with httpx.Client(base_url=server.url) as http:
+        before = [http.get(f"/slots/{slot}").json()["tokens_per_layer"][0] for slot in slots]
+        for run in range(1, 4):
+            assert frames.request(Op.RUN, prepared).status == 200
+            counts = [http.get(f"/slots/{slot}").json()["tokens_per_layer"][0] for slot in slots]
+            assert counts == [b + run * n for b, n in zip(before, LENGTHS)]
+    assert frames.request(Op.RELEASE, prepared).status == 204
+
 def test_the_gate_tensors_are_read_once_when_prepared(server: Server, frames: FramedExchange, region: Region,
                                                       slots: list[str], gen: torch.Generator) -> None:
     """A_log and dt_bias of the document are read at PREPARE: bytes changed after it change

@@ -1,0 +1,92 @@
+"""A prepared run's slots on the core (`ServerCore.run_prepared`): checked again whenever
+the pool no longer vouches for them (`StatePool.group_live`: a slot freed or lost, or one
+idle past the ttl, which expires lazily without moving the generation), so such a run is
+refused before it launches; the front end's answer given once the run stands, before the
+token counts when the run is on the event loop (the reply leaves while the server counts)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from server_harness import HV, K, LAYERS, V, make_sequence
+
+from service.config import Settings
+from service.core.inputs import PrefillInputs, PrefillParams
+from service.core.prepared import PreparedRun
+from service.core.server import ServerCore
+from service.errors import InvalidRequest
+from state_store import UnknownSlot
+
+LAYER = 1
+
+
+def _inputs(slots: list[str], gen: torch.Generator) -> PrefillInputs:
+    """A decode step of one token per slot, its packed tensors the buffers runs read."""
+    step = [make_sequence(1, gen) for _ in slots]
+    buffers = {name: torch.cat([s[i] for s in step]) for i, name in enumerate(("q", "k", "v", "g", "beta"))}
+    return PrefillInputs.of(PrefillParams(layer=LAYER), list(slots), [1] * len(slots), buffers)
+
+
+def _settings(**overrides: object) -> Settings:
+    return Settings(device="cpu", num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V,
+                    **overrides)
+
+
+def test_a_run_with_a_slot_idle_past_the_ttl_is_refused_before_it_launches(gen: torch.Generator) -> None:
+    """Slot a idles past the ttl (no sweep runs: nothing moved the pool's generation) while
+    slot b is used: the run answers 404 for a, and b neither advanced nor counted a token."""
+    async def main() -> None:
+        core = ServerCore(_settings(slot_ttl_s=0.5))
+        await core.start()
+        try:
+            assert (await core.warmup()).passed
+            a, b = await core.alloc(2)
+            prepared = await core.prepare(_inputs([a, b], gen), lambda: None, lambda result: None)
+            await core.run_prepared(prepared)
+            await asyncio.sleep(0.3)
+            before = await core.get_state(b)  # a use: b stays live
+            await asyncio.sleep(0.3)  # a idle 0.6 s
+            with pytest.raises(UnknownSlot):
+                await core.run_prepared(prepared)
+            assert torch.equal(await core.get_state(b), before)
+            assert core.pool.slot_info(b).tokens_per_layer[LAYER] == 1
+            await core.release_prepared(prepared)
+        finally:
+            await core.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["on the event loop", "on the device thread"])
+def test_the_answer_comes_once_per_run_that_stands(inline: bool, gen: torch.Generator) -> None:
+    """`answer` gets each standing run once, none for a refused one; a run on the event
+    loop answers before its slots count its tokens, one on the device thread after; the
+    counts are complete when `run_prepared` returns either way."""
+    async def main() -> None:
+        core = ServerCore(_settings(inline_launch_tokens=None if inline else 0))
+        await core.start()
+        try:
+            assert (await core.warmup()).passed
+            slots = await core.alloc(2)
+            inputs = _inputs(slots, gen)
+            prepared = await core.prepare(inputs, lambda: None, lambda result: None)
+            seen: list[tuple[PreparedRun, int]] = []
+
+            def answer(run: PreparedRun) -> None:
+                seen.append((run, core.pool.slot_info(slots[0]).tokens_per_layer[LAYER]))
+
+            for step in range(3):
+                ran = await core.run_prepared(prepared, answer)
+                assert seen[-1][0] is ran and len(seen) == step + 1
+                assert seen[-1][1] == (step if inline else step + 1)
+                assert core.pool.slot_info(slots[0]).tokens_per_layer[LAYER] == step + 1
+            inputs.q[0, 0, 0] = float("nan")
+            with pytest.raises(InvalidRequest):
+                await core.run_prepared(prepared, answer)
+            assert len(seen) == 3 and core.pool.slot_info(slots[0]).tokens_per_layer[LAYER] == 3
+            await core.release_prepared(prepared)
+        finally:
+            await core.close()
+
+    asyncio.run(main())
