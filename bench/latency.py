@@ -70,11 +70,12 @@ from bench.server_process import Server, start_server  # noqa: E402
 from kda_client.client import AsyncKDAClient, KDAClient, _server_timing  # noqa: E402
 from kda_client.framed import FramedExchange  # noqa: E402
 from kda_client.small import SmallExchange  # noqa: E402
+from service.core.prepared import RUN_PHASES  # noqa: E402
 from service.wire.frames import PREPARED_ID, Op  # noqa: E402
 from kda_client.transport import StdlibTransport  # noqa: E402
 
 PHASES = ("decode", "validate", "kernel", "encode",  # a prefill's
-          "refill", "queue", "wait", "deliver")  # a prepared prefill's RUN (`service.core.prepared.PreparedRun`)
+          *RUN_PHASES)  # a prepared prefill's RUN (`service.core.prepared.PreparedRun`)
 
 
 @dataclass

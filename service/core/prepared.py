@@ -76,27 +76,26 @@ class DeviceIO:
     final_state: Optional[torch.Tensor] = None
 
 
+RUN_PHASES = ("refill", "rows", "queue", "wait", "commit", "deliver")
+"""A run's phases, in order (`PreparedRun`)."""
+
+
 @dataclass(frozen=True)
 class PreparedRun:
-    """One run's result and the host's seconds in each phase: ``refill`` (the new inputs
-    queued into their buffers), ``launch`` (the graph or the kernels queued, the one
-    synchronization, the checks; ``queue`` of it until the synchronization), ``deliver``
-    (the outputs written into place). Its ``Server-Timing`` splits launch into queue and
-    wait, so the phases add up."""
+    """One run's result and the host's seconds in each of its phases (`RUN_PHASES`), one
+    after the other: ``refill`` (the new inputs queued into their buffers), ``rows`` (the
+    storage rows it reads and the spare rows it writes, found and taken), ``queue`` (those
+    rows uploaded, the graph or the kernels queued), ``wait`` (until the flags and checks
+    are read: the device's work and the one synchronization), ``commit`` (refusals
+    settled, the slots moved onto their new rows), ``deliver`` (the outputs written into
+    place)."""
 
     result: PrefillResult
-    refill_s: float
-    queue_s: float
-    launch_s: float
-    deliver_s: float
+    phases: tuple[float, ...]
 
     def server_timing(self) -> str:
         """The phases as a ``Server-Timing`` value (milliseconds)."""
-        phases = (("refill", self.refill_s), ("queue", self.queue_s), ("wait", self.launch_s - self.queue_s),
-                  ("deliver", self.deliver_s))
-        return ", ".join(f"{name};dur={s * 1000:.3f}" for name, s in phases)
-
-
+        return ", ".join(f"{name};dur={s * 1000:.3f}" for name, s in zip(RUN_PHASES, self.phases))
 
 Answer = Callable[[PreparedRun], None]
 """A front end's reply to a run that stands, given the run (`ServerCore.run_prepared`)."""
@@ -183,14 +182,15 @@ class PreparedPrefill:
             return
         self._graph = graph
 
-    def launch(self, read: Sequence[int], moved: Optional[MovedRows],
-               mark_lost: Callable[[], None]) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
+    def launch(self, read: Sequence[int], moved: Optional[MovedRows], mark_lost: Callable[[], None]
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple[float, float, float]]:
         """One run (where the core runs device work: its device thread, or the event loop
         while that thread is idle; after ``refill``) reading the storage rows ``read`` (one
         per sequence) and, with ``moves``, writing to ``moved`` (taken for this run, handed
         on to the transaction, which commits or gives them back in every case): o [T, HV,
         V] and the final states [N, HV, V, K] (or None), complete, and the host's seconds
-        until the launch was queued (before its synchronization). InvalidRequest (400) when
+        queueing the launch, waiting for it and committing it (`PreparedRun`'s ``queue``,
+        ``wait`` and ``commit``). InvalidRequest (400) when
         an input holds a NaN or Inf (or a given log decay > 0), UpdateDiverged (422) when
         the update is not finite: both rolled back; LaunchFailed when the kernels failed
         (no slot changed: nothing committed, or every row restored; ``mark_lost`` called
@@ -210,8 +210,9 @@ class PreparedPrefill:
                 self._upload_rows(read, moved)  # first: in place, the transaction copies the rows it reads
                 transaction = self._transaction(self._storage, self._indices, False, moved)
                 step = self._step(transaction, self._storage, self._indices)
-            queued_s = time.perf_counter() - start
+            queued = time.perf_counter()
             flags, inputs_failed = transaction.read()  # the one synchronization
+            read_at = time.perf_counter()
             refusal: Optional[Exception] = None
             if inputs_failed:
                 transaction.roll_back()
@@ -227,7 +228,7 @@ class PreparedPrefill:
             raise transaction.abort(e, mark_lost, started=step is not None) from e
         if refusal is not None:
             raise refusal
-        return step.o, step.finals, queued_s
+        return step.o, step.finals, (queued - start, read_at - queued, time.perf_counter() - read_at)
 
     def close(self) -> None:
         """Let go of the graph and its tensors (its memory pool is freed with them)."""

@@ -506,14 +506,14 @@ class ServerCore:
         moved = self.moved_rows(layer, prepared.rows, read, prepared.written) if prepared.moves else None
         if prepared.moves and moved is None:  # launches run one at a time, each giving its spare rows back
             raise RuntimeError(f"no {len(read)} spare pool rows free for a prepared run: another launch kept them")
-        o, finals, queued_s = prepared.launch(read, moved, lambda: self.pool.mark_lost(prepared.slots))
         t2 = time.perf_counter()
+        o, finals, launched = prepared.launch(read, moved, lambda: self.pool.mark_lost(prepared.slots))
+        t3 = time.perf_counter()
         inputs = prepared.valid.inputs
-        result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], t2 - t0)
+        result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], t3 - t0)
         try:
             prepared.deliver(result)  # the slots advanced even when the outputs cannot be delivered
-            run = PreparedRun(result, refill_s=t1 - t0, queue_s=queued_s, launch_s=t2 - t1,
-                              deliver_s=time.perf_counter() - t2)
+            run = PreparedRun(result, (t1 - t0, t2 - t1, *launched, time.perf_counter() - t3))
             if answer is not None:
                 answer(run)
         finally:  # the launch committed: its tokens count whatever became of the reply
