@@ -13,7 +13,7 @@ class PrefillOutput:
     ``lengths``, ``o_packed`` [T, HV, V] in v's dtype and ``final_state`` [N, HV, V, K]
     (None when declined). ``o`` splits o_packed per sequence (views, no copy).
     ``server_timing``: the server's phases in milliseconds (decode, validate, kernel, encode;
-    a prepared run's refill, rows, queue, wait, commit, deliver, total), from its ``Server-Timing``."""
+    a prepared run's refill, rows, queue, wait, settle, deliver, total), from its ``Server-Timing``."""
 
     slots: list[str]
     lengths: list[int]

@@ -76,7 +76,7 @@ class DeviceIO:
     final_state: Optional[torch.Tensor] = None
 
 
-RUN_PHASES = ("refill", "rows", "queue", "wait", "commit", "deliver")
+RUN_PHASES = ("refill", "rows", "queue", "wait", "settle", "deliver")
 """A run's phases, in order (`PreparedRun`)."""
 
 
@@ -86,9 +86,10 @@ class PreparedRun:
     after the other: ``refill`` (the new inputs queued into their buffers), ``rows`` (the
     storage rows it reads and the spare rows it writes, found and taken), ``queue`` (those
     rows uploaded, the graph or the kernels queued), ``wait`` (until the flags and checks
-    are read: the device's work and the one synchronization), ``commit`` (refusals
-    settled, the slots moved onto their new rows), ``deliver`` (the outputs written into
-    place)."""
+    are read: the device's work and the one synchronization), ``settle`` (the flags and
+    checks judged: the run stands), ``deliver`` (the outputs written into place). Moving
+    the slots onto their new rows and counting their tokens follow (after the reply, for a
+    run on the event loop: `ServerCore.run_prepared`)."""
 
     result: PrefillResult
     phases: tuple[float, ...]
@@ -183,18 +184,19 @@ class PreparedPrefill:
         self._graph = graph
 
     def launch(self, read: Sequence[int], moved: Optional[MovedRows], mark_lost: Callable[[], None]
-               ) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple[float, float, float]]:
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple[float, float, float], LaunchTransaction]:
         """One run (where the core runs device work: its device thread, or the event loop
         while that thread is idle; after ``refill``) reading the storage rows ``read`` (one
         per sequence) and, with ``moves``, writing to ``moved`` (taken for this run, handed
         on to the transaction, which commits or gives them back in every case): o [T, HV,
-        V] and the final states [N, HV, V, K] (or None), complete, and the host's seconds
-        queueing the launch, waiting for it and committing it (`PreparedRun`'s ``queue``,
-        ``wait`` and ``commit``). InvalidRequest (400) when
-        an input holds a NaN or Inf (or a given log decay > 0), UpdateDiverged (422) when
-        the update is not finite: both rolled back; LaunchFailed when the kernels failed
-        (no slot changed: nothing committed, or every row restored; ``mark_lost`` called
-        when that failed too)."""
+        V] and the final states [N, HV, V, K] (or None), complete; the host's seconds
+        queueing the launch, waiting for it and settling it (`PreparedRun`'s ``queue``,
+        ``wait`` and ``settle``); and its transaction, settled: the run stands, and `commit`
+        moves its slots onto their new rows. InvalidRequest (400) when an input holds a NaN
+        or Inf (or a given log decay > 0), UpdateDiverged (422) when the update is not
+        finite: both rolled back (their spare rows given back); LaunchFailed when the
+        kernels failed (no slot changed: nothing committed, or every row restored;
+        ``mark_lost`` called when that failed too)."""
         step: Optional[_Step] = None
         transaction: Optional[LaunchTransaction] = None
         start = time.perf_counter()
@@ -219,7 +221,8 @@ class PreparedPrefill:
                 refusal = self.valid.values_problem()
             elif refused := transaction.settle(step.o, flags):
                 refusal = refused[0]
-            transaction.finish()  # the slots onto the rows written (unless refused), spare rows back
+            if refusal is not None:
+                transaction.finish()  # nothing committed: the spare rows back
         except Exception as e:
             if transaction is None:
                 if moved is not None:
@@ -228,7 +231,21 @@ class PreparedPrefill:
             raise transaction.abort(e, mark_lost, started=step is not None) from e
         if refusal is not None:
             raise refusal
-        return step.o, step.finals, (queued - start, read_at - queued, time.perf_counter() - read_at)
+        return step.o, step.finals, (queued - start, read_at - queued, time.perf_counter() - read_at), transaction
+
+    @staticmethod
+    def commit(transaction: LaunchTransaction, mark_lost: Callable[[], None]) -> None:
+        """A standing run's slots onto the rows it wrote (`LaunchTransaction.finish`, after
+        `launch`; in place, nothing to do). Should that fail (the run's hold keeps other
+        work off its slots, so it cannot but for a bug), ``mark_lost`` flags them: the
+        run's reply may already be out, so the slots must say their state is not what it
+        promised (logged; raised)."""
+        try:
+            transaction.finish()
+        except Exception:
+            log.exception("committing a prepared run failed; its slots are flagged state_lost")
+            mark_lost()
+            raise
 
     def close(self) -> None:
         """Let go of the graph and its tensors (its memory pool is freed with them)."""

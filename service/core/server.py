@@ -471,12 +471,12 @@ class ServerCore:
         Like a lone prefill, a run that finds the device thread idle runs on the event loop
         when it is small (``--inline-launch-tokens``): no hop to the thread and back.
 
-        ``answer``: the front end's reply, given the run once it stands (its slots on their
-        new rows, its outputs delivered); not for a refusal or a failure (raised). A run on
-        the event loop answers before it counts its slots' tokens and its metrics, so the
-        reply leaves while the server does them: nothing else runs on the loop until they are
-        done, so no request sees the counts before. A run on the device thread answers once
-        it returns (on the loop)."""
+        ``answer``: the front end's reply, given the run once it stands (its flags and checks
+        judged, its outputs delivered); not for a refusal or a failure (raised). A run on
+        the event loop answers before it moves its slots onto their new rows, counts their
+        tokens and its metrics, so the reply leaves while the server does them: nothing else
+        runs on the loop until they are done, so no request sees the slots before. A run on
+        the device thread answers once it returns (on the loop)."""
         if self.self_test_report is not None and not self.self_test_report.passed:
             raise NotReady(self.self_test_report.describe())
         if prepared.closed:
@@ -507,16 +507,18 @@ class ServerCore:
         if prepared.moves and moved is None:  # launches run one at a time, each giving its spare rows back
             raise RuntimeError(f"no {len(read)} spare pool rows free for a prepared run: another launch kept them")
         t2 = time.perf_counter()
-        o, finals, launched = prepared.launch(read, moved, lambda: self.pool.mark_lost(prepared.slots))
+        mark_lost = partial(self.pool.mark_lost, prepared.slots)
+        o, finals, launched, transaction = prepared.launch(read, moved, mark_lost)
         t3 = time.perf_counter()
         inputs = prepared.valid.inputs
         result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], t3 - t0)
         try:
-            prepared.deliver(result)  # the slots advanced even when the outputs cannot be delivered
+            prepared.deliver(result)  # the slots advance even when the outputs cannot be delivered
             run = PreparedRun(result, (t1 - t0, t2 - t1, *launched, time.perf_counter() - t3))
             if answer is not None:
                 answer(run)
-        finally:  # the launch committed: its tokens count whatever became of the reply
+        finally:  # the run stands: its slots move onto their new rows and count its tokens, whatever the reply
+            prepared.commit(transaction, mark_lost)
             self.pool.record_group_tokens(prepared.group, layer, inputs.lengths)
             self.metrics.tokens.inc(prepared.tokens)
             self.metrics.sequences.inc(len(inputs.lengths))

@@ -61,8 +61,8 @@ def test_a_run_with_a_slot_idle_past_the_ttl_is_refused_before_it_launches(gen: 
 @pytest.mark.parametrize("inline", [True, False], ids=["on the event loop", "on the device thread"])
 def test_the_answer_comes_once_per_run_that_stands(inline: bool, gen: torch.Generator) -> None:
     """`answer` gets each standing run once, none for a refused one; a run on the event
-    loop answers before its slots count its tokens, one on the device thread after; the
-    counts are complete when `run_prepared` returns either way."""
+    loop answers before its slots move onto their new rows and count its tokens, one on
+    the device thread after; both are done when `run_prepared` returns either way."""
     async def main() -> None:
         core = ServerCore(_settings(inline_launch_tokens=None if inline else 0))
         await core.start()
@@ -71,16 +71,22 @@ def test_the_answer_comes_once_per_run_that_stands(inline: bool, gen: torch.Gene
             slots = await core.alloc(2)
             inputs = _inputs(slots, gen)
             prepared = await core.prepare(inputs, lambda: None, lambda result: None)
-            seen: list[tuple[PreparedRun, int]] = []
+            seen: list[tuple[PreparedRun, int, list[int]]] = []
+
+            def storage_rows() -> list[int]:
+                return core.pool.layer_rows(LAYER, core.pool.rows(slots))
 
             def answer(run: PreparedRun) -> None:
-                seen.append((run, core.pool.slot_info(slots[0]).tokens_per_layer[LAYER]))
+                seen.append((run, core.pool.slot_info(slots[0]).tokens_per_layer[LAYER], storage_rows()))
 
             for step in range(3):
+                before = storage_rows()
                 ran = await core.run_prepared(prepared, answer)
                 assert seen[-1][0] is ran and len(seen) == step + 1
                 assert seen[-1][1] == (step if inline else step + 1)
+                assert (seen[-1][2] == before) == inline  # the slots moved after the answer, or before it
                 assert core.pool.slot_info(slots[0]).tokens_per_layer[LAYER] == step + 1
+                assert storage_rows() != before
             inputs.q[0, 0, 0] = float("nan")
             with pytest.raises(InvalidRequest):
                 await core.run_prepared(prepared, answer)

@@ -106,7 +106,7 @@ def test_prepared_runs_equal_prefills_and_the_reference(server: Server, frames: 
         answer = frames.request(Op.RUN, prepared)
         assert answer.status == 200 and answer.body == b"", answer.body
         assert [p.split(";")[0] for p in answer.headers["server-timing"].split(", ")] == [
-            "refill", "rows", "queue", "wait", "commit", "deliver", "total"]
+            "refill", "rows", "queue", "wait", "settle", "deliver", "total"]
         o_run, final_run = _outputs(region, doc, seqs)
         assert torch.equal(o_run, o_plain) and torch.equal(final_run, final_plain)
         o_ref, state = reference(seqs, initial=state, **options)
@@ -358,7 +358,7 @@ def test_client_prepared_runs_equal_prefills_and_the_reference(server: Server, f
                 want = client.prefill(0, [(t, *x) for t, x in zip(twins, seqs)], use_qk_l2norm=True)
                 assert out.slots == slots and out.lengths == list(LENGTHS)
                 assert torch.equal(out.o_packed, want.o_packed) and torch.equal(out.final_state, want.final_state)
-                assert set(out.server_timing) == {"refill", "rows", "queue", "wait", "commit", "deliver", "total"}
+                assert set(out.server_timing) == {"refill", "rows", "queue", "wait", "settle", "deliver", "total"}
                 o_ref, state = reference(seqs, initial=state, use_qk_l2norm=True)
                 assert rel(out.o_packed, o_ref) < TOL and rel(out.final_state, state) < TOL
             before = pool_image(server.url, slots)
