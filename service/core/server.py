@@ -390,6 +390,7 @@ class ServerCore:
             "head_k_dim": g.head_k_dim, "head_v_dim": g.head_v_dim, "state_dtype": g.dtype_name,
             "device": str(g.device), "backend": self.backend,
             "free_slots": stats.free, "used_slots": stats.used, "gate_layers": sorted(self.gates),
+            "spare_rows": self.pool.spare_rows,
             "self_test": report.summary() if report is not None else {"status": "pending"},
         }
 

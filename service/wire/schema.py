@@ -200,6 +200,8 @@ class Info(BaseModel):
     free_slots: int
     used_slots: int
     gate_layers: list[int] = Field(description="layers with server gate parameters (--gate-params)")
+    spare_rows: Optional[int] = Field(None, description="storage rows beside the slots' that launches write new "
+                                                        "states to (--spare-rows; a server, not the ingress)")
     self_test: Optional[SelfTestInfo] = Field(None, description="the kernel self-test (a server; not the ingress)")
 
 

@@ -80,3 +80,10 @@ def test_prepared_decode_steps_move_rows_and_give_every_spare_back(device: str, 
         assert rel(torch.stack(finals), state) < TOL
     moved = len({tuple(rows[0]) for _, rows in seen}) > 1
     assert moved == (spare_rows > 0)  # with spare rows the slots live in other rows after each step
+
+
+@pytest.mark.parametrize("spare_rows", [None, 0, 7])
+def test_info_reports_the_spare_rows(spare_rows: Optional[int]) -> None:
+    settings = Settings(num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V, spare_rows=spare_rows)
+    info = asyncio.run(ServerCore(settings).info())
+    assert info["spare_rows"] == (4 if spare_rows is None else spare_rows)

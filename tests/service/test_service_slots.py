@@ -88,6 +88,7 @@ def test_info_fields(client):
         "version": __version__, "num_layers": LAYERS, "num_slots": SLOTS, "num_heads": HV, "head_k_dim": K, "head_v_dim": V,
         "state_dtype": "float32", "device": "cpu", "backend": "torch",
         "free_slots": info["free_slots"], "used_slots": SLOTS - info["free_slots"], "gate_layers": [],
+        "spare_rows": SLOTS,  # the default: one per slot
     }
     assert self_test["status"] == "passed" and self_test["failures"] == [] and self_test["toolchain"]["backend"] == "torch"
 
