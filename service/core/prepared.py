@@ -49,7 +49,6 @@ from state_store import SlotGroup
 
 from .inputs import PrefillResult
 from .transaction import LaunchTransaction, MovedRows
-from ..errors import InvalidRequest
 from .validation import ValidPrefill
 
 log = logging.getLogger("kda_serve.core")
@@ -98,8 +97,10 @@ class PreparedRun:
         """The phases as a ``Server-Timing`` value (milliseconds)."""
         return ", ".join(f"{name};dur={s * 1000:.3f}" for name, s in zip(RUN_PHASES, self.phases))
 
+
 Answer = Callable[[PreparedRun], None]
 """A front end's reply to a run that stands, given the run (`ServerCore.run_prepared`)."""
+
 
 @dataclass
 class _Step:

@@ -259,6 +259,7 @@ class _Reply:
         self.status = 0
 
     def send(self, status: int, timing: str, body: bytes) -> None:
+        """Write the reply frame (once: the caller checks ``sent``)."""
         if timing:
             timing += f", total;dur={(time.perf_counter() - self.started) * 1000:.3f}"
         self._writer.write(reply_frame(status, timing, body))

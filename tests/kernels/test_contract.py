@@ -186,7 +186,6 @@ def test_state_k_first_layout_equals_v_first() -> None:
 
 
 def test_intermediate_states_are_the_states_before_each_chunk() -> None:
-    lengths = [1, 130, 64]
     cu = [0, 1, 131, 195]
     x = inputs(195, seed=10)
     pool = pool_of(3, seed=11)

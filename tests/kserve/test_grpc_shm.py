@@ -15,7 +15,7 @@ import tritonclient.grpc as gc
 import tritonclient.http as tc
 import tritonclient.utils.shared_memory as shm
 from kserve_helpers import (
-    HV, K, TOL, V, from_numpy, grpc_infer, infer, make_sequence, pool_image, reference, rel, response_slot,
+    HV, K, TOL, V, from_numpy, grpc_infer, make_sequence, pool_image, reference, rel, response_slot,
     result_tensor, seq_inputs, to_numpy,
 )
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype

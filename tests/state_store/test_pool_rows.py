@@ -47,7 +47,7 @@ def test_a_committed_update_moves_the_rows_and_changes_only_that_layer() -> None
 def test_a_returned_update_changes_nothing() -> None:
     pool = make_pool()
     fill_random(pool)
-    slots = pool.alloc(4)
+    pool.alloc(4)
     image = PoolImage.of(pool)
     spares = pool.take_spares(4)
     assert spares is not None

@@ -7,10 +7,7 @@ each launch (`IntraOutputs.alloc`), so a row the kernel leaves unwritten fails.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,6 @@ from safetensors import safe_open
 from kernels import chunk_kda
 from kernels.triton_kernels import config, intra, intra_bounded
 from kernels.triton_kernels.intra import IntraOutputs
-from sm90_shared_memory import SM90_MAX_SHARED
 from triton_cases import Case, check_case, make_inputs, reference, reference_errors, rel_err, run_triton
 
 TOL = 5e-3  # relative L2 against the float64 reference, 16-bit inputs
