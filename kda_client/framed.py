@@ -26,6 +26,9 @@ from service.wire.media import JSON, PROBLEM
 
 from .small import Response
 
+_FIRST_READ = 1 << 16
+"""Bytes a reply's first receive asks for: every reply but a large error document's fits."""
+
 
 class FramedExchange:
     """Requests to the framed socket at ``path``; ``api_key`` sent once per connection
@@ -84,24 +87,39 @@ class FramedExchange:
             raise httpx.WriteError(f"framed socket: {e}") from e
 
     def _read(self, sock: socket.socket) -> Response:
-        head = self._exactly(sock, 4)
-        return _response(self._exactly(sock, _reply_size(head)))
+        """The reply: what the socket holds read at once (a small reply, the common one, is
+        then one receive), the rest of a larger one after it. Only one request is ever
+        outstanding, so nothing past the reply can arrive."""
+        got = self._receive(sock, _FIRST_READ)
+        while len(got) < 4:
+            got += self._receive(sock, _FIRST_READ)
+        size = _reply_size(got[:4])
+        frame = got[4:]
+        if len(frame) > size:
+            raise httpx.RemoteProtocolError("the framed socket sent more than one reply")
+        return _response(frame if len(frame) == size else frame + self._exactly(sock, size - len(frame)))
 
-    @staticmethod
-    def _exactly(sock: socket.socket, n: int) -> bytes:
+    @classmethod
+    def _exactly(cls, sock: socket.socket, n: int) -> bytes:
         chunks, left = [], n
         while left:
-            try:
-                chunk = sock.recv(left)
-            except socket.timeout as e:
-                raise httpx.ReadTimeout("no reply from the framed socket in time") from e
-            except OSError as e:
-                raise httpx.ReadError(f"framed socket: {e}") from e
-            if not chunk:
-                raise httpx.ReadError("the server closed the framed socket connection before its reply")
+            chunk = cls._receive(sock, left)
             chunks.append(chunk)
             left -= len(chunk)
         return b"".join(chunks)
+
+    @staticmethod
+    def _receive(sock: socket.socket, most: int) -> bytes:
+        """One receive of at most ``most`` bytes (at least one); httpx's errors."""
+        try:
+            chunk = sock.recv(most)
+        except socket.timeout as e:
+            raise httpx.ReadTimeout("no reply from the framed socket in time") from e
+        except OSError as e:
+            raise httpx.ReadError(f"framed socket: {e}") from e
+        if not chunk:
+            raise httpx.ReadError("the server closed the framed socket connection before its reply")
+        return chunk
 
     def _drop(self) -> None:
         if self._sock is not None:
