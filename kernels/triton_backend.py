@@ -94,19 +94,33 @@ def _target_strides(p: PrefillProblem, targets: tuple[torch.Tensor, ...]) -> tup
 
 
 def state_targets(p: PrefillProblem, num_chunks: int, h: Optional[torch.Tensor], ckpt_chunks: list[int],
-                  saved: Optional[torch.Tensor] = None) -> StateTargets:
+                  saved: Optional[torch.Tensor] = None, table_stream: Optional[torch.cuda.Stream] = None,
+                  stages_on_table_stream: bool = False) -> StateTargets:
     """The pool, h (or None), checkpoints (after the chunks ``ckpt_chunks``, h indices of
     the ``num_chunks``; their targets asked for here, `checkpoint_targets`), non-finite
     flags and the decode kernel's copies of the rows it reads (``saved``) of ``p`` as the
-    state stages address them."""
+    state stages address them. ``table_stream``: a stream the checkpoints' address table is
+    uploaded on, so that the copy overlaps the parallel stages queued on the current
+    stream instead of sitting between them and the state stages; the current stream waits
+    for it unless ``stages_on_table_stream`` (the state stages run there: `_run_pieces`'s
+    side stream). None: uploaded on the current stream."""
     K, V = p.q.shape[2], p.v.shape[2]
     targets = checkpoint_targets(p)
+    addrs = None
+    if targets and table_stream is None:
+        addrs = checkpoint_addresses(num_chunks, ckpt_chunks, targets, p.q.device)
+    elif targets:
+        current = torch.cuda.current_stream(p.q.device)
+        with on_stream(table_stream):
+            addrs = checkpoint_addresses(num_chunks, ckpt_chunks, targets, p.q.device)
+        if not stages_on_table_stream:
+            current.wait_stream(table_stream)
+            addrs.record_stream(current)  # read there: not reused before the state stages are done
     return StateTargets(
         pool=p.pool, indices=p.indices, write_indices=p.indices if p.write_indices is None else p.write_indices,
         pool_strides=_state_strides(p, p.pool),
         h=h, h_strides=(1, K) if p.state_v_first else (V, 1),
-        ckpt_addrs=checkpoint_addresses(num_chunks, ckpt_chunks, targets, p.q.device) if targets else None,
-        ckpt_strides=_target_strides(p, targets), flags=p.nonfinite, saved=saved,
+        ckpt_addrs=addrs, ckpt_strides=_target_strides(p, targets), flags=p.nonfinite, saved=saved,
     )
 
 
@@ -183,8 +197,13 @@ def run_triton(
         """`state_targets`, built at first use: with no single-token sequence that is after
         the first piece's parallel stages are queued (at the end of its `parallel`, on the
         caller's stream), so the host work of the checkpoint targets (a provider's, then the
-        address table) overlaps them instead of holding up the first launch."""
-        st = state_targets(p, NT, h, ckpt_chunks, p.saved_states if n_multi == 0 else None)
+        address table) overlaps them instead of holding up the first launch. The table goes up
+        on the side stream (not in a graph's capture, nor for a decode launch, which reads it at
+        once), so its copy overlaps the parallel stages."""
+        side = (x.device.type == "cuda" and plan.decs.shape[0] == 0 and ckpt_chunks
+                and not torch.cuda.is_current_stream_capturing())
+        st = state_targets(p, NT, h, ckpt_chunks, p.saved_states if n_multi == 0 else None,
+                           _state_stream(x.device) if side else None, stages_on_table_stream=len(plan.pieces) >= 2)
         if not fused and h is None and plan.chunks.shape[0] > 0:  # the output stage's scratch states
             st = st.with_h(torch.empty(NT, x.HV, K, V, dtype=torch.float32, device=x.device), (V, 1))
         return st
