@@ -23,6 +23,21 @@ from .row_map import RowMap
 _T = TypeVar("_T")
 
 
+SNAPSHOT_PART_BYTES = 64 << 20
+"""The most bytes of the pool a snapshot brings to the host in one copy."""
+
+
+def consecutive_runs(rows: Sequence[int], most: int) -> list[tuple[int, int]]:
+    """``rows`` as [first, end) ranges of consecutive ascending values, in order, each at
+    most ``most`` long: a whole-pool copy takes one slice per range instead of one per row."""
+    runs: list[tuple[int, int]] = []
+    for row in rows:
+        if runs and row == runs[-1][1] and row - runs[-1][0] < most:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
+
 @dataclasses.dataclass(eq=False)  # identity: `_resolve_all` looks for None among hundreds in C
 class _Slot:
     """A live slot: ``created`` in unix seconds, ``last_used`` on the pool's clock."""
@@ -410,8 +425,10 @@ class StatePool:
         ``generation`` (see `state_store.snapshot`)."""
         self._expire_idle()
         infos = [self._info(slot_id, slot) for slot_id, slot in self._slots.items()]
-        rows = [self._storage[r] for r in self._map.all_rows()]
-        snapshot.write(path, self._geometry, rows, infos, self._wall(self._clock()), generation)
+        row_bytes = self._storage[0].numel() * self._storage.element_size()
+        runs = consecutive_runs(self._map.all_rows(), max(1, SNAPSHOT_PART_BYTES // row_bytes))
+        parts = [self._storage[first:end] for first, end in runs]
+        snapshot.write(path, self._geometry, parts, infos, self._wall(self._clock()), generation)
 
     @_locked
     def restore(self, path: snapshot.PathLike) -> snapshot.Stamp:

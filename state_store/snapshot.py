@@ -57,18 +57,18 @@ class Snapshot:
 def write(
     path: PathLike,
     geometry: PoolGeometry,
-    rows: Sequence[torch.Tensor],
+    parts: Sequence[torch.Tensor],
     slots: list[SlotInfo],
     saved_at: float,
     generation: int = 0,
 ) -> None:
-    """Write the pool [L, S, HV, V, K] given as its L * S ``rows`` (each [HV, V, K], layer by
-    layer, slot rows in order; any device, views of the pool's storage) and its id map to
-    ``path`` atomically.
+    """Write the pool [L, S, HV, V, K] given as ``parts``, each [n, HV, V, K]: its L * S rows
+    in order (layer by layer, slot rows in order), n at a time (any device; views of the
+    pool's storage), and its id map to ``path`` atomically.
 
     The file is written to a temporary name in the same directory, flushed and fsynced,
     renamed over ``path``, and the directory fsynced: a crash leaves the old snapshot or
-    the new one, never a mix. The pool is copied to the host one row at a time.
+    the new one, never a mix. The pool is copied to the host one part at a time.
     Raises SnapshotError when the file cannot be written.
     """
     index = json.dumps(
@@ -79,11 +79,12 @@ def write(
             "slots": [dataclasses.asdict(slot) for slot in slots],
         }
     )
-    if len(rows) != geometry.num_layers * geometry.num_slots:
-        raise ValueError(f"a pool of {geometry.num_layers} x {geometry.num_slots} rows, got {len(rows)}")
+    count = sum(part.shape[0] for part in parts)
+    if count != geometry.num_layers * geometry.num_slots:
+        raise ValueError(f"a pool of {geometry.num_layers} x {geometry.num_slots} rows, got {count}")
     pool_hash = hashlib.sha256()
-    for row in rows:
-        pool_hash.update(tensor_bytes(row))
+    for part in parts:
+        pool_hash.update(tensor_bytes(part))
     metadata = {
         "format": FORMAT,
         "version": VERSION,
@@ -91,7 +92,7 @@ def write(
         "index_sha256": hashlib.sha256(index.encode()).hexdigest(),
         "pool_sha256": pool_hash.hexdigest(),
     }
-    write_atomically(path, TENSOR_NAME, geometry.dtype, geometry.shape, rows, metadata)
+    write_atomically(path, TENSOR_NAME, geometry.dtype, geometry.shape, parts, metadata)
 
 
 def write_atomically(path: PathLike, name: str, dtype: torch.dtype, shape: tuple[int, ...],

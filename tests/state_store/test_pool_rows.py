@@ -137,3 +137,13 @@ def test_random_commits_keep_every_slot_and_no_row_shared() -> None:
 def test_row_map_refuses_negative_spares() -> None:
     with pytest.raises(ValueError):
         RowMap(2, 3, -1)
+
+
+def test_consecutive_runs_cover_the_rows_in_order_and_stay_within_the_cap() -> None:
+    from state_store.pool import consecutive_runs
+
+    rows = [0, 1, 2, 3, 4, 9, 10, 5, 6, 20]
+    assert consecutive_runs(rows, 100) == [(0, 5), (9, 11), (5, 7), (20, 21)]
+    assert consecutive_runs(rows, 2) == [(0, 2), (2, 4), (4, 5), (9, 11), (5, 7), (20, 21)]
+    assert consecutive_runs(rows, 1) == [(r, r + 1) for r in rows]
+    assert consecutive_runs([], 4) == []
