@@ -38,6 +38,7 @@ def consecutive_runs(rows: Sequence[int], most: int) -> list[tuple[int, int]]:
             runs.append((row, row + 1))
     return runs
 
+
 @dataclasses.dataclass(eq=False)  # identity: `_resolve_all` looks for None among hundreds in C
 class _Slot:
     """A live slot: ``created`` in unix seconds, ``last_used`` on the pool's clock."""
@@ -52,7 +53,6 @@ class _Slot:
 _ROW, _LAST_USED, _STATE_LOST = (operator.attrgetter(name) for name in ("row", "last_used", "state_lost"))
 
 
-
 @dataclasses.dataclass(eq=False)
 class SlotGroup:
     """Slots a caller names run after run (a prepared prefill's), resolved once
@@ -65,6 +65,7 @@ class SlotGroup:
     _slots: list[_Slot] = dataclasses.field(repr=False)
     _generation: int = dataclasses.field(repr=False)  # the pool's generation when they were resolved
     _used_at: float = dataclasses.field(repr=False)  # the pool clock's time when all were last marked used
+
 
 def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
     """Run ``method`` holding the pool's lock."""

@@ -7,8 +7,9 @@ layer, slots, lengths, shapes, dtypes, gate), the slots' rows, the launch's devi
 tensors, and where its inputs come from and its outputs go (``refill`` and ``deliver``,
 given by the front end that owns them). A run is then: refill the packed inputs in place,
 upload the storage rows it reads and the spare rows it writes (one small copy: rows move
-as launches commit), launch, synchronize once, check, commit, deliver: no parsing, no
-validation of the form, no batching, no other host-to-device copy.
+as launches commit), launch, synchronize once, check, deliver, then (after the reply, when
+the run is on the event loop) commit: no parsing, no validation of the form, no batching,
+no other host-to-device copy.
 
 The kernels check the inputs' values as they read them (`PrefillProblem.input_checks`:
 no pass of their own); the run reads the check back with the non-finite flags, in one
@@ -131,7 +132,6 @@ class PreparedPrefill:
         self.valid = valid
         self.slots: list[str] = [s for s in valid.inputs.slots if s is not None]
         self.group = group
-        self.rows = list(group.rows)  # a live slot's row never changes
         self.keys = frozenset((s, valid.inputs.params.layer) for s in self.slots)  # `SlotOrdering.hold` takes it as is
         self.tokens = sum(valid.inputs.lengths)
         self.refill, self.deliver, self.io = refill, deliver, io
@@ -147,6 +147,11 @@ class PreparedPrefill:
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._captured: Optional[_Step] = None
         self.closed = False
+
+    @property
+    def rows(self) -> list[int]:
+        """The slot rows of its sequences, in order (a live slot's row never changes)."""
+        return self.group.rows
 
     @property
     def graphed(self) -> bool:
