@@ -131,6 +131,7 @@ class LaunchTransaction:
         self._read = torch.zeros(n + 1 + checks_inputs, dtype=torch.int32, device=layer.device)
         self.flags = self._read[:n + 1]  # the launch's `nonfinite`
         self.input_checks = self._read[n + 1:] if checks_inputs else None  # its `input_checks`
+        self._host_read: Optional[torch.Tensor] = None  # on a GPU: where `read` copies them (made at the first)
 
     @property
     def write_indices(self) -> Optional[torch.Tensor]:
@@ -168,8 +169,19 @@ class LaunchTransaction:
     def read(self) -> tuple[list[int], bool]:
         """`flags` as host ints and whether the input check failed (False without one), in
         one copy: the launch's one synchronization (a kernel's asynchronous failure
-        surfaces here)."""
-        values = self._read.tolist()
+        surfaces here). On a GPU the copy goes to page-locked memory (kept for the next
+        read: a prepared run's transaction is read once per run), queued behind the
+        launch while the device still works, and the host then waits for the stream (a
+        copy to pageable memory, as ``tolist`` makes, goes through the driver's staging
+        buffer with the host in the loop once the device is done)."""
+        if self._read.is_cuda:
+            if self._host_read is None:
+                self._host_read = torch.empty(self._read.shape, dtype=self._read.dtype, pin_memory=True)
+            self._host_read.copy_(self._read, non_blocking=True)
+            torch.cuda.current_stream(self._read.device).synchronize()
+            values = self._host_read.tolist()
+        else:
+            values = self._read.tolist()
         n = self.flags.shape[0]
         return values[:n], any(values[n:])
 

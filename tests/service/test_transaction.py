@@ -143,6 +143,21 @@ def test_one_read_brings_back_the_flags_and_the_input_check(device: str, gen: to
         assert list(txn.settle(o, flags)) == ([1] if poisoned else [])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_read_brings_back_the_flags_as_they_are_now(device: str, gen: torch.Generator) -> None:
+    """A prepared run's transaction is read once per run (on a GPU through the same
+    page-locked copy): each `read` returns the flags and the check as the device holds
+    them then, after work queued on the stream since the last read."""
+    txn = LaunchTransaction(_layer(device, gen), torch.tensor([1, 4], device=device), [([3, 5], ["a", "b"])],
+                            checks_inputs=True)
+    assert txn.read() == ([0, 0, 0], False)
+    txn.flags[1] = 7  # queued on the stream, as a launch's flag would be
+    assert txn.read() == ([0, 7, 0], False)
+    txn.input_checks.fill_(1)
+    txn.flags.zero_()
+    assert txn.read() == ([0, 0, 0], True)
+
+
 class _Moves:
     """A stand-in for the pool's side of `MovedRows`: the positions committed and given back."""
 
