@@ -78,6 +78,29 @@ class _Job:
     checkpoints: list[Planned]
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A settled launch (`ServerCore._queue_and_settle`): o [T, HV, V] and the final states
+    [N, HV, V, K] (None when no job wants them) on the pool's device, their host copies
+    when a job wants them there (else None), and the refused jobs' errors by job index."""
+
+    o: torch.Tensor
+    finals: Optional[torch.Tensor]
+    o_host: Optional[torch.Tensor]
+    finals_host: Optional[torch.Tensor]
+    refused: dict[int, Exception]
+
+
+def _packed(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The jobs' ``parts`` of one input concatenated along tokens, on ``device`` (host
+    bodies merged with CUDA shared memory come to the device first)."""
+    if len(parts) == 1:
+        return parts[0].to(device)
+    if any(p.device != parts[0].device for p in parts):
+        parts = [p.to(device) for p in parts]
+    return torch.cat(parts).to(device)
+
+
 class ServerCore:
     """Serves prefills and slot operations on one device.
 
@@ -634,89 +657,106 @@ class ServerCore:
     def _run_launch(
         self, jobs: list[_Job], rows: list[int], placed: Optional[list[tuple[CheckpointTarget, torch.Tensor]]],
     ) -> list[Union[PrefillResult, BaseException]]:
-        device = self.geometry.device
-        first = jobs[0].valid
-        x, gate, layer = first.inputs.params, first.gate, first.inputs.params.layer
-
-        def packed(name: str) -> torch.Tensor:
-            parts = [getattr(job.valid.inputs, name) for job in jobs]
-            if len(parts) == 1:
-                return parts[0].to(device)
-            if any(p.device != parts[0].device for p in parts):  # host bodies merged with CUDA shared memory
-                parts = [p.to(device) for p in parts]
-            return torch.cat(parts).to(device)
-
-        lengths = [n for job in jobs for n in job.valid.inputs.lengths]
-        read = self.pool.layer_rows(layer, rows)
-        indices = host_ints_to(read, device)
-        storage = self.pool.storage
+        """One launch of ``jobs`` on slot ``rows`` (one per sequence, in order): its
+        transaction opened, the kernels queued and their outcome settled, the checkpoints of
+        the jobs that stand stored, then each job's result or refusal."""
+        layer = jobs[0].valid.inputs.params.layer
         slots = [s for job in jobs for s in job.slots]
-        wants_final = any(job.valid.inputs.params.return_final_state for job in jobs)
-        to_host = any(not job.valid.inputs.device_outputs for job in jobs)
         start = time.perf_counter()
-        staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in REQUIRED_TENSORS])
-        moved = self.moved_rows(layer, rows, read)  # new states to spare rows (else the rows copied)
+        transaction = self._open_transaction(jobs, layer, rows)
         try:
-            transaction = LaunchTransaction(  # with room for the kernels' input check
-                storage, indices, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs],
+            launched = self._queue_and_settle(jobs, transaction, placed)
+        except Exception as e:
+            raise transaction.abort(e, lambda: self.pool.mark_lost(slots)) from e
+        if placed:
+            self._store_checkpoints(jobs, launched.refused, placed)
+        kernel_s = time.perf_counter() - start
+        lengths = [n for job in jobs for n in job.valid.inputs.lengths]
+        self.metrics.batch_sequences.observe(len(lengths))
+        self.metrics.batch_tokens.observe(sum(lengths))
+        return self._job_results(jobs, layer, launched, kernel_s)
+
+    def _open_transaction(self, jobs: list[_Job], layer: int, rows: list[int]) -> LaunchTransaction:
+        """The launch's `LaunchTransaction` on the storage rows of slot ``rows`` of
+        ``layer``: writing to spare rows taken for it (`moved_rows`; else the rows copied),
+        with room for the kernels' input check."""
+        read = self.pool.layer_rows(layer, rows)
+        indices = host_ints_to(read, self.geometry.device)
+        moved = self.moved_rows(layer, rows, read)
+        try:
+            return LaunchTransaction(
+                self.pool.storage, indices, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs],
                 checks_inputs=any(job.valid.kernel_checked for job in jobs), moved=moved)
         except BaseException:
             if moved is not None:
                 moved.give_back(list(range(len(rows))))
             raise
-        positions, starts = [], list(itertools.accumulate((job.valid.tokens for job in jobs[:-1]), initial=0))
+
+    def _queue_and_settle(self, jobs: list[_Job], transaction: LaunchTransaction,
+                          placed: Optional[list[tuple[CheckpointTarget, torch.Tensor]]]) -> _Launched:
+        """The kernels of one launch queued on ``transaction``'s rows (their inputs packed,
+        through pinned staging on a GPU), the final states gathered, the flags read (the
+        launch's one wait: an asynchronous failure raises here), each refused job rolled
+        back and the others committed (`LaunchTransaction.finish`); the outputs on the host
+        too when a job wants them there. The caller aborts the transaction if this raises."""
+        device, storage = self.geometry.device, self.pool.storage
+        first = jobs[0].valid
+        x, gate = first.inputs.params, first.gate
+        staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in REQUIRED_TENSORS])
+        q, k, v, g, beta = staged or [_packed([getattr(job.valid.inputs, name) for job in jobs], device)
+                                      for name in REQUIRED_TENSORS]
+        positions, starts = [], itertools.accumulate((job.valid.tokens for job in jobs[:-1]), initial=0)
         for job, start_t in zip(jobs, starts):
             positions.extend(start_t + pos for pos, _, _ in job.checkpoints)
-        try:
-            q, k, v, g, beta = staged or [packed(name) for name in REQUIRED_TENSORS]
-            A_log, dt_bias = self._device_gates.tensors(gate)
-            # the checkpoints' targets, for the launch itself to write (kernels.checkpoints), placed when it asks
-            provider = None if placed is None else partial(self._checkpoint_states, jobs, storage, placed)
-            problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
-                q, k, v, g, beta, bounds=[0, *itertools.accumulate(lengths)], pool=storage, indices=indices,
-                scale=x.scale, A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound,
-                use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
-                allow_neg_eigval=x.allow_neg_eigval, checkpoint_tokens=tuple(positions), nonfinite=transaction.flags,
-                checkpoint_provider=provider, input_checks=transaction.input_checks,
-                write_indices=transaction.write_indices,
-            )
-            o, _ = kernels.run_problem(problem, self.backend)
-            # gathered, and the deferred input checks queued for the host, before the flags are read:
-            # that read is the launch's one wait, and the checks' host copies are complete after it. A
-            # request rolled back below answers with its error, never with these rows; the others'
-            # rows stay as gathered
-            finals = storage.index_select(0, transaction.written) if wants_final else None
-            checks = {j: job.valid.deferred.read() for j, job in enumerate(jobs) if job.valid.deferred is not None}
-            flags, inputs_failed = transaction.read()  # the one wait (an async failure shows here)
-            refused: dict[int, Exception] = dict(transaction.settle(o, flags))  # diverged requests rolled back
-            refused.update(self._refuse_inputs(jobs, checks, transaction))
-            if inputs_failed:
-                refused.update(self._refuse_values(jobs, transaction))
-            transaction.finish()  # the standing requests' slots onto their new rows
-            o_host = o.cpu() if to_host else None  # (or here)
-            finals_host = finals.cpu() if to_host and finals is not None else None
-            if device.type == "cuda" and not to_host:
-                torch.cuda.current_stream(device).synchronize()  # or here; results complete before any response
-        except Exception as e:
-            raise transaction.abort(e, lambda: self.pool.mark_lost(slots)) from e
-        if placed:
-            self._store_checkpoints(jobs, refused, placed)
-        kernel_s = time.perf_counter() - start
-        self.metrics.batch_sequences.observe(len(lengths))
-        self.metrics.batch_tokens.observe(sum(lengths))
+        A_log, dt_bias = self._device_gates.tensors(gate)
+        # the checkpoints' targets, for the launch itself to write (kernels.checkpoints), placed when it asks
+        provider = None if placed is None else partial(self._checkpoint_states, jobs, storage, placed)
+        problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
+            q, k, v, g, beta, bounds=[0, *itertools.accumulate(n for job in jobs for n in job.valid.inputs.lengths)],
+            pool=storage, indices=transaction.indices, scale=x.scale, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=gate.lower_bound, use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
+            allow_neg_eigval=x.allow_neg_eigval, checkpoint_tokens=tuple(positions), nonfinite=transaction.flags,
+            checkpoint_provider=provider, input_checks=transaction.input_checks,
+            write_indices=transaction.write_indices,
+        )
+        o, _ = kernels.run_problem(problem, self.backend)
+        # gathered, and the deferred input checks queued for the host, before the flags are read:
+        # that read is the launch's one wait, and the checks' host copies are complete after it. A
+        # request rolled back below answers with its error, never with these rows; the others'
+        # rows stay as gathered
+        wants_final = any(job.valid.inputs.params.return_final_state for job in jobs)
+        finals = storage.index_select(0, transaction.written) if wants_final else None
+        checks = {j: job.valid.deferred.read() for j, job in enumerate(jobs) if job.valid.deferred is not None}
+        flags, inputs_failed = transaction.read()  # the one wait (an async failure shows here)
+        refused: dict[int, Exception] = dict(transaction.settle(o, flags))  # diverged requests rolled back
+        refused.update(self._refuse_inputs(jobs, checks, transaction))
+        if inputs_failed:
+            refused.update(self._refuse_values(jobs, transaction))
+        transaction.finish()  # the standing requests' slots onto their new rows
+        to_host = any(not job.valid.inputs.device_outputs for job in jobs)
+        o_host = o.cpu() if to_host else None  # (or here)
+        finals_host = finals.cpu() if to_host and finals is not None else None
+        if device.type == "cuda" and not to_host:
+            torch.cuda.current_stream(device).synchronize()  # or here; results complete before any response
+        return _Launched(o, finals, o_host, finals_host, refused)
 
+    def _job_results(self, jobs: list[_Job], layer: int, launched: _Launched,
+                     kernel_s: float) -> list[Union[PrefillResult, BaseException]]:
+        """Each job's outcome of a settled launch: its refusal, or its tokens counted and its
+        slice of o and the final states (on the device or the host, as it asked)."""
         results: list[Union[PrefillResult, BaseException]] = []
         t0, n0 = 0, 0
         for j, job in enumerate(jobs):
             job_lengths = job.valid.inputs.lengths
             t1, n1 = t0 + sum(job_lengths), n0 + len(job_lengths)
-            if j in refused:
-                results.append(refused[j])
+            if j in launched.refused:
+                results.append(launched.refused[j])
             else:
                 self.pool.record_tokens_many(job.slots, layer, job_lengths)
                 self.metrics.tokens.inc(sum(job_lengths))
                 self.metrics.sequences.inc(len(job_lengths))
-                o_all, final_all = (o, finals) if job.valid.inputs.device_outputs else (o_host, finals_host)
+                o_all, final_all = ((launched.o, launched.finals) if job.valid.inputs.device_outputs
+                                    else (launched.o_host, launched.finals_host))
                 final = final_all[n0:n1] if final_all is not None and job.valid.inputs.params.return_final_state else None
                 results.append(PrefillResult(job.slots, list(job_lengths), o_all[t0:t1], final, job.allocated,
                                              kernel_s))

@@ -134,6 +134,11 @@ class LaunchTransaction:
         self._host_read: Optional[torch.Tensor] = None  # on a GPU: where `read` copies them (made at the first)
 
     @property
+    def indices(self) -> torch.Tensor:
+        """[N] int64 on the device: the rows the launch reads (the problem's ``indices``)."""
+        return self._indices
+
+    @property
     def write_indices(self) -> Optional[torch.Tensor]:
         """The problem's ``write_indices``: the spare rows it writes, or None (in place)."""
         return None if self.moved is None else self.moved.written
