@@ -129,50 +129,10 @@ def build_problem(
     """Validate public arguments (batched layout [B, T, ...]) into a packed PrefillProblem.
     With ``cu_seqlens_cpu`` nothing is read back from the device: the sequence bounds come
     from it, and the values of ``indices`` are the caller's promise (shape and dtype checked)."""
-    _check_rank("q", q, 4)
-    _check_rank("k", k, 4)
-    _check_rank("v", v, 4)
-    _check_rank("g", g, 4)
-    _check_rank("beta", beta, 3)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {_shape(q)}, got {_shape(k)}")
-    if v.shape[:2] != (B, T):
-        raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T} as in q, got {_shape(v)}")
-    if HV % H != 0:
-        raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's heads H={H} (GVA)")
-    if why := head_dims_error(K, V):
-        raise ValueError(why)
+    B, T, HV, K, V = _check_inputs(q, k, v, g, beta)
+    _check_pool(pool, (HV, V, K) if state_v_first else (HV, K, V), state_v_first, q.device)
+    _check_gate(A_log, dt_bias, lower_bound, HV, K)
     device = q.device
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if x.dtype not in FLOAT_INPUTS:
-            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device}, q on {device}")
-    if g.shape[0] != B or g.shape[2:] != (HV, K) or beta.shape[0] != B or beta.shape[2] != HV:
-        raise ValueError(
-            f"g must be [B, T', HV, K] and beta [B, T', HV] with B={B}, HV={HV}, K={K}, "
-            f"got g {_shape(g)}, beta {_shape(beta)}"
-        )
-    if g.shape[1] < T or beta.shape[1] < T:
-        raise ValueError(G_BETA_SHORT)
-    if pool.dim() != 4:
-        raise ValueError(f"initial_state must be the pool [num_slots, HV, V, K], got shape {_shape(pool)}")
-    want = (HV, V, K) if state_v_first else (HV, K, V)
-    if tuple(pool.shape[1:]) != want:
-        layout = "[num_slots, HV, V, K]" if state_v_first else "[num_slots, HV, K, V]"
-        raise ValueError(f"initial_state must be {layout} = [S, {', '.join(map(str, want))}], got {_shape(pool)}")
-    if pool.dtype not in POOL_DTYPES:
-        raise ValueError(f"initial_state must be float32 or bfloat16, got {pool.dtype}")
-    if pool.device != device:
-        raise ValueError(f"initial_state is on {pool.device}, q on {device}")
-    if A_log is not None and tuple(A_log.shape) != (HV,):
-        raise ValueError(f"A_log must have shape ({HV},), got {_shape(A_log)}")
-    if dt_bias is not None and dt_bias.numel() != HV * K:
-        raise ValueError(f"dt_bias must have shape ({HV}, {K}) or ({HV * K},), got {_shape(dt_bias)}")
-    if lower_bound is not None and (why := lower_bound_error(lower_bound)):
-        raise ValueError(why)
 
     bounds = _packed_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     n_seq = len(bounds) - 1
@@ -193,6 +153,67 @@ def build_problem(
         state_v_first=state_v_first, output_intermediate_states=output_intermediate_states,
         checkpoint_tokens=positions, checkpoint_states=ckpt,
     )
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(B, T, HV, K, V) of the batched inputs q, k [B, T, H, K], v [B, T, HV, V], g [B,
+    T', HV, K], beta [B, T', HV] (T' >= T; HV a multiple of H), float dtypes on q's device;
+    ValueError naming the first that is not."""
+    _check_rank("q", q, 4)
+    _check_rank("k", k, 4)
+    _check_rank("v", v, 4)
+    _check_rank("g", g, 4)
+    _check_rank("beta", beta, 3)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {_shape(q)}, got {_shape(k)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T} as in q, got {_shape(v)}")
+    if HV % H != 0:
+        raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's heads H={H} (GVA)")
+    if why := head_dims_error(K, V):
+        raise ValueError(why)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.dtype not in FLOAT_INPUTS:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    if g.shape[0] != B or g.shape[2:] != (HV, K) or beta.shape[0] != B or beta.shape[2] != HV:
+        raise ValueError(
+            f"g must be [B, T', HV, K] and beta [B, T', HV] with B={B}, HV={HV}, K={K}, "
+            f"got g {_shape(g)}, beta {_shape(beta)}"
+        )
+    if g.shape[1] < T or beta.shape[1] < T:
+        raise ValueError(G_BETA_SHORT)
+    return B, T, HV, K, V
+
+
+def _check_pool(pool: torch.Tensor, want: tuple[int, int, int], state_v_first: bool, device: torch.device) -> None:
+    """ValueError unless ``pool`` is [S, *want] (the state's dims in its layout), float32 or
+    bfloat16, on ``device``."""
+    if pool.dim() != 4:
+        raise ValueError(f"initial_state must be the pool [num_slots, HV, V, K], got shape {_shape(pool)}")
+    if tuple(pool.shape[1:]) != want:
+        layout = "[num_slots, HV, V, K]" if state_v_first else "[num_slots, HV, K, V]"
+        raise ValueError(f"initial_state must be {layout} = [S, {', '.join(map(str, want))}], got {_shape(pool)}")
+    if pool.dtype not in POOL_DTYPES:
+        raise ValueError(f"initial_state must be float32 or bfloat16, got {pool.dtype}")
+    if pool.device != device:
+        raise ValueError(f"initial_state is on {pool.device}, q on {device}")
+
+
+def _check_gate(A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], lower_bound: Optional[float],
+                HV: int, K: int) -> None:
+    """ValueError unless the gate's parameters fit: A_log [HV], dt_bias [HV, K] (or flat), a
+    valid lower bound."""
+    if A_log is not None and tuple(A_log.shape) != (HV,):
+        raise ValueError(f"A_log must have shape ({HV},), got {_shape(A_log)}")
+    if dt_bias is not None and dt_bias.numel() != HV * K:
+        raise ValueError(f"dt_bias must have shape ({HV}, {K}) or ({HV * K},), got {_shape(dt_bias)}")
+    if lower_bound is not None and (why := lower_bound_error(lower_bound)):
+        raise ValueError(why)
 
 
 @torch.no_grad()
