@@ -402,16 +402,31 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     x = prepare_inputs(p)
     every_row = _every_row(p)
     states = _read_states(p, every_row)  # [N, HV, K, V]
-    starts, lengths = list(p.bounds[:-1]), p.lengths
-    if len(lengths) == x.q.shape[0] and not p.checkpoint_tokens:  # one token per sequence: a decode step
+    if len(p.lengths) == x.q.shape[0] and not p.checkpoint_tokens:  # one token per sequence: a decode step
         o, finals = recurrent_step(x, None, states)
-        _write_states(p, finals, every_row)
-        h = (states.transpose(-1, -2) if p.state_v_first else states).contiguous() \
-            if p.output_intermediate_states else None
-        o = _output(p, o)
-        if p.nonfinite is not None:
-            _flag_nonfinite(p, o, finals.to(p.pool.dtype))
-        return o, h
+        inter, saved = (states if p.output_intermediate_states else None), {}
+    else:
+        o, finals, inter, saved = _sequences_pass(p, x, states)
+    _write_states(p, finals, every_row)
+    if saved:
+        _write_checkpoints(p, saved)
+    h = None
+    if inter is not None:
+        h = (inter.transpose(-1, -2) if p.state_v_first else inter).contiguous()
+    o = _output(p, o)
+    if p.nonfinite is not None:
+        _flag_nonfinite(p, o, finals.to(p.pool.dtype))
+    return o, h
+
+
+def _sequences_pass(p: PrefillProblem, x: _Prepared, states: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], dict[int, torch.Tensor]]:
+    """Every sequence of ``p`` from its initial state (``states`` [N, HV, K, V]): those of
+    one token by a recurrent step, the others chunked (`chunked_pass`). Returns o [T, HV,
+    V] and the final states [N, HV, K, V] fp32, with ``output_intermediate_states`` the
+    states before each chunk of each sequence [sum of chunks, HV, K, V] (else None), and
+    the checkpoint states [HV, K, V] by checkpoint row."""
+    starts, lengths = list(p.bounds[:-1]), p.lengths
     single = [n for n, length in enumerate(lengths) if length == 1]
     multi = [n for n, length in enumerate(lengths) if length > 1]
     finals = states.clone() if single else states  # every sequence chunked: replaced by chunked_pass's
@@ -448,19 +463,7 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     for n, _, row in wanted:
         if lengths[n] == 1:
             saved[row] = finals[n]
-
-    _write_states(p, finals, every_row)
-    _write_checkpoints(p, saved)
-    h = None
-    if p.output_intermediate_states:
-        h = torch.cat(inter)
-        if p.state_v_first:
-            h = h.transpose(-1, -2)
-        h = h.contiguous()
-    o = _output(p, o)
-    if p.nonfinite is not None:
-        _flag_nonfinite(p, o, finals.to(p.pool.dtype))
-    return o, h
+    return o, finals, torch.cat(inter) if p.output_intermediate_states else None, saved
 
 
 def _output(p: PrefillProblem, o: torch.Tensor) -> torch.Tensor:
