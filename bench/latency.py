@@ -51,6 +51,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -58,7 +59,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import httpx
 import torch
@@ -69,9 +70,9 @@ sys.path.insert(0, str(ROOT))
 from bench.server_process import Server, start_server  # noqa: E402
 from kda_client.client import AsyncKDAClient, KDAClient, _server_timing  # noqa: E402
 from kda_client.framed import FramedExchange  # noqa: E402
-from kda_client.small import SmallExchange  # noqa: E402
+from kda_client.small import Response, SmallExchange  # noqa: E402
 from service.core.prepared import RUN_PHASES  # noqa: E402
-from service.wire.frames import PREPARED_ID, Op  # noqa: E402
+from service.wire.frames import PREPARED_ID, Op, request_frame, split_reply  # noqa: E402
 from kda_client.transport import StdlibTransport  # noqa: E402
 
 PHASES = ("decode", "validate", "kernel", "encode",  # a prefill's
@@ -414,6 +415,39 @@ def _py_spy(pid: Optional[int], out: Optional[Path]) -> Iterator[None]:
 Timings = tuple[list[float], list[dict[str, float]]]
 
 
+class PollingExchange:
+    """Frames on a framed socket connection of its own, each reply awaited by polling the
+    socket without sleeping (non-blocking receives in a loop) instead of a blocking
+    receive: what a client that keeps its core busy while it waits would save in wake-up
+    latency (a CPU idle state entered during a long wait costs its exit latency when the
+    reply arrives). An experiment of this bench, not a client path: `request` as
+    `FramedExchange.request` for what `_timed_prepared` sends (no key, no reconnect)."""
+
+    def __init__(self, path: str) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._sock.setblocking(False)
+
+    def request(self, op: Op, payload: bytes) -> Response:
+        self._sock.setblocking(True)
+        self._sock.sendall(request_frame(op, payload))
+        self._sock.setblocking(False)
+        got = bytearray()
+        while len(got) < 4 or len(got) < 4 + int.from_bytes(got[:4], "big"):
+            try:
+                chunk = self._sock.recv(1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise ConnectionError("the server closed the framed socket")
+            got += chunk
+        status, timing, body = split_reply(bytes(got[4:]))
+        return Response(status, {"server-timing": timing} if timing else {}, bytearray(body))
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 def _timed_calls(call: Callable[[], Any], what: str, calls: int, warmup: int, profile: Optional[Path],
                  server_pid: Optional[int]) -> Timings:
     """Wall seconds and ``Server-Timing`` phases of ``calls`` calls of ``call`` (a response
@@ -456,7 +490,7 @@ def _timed_frames(framed: FramedExchange, body: bytes, calls: int, warmup: int, 
                         server_pid)
 
 
-def _timed_prepared(framed: FramedExchange, body: bytes, calls: int, warmup: int, profile: Optional[Path] = None,
+def _timed_prepared(framed: Union[FramedExchange, PollingExchange], body: bytes, calls: int, warmup: int, profile: Optional[Path] = None,
                     server_pid: Optional[int] = None) -> Timings:
     """The same document prepared once (PREPARE), then run (RUN frames of its id): an
     engine's fixed-shape call; released after."""
@@ -540,6 +574,13 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
             ran_lean = _timed_prepared(framed, _doc(case, layout, name, base, slots, finals=False, server_gates=True),
                                        args.calls, args.warmup, args.profile and
                                        args.profile / f"{case.name}_prepared_lean.txt", args.server_pid)
+            polling = PollingExchange(framed.path)
+            try:
+                ran_lean_polled = _timed_prepared(
+                    polling, _doc(case, layout, name, base, slots, finals=False, server_gates=True), args.calls,
+                    args.warmup)
+            finally:
+                polling.close()
         finally:
             http.post(f"/v2/cudasharedmemory/region/{name}/unregister")
         lean = figure(f"{case.name} CUDA IPC end to end, final states declined", walls, timings)
@@ -549,7 +590,9 @@ def gpu_case(http: httpx.Client, small: SmallExchange, framed: FramedExchange, c
                             "gate parameters", *gated)
         lean_prepared = figure(f"{case.name} CUDA IPC prepared, RUN over the framed socket, final states declined, "
                                "the server's gate parameters", *ran_lean)
-        figures += [lean, lean_framed, lean_gated, lean_prepared]
+        lean_polled = figure(f"{case.name} the same RUN, the client polling for its reply (PollingExchange)",
+                             *ran_lean_polled)
+        figures += [lean, lean_framed, lean_gated, lean_prepared, lean_polled]
 
     shm_name = f"kda-latency-{os.getpid()}-{index}-host"
     path = f"/dev/shm/{shm_name}"
