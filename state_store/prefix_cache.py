@@ -46,6 +46,11 @@ def key_problem(key: Any) -> Optional[str]:
         return f"a prefix key must be a string, got {type(key).__name__}"
     if not 1 <= len(key) <= KEY_MAX:
         return f"a prefix key must have 1..{KEY_MAX} characters, got {len(key)}"
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: JSON can carry it, no reply or URL can name it
+            return "a prefix key must be valid Unicode (it holds a lone surrogate)"
     return None
 
 

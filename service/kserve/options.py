@@ -115,6 +115,8 @@ def _json_param(params: Parameters, name: str) -> object:
         return json.loads(value)
     except ValueError as e:
         raise _fail(name, f"{name} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise _fail(name, f"{name} is nested too deeply to parse") from None
 
 
 def _checkpoints(params: Parameters) -> tuple[Checkpoint, ...]:

@@ -68,18 +68,17 @@ async def read_request(reader: asyncio.StreamReader, timeout_s: float) -> Option
     between requests. Raises FrameTooLarge or EmptyFrame (the payload left unread),
     ``asyncio.IncompleteReadError`` for a connection closed inside a frame and TimeoutError
     when a started frame's bytes stop arriving for ``timeout_s``."""
-    try:
-        head = await reader.readexactly(_LENGTH.size)
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            return None
-        raise
-    (size,) = _LENGTH.unpack(head)
-    if size > MAX_FRAME:
-        raise FrameTooLarge(size)
-    if size == 0:
-        raise EmptyFrame("a request frame needs at least its op byte")
-    async with asyncio.timeout(timeout_s):
+    head = await reader.read(_LENGTH.size)  # waits, without a limit, for a frame to start
+    if not head:
+        return None
+    async with asyncio.timeout(timeout_s):  # once it started, its bytes (its length's too) keep coming
+        if len(head) < _LENGTH.size:
+            head += await reader.readexactly(_LENGTH.size - len(head))
+        (size,) = _LENGTH.unpack(head)
+        if size > MAX_FRAME:
+            raise FrameTooLarge(size)
+        if size == 0:
+            raise EmptyFrame("a request frame needs at least its op byte")
         frame = await reader.readexactly(size)
     return frame[0], frame[1:]
 

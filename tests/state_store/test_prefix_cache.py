@@ -240,12 +240,14 @@ def test_budget_zero_is_off_and_host_tier_needs_a_device_tier():
         PrefixCache(G, -1)
 
 
-@pytest.mark.parametrize("bad", ["", "x" * 129, 5, None])
-def test_keys_are_strings_of_1_to_128_characters(bad):
+@pytest.mark.parametrize("bad", ["", "x" * 129, 5, None, "a\ud800b"])
+def test_keys_are_valid_unicode_strings_of_1_to_128_characters(bad):
+    """A lone surrogate (JSON can carry one) would be stored under a key no reply or URL
+    can name."""
     assert key_problem(bad) is not None
     with pytest.raises(ValueError):
         _cache(1).publish(bad, 64, _state(1))
-    assert key_problem("x" * 128) is None
+    assert key_problem("x" * 128) is None and key_problem("é" * 128) is None
 
 
 def test_geometry_and_dtype_are_checked():
