@@ -356,6 +356,21 @@ class StatePool:
             self._ttl is None or self._clock() - group._used_at <= self._ttl)
 
     @_locked
+    def use_group(self, group: SlotGroup) -> bool:
+        """`group_live`, and when it holds, with a ttl, every slot of ``group`` marked used
+        now: work that found its group live then cannot see one of its slots expire under
+        it (another request's lazy expiry, `sweep`) before it counts its tokens
+        (`record_group_tokens`). Without a ttl nothing expires: no pass over the slots."""
+        if not self.group_live(group):
+            return False
+        if self._ttl is not None:
+            now = self._clock()
+            for slot in group._slots:
+                slot.last_used = now
+            group._used_at = now
+        return True
+
+    @_locked
     def record_group_tokens(self, group: SlotGroup, layer: int, counts: Sequence[int]) -> None:
         """`record_tokens_many` for a `group` the pool vouched for (`group_live`) at the start
         of the work it counts (whose caller held its slots since): ``counts[i]`` tokens
@@ -439,7 +454,14 @@ class StatePool:
 
         Each slot keeps the idle time it had when the snapshot was taken; time between
         snapshot and restore does not count towards its ttl.
+
+        PoolError, nothing changed, while a launch holds spare rows (`take_spares` not yet
+        committed or returned): the map's reset would free them under it, and its commit or
+        return would then hand one storage row out twice.
         """
+        if self._map.spare_count != self._map.num_spares:
+            raise PoolError(f"cannot restore while a launch holds {self._map.num_spares - self._map.spare_count} "
+                            "spare row(s): commit or return them first")
         read = snapshot.read(path, self._geometry)
         infos, saved_at = read.slots, read.stamp.saved_at
         self._map.reset()

@@ -514,7 +514,7 @@ class ServerCore:
         return run
 
     def _run_prepared(self, prepared: PreparedPrefill, answer: Optional[Answer]) -> PreparedRun:
-        if not self.pool.group_live(prepared.group):  # a slot freed, expired or lost since the last run's check
+        if not self.pool.use_group(prepared.group):  # a slot freed, expired or lost since the last run's check
             group, lost = self.pool.group(prepared.slots)
             if lost is not None:
                 raise StateLost(lost)
@@ -732,12 +732,12 @@ class ServerCore:
         refused.update(self._refuse_inputs(jobs, checks, transaction))
         if inputs_failed:
             refused.update(self._refuse_values(jobs, transaction))
-        transaction.finish()  # the standing requests' slots onto their new rows
         to_host = any(not job.valid.inputs.device_outputs for job in jobs)
         o_host = o.cpu() if to_host else None  # (or here)
         finals_host = finals.cpu() if to_host and finals is not None else None
         if device.type == "cuda" and not to_host:
             torch.cuda.current_stream(device).synchronize()  # or here; results complete before any response
+        transaction.finish()  # last: the standing requests' slots onto their new rows (before it, a failure changes none)
         return _Launched(o, finals, o_host, finals_host, refused)
 
     def _job_results(self, jobs: list[_Job], layer: int, launched: _Launched,
