@@ -15,10 +15,12 @@ from .persistence import Persistence, RestoreReport
 from .prefix_cache import HOST, CheckpointTarget, PrefixCache, PrefixInfo, PrefixMatch, TierStats, key_problem
 from .pool import SlotGroup, StatePool
 from .records import PoolStats, SlotInfo
+from .row_map import Rows
 
 __all__ = [
     "StatePool",
     "SlotGroup",
+    "Rows",
     "PoolGeometry",
     "SlotInfo",
     "PoolStats",

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence, TypeVar, Union
 
+import numpy as np
 import torch
 
 from . import snapshot, transfer
@@ -18,7 +19,7 @@ from .geometry import PoolGeometry
 from .ids import check_prefix, new_slot_id
 from .memory import available_bytes
 from .records import PoolStats, SlotInfo
-from .row_map import RowMap
+from .row_map import RowMap, Rows
 
 _T = TypeVar("_T")
 
@@ -41,12 +42,12 @@ def consecutive_runs(rows: Sequence[int], most: int) -> list[tuple[int, int]]:
 
 @dataclasses.dataclass(eq=False)  # identity: `_resolve_all` looks for None among hundreds in C
 class _Slot:
-    """A live slot: ``created`` in unix seconds, ``last_used`` on the pool's clock."""
+    """A live slot: ``created`` in unix seconds, ``last_used`` on the pool's clock (its token
+    counts are the pool's, by row: `StatePool._tokens`)."""
 
     row: int
     created: float
     last_used: float
-    tokens_per_layer: list[int]
     state_lost: bool = False
 
 
@@ -56,12 +57,14 @@ _ROW, _LAST_USED, _STATE_LOST = (operator.attrgetter(name) for name in ("row", "
 @dataclasses.dataclass(eq=False)
 class SlotGroup:
     """Slots a caller names run after run (a prepared prefill's), resolved once
-    (`StatePool.group`): their ``ids`` and slot ``rows`` in order. Opaque otherwise: the pool
+    (`StatePool.group`): their ``ids`` and slot ``rows`` in order (and as an int64 array,
+    ``index``: the pool's passes over hundreds of slots take it). Opaque otherwise: the pool
     says whether it still vouches for them (`StatePool.group_live`) and counts their tokens
     without resolving them again (`StatePool.record_group_tokens`)."""
 
     ids: tuple[str, ...]
     rows: list[int]
+    index: np.ndarray
     _slots: list[_Slot] = dataclasses.field(repr=False)
     _generation: int = dataclasses.field(repr=False)  # the pool's generation when they were resolved
     _used_at: float = dataclasses.field(repr=False)  # the pool clock's time when all were last marked used
@@ -132,6 +135,7 @@ class StatePool:
         self._wall_offset = time.time() - clock()
         self._lock = threading.RLock()
         self._slots: dict[str, _Slot] = {}
+        self._tokens = np.zeros((num_slots, num_layers), dtype=np.int64)  # [slot row, layer]: a live slot's counts
         self._free_rows = list(range(num_slots))  # a min-heap: lowest free row first
         self._allocations = self._frees = self._expiries = 0
         self._generation = 0  # `generation`
@@ -173,24 +177,24 @@ class StatePool:
         return self._storage.index_select(0, self._slot_index(self._map.all_rows())).view(self._geometry.shape)
 
     @_locked
-    def layer_rows(self, layer: int, rows: Sequence[int]) -> list[int]:
-        """Storage rows of slot ``rows`` (`rows`) on ``layer``, in order: the kernels' indices."""
+    def layer_rows(self, layer: int, rows: Rows) -> np.ndarray:
+        """Storage rows of slot ``rows`` (`rows`) on ``layer``, in order (int64): the kernels' indices."""
         return self._map.rows_of_layer(self._layer_index(layer), rows)
 
     @_locked
-    def take_spares(self, count: int) -> Optional[list[int]]:
-        """``count`` spare storage rows for a launch to write new states to, or None when
+    def take_spares(self, count: int) -> Optional[np.ndarray]:
+        """``count`` spare storage rows (int64) for a launch to write new states to, or None when
         fewer are free (the launch then updates rows in place). Each goes back by
         `commit_rows` or `return_spares`."""
         return self._map.take_spares(count)
 
     @_locked
-    def return_spares(self, spares: Sequence[int]) -> None:
+    def return_spares(self, spares: Rows) -> None:
         """Spare rows of `take_spares` that no slot takes (a refused launch's)."""
         self._map.give_back(spares)
 
     @_locked
-    def commit_rows(self, layer: int, rows: Sequence[int], read: Sequence[int], written: Sequence[int]) -> None:
+    def commit_rows(self, layer: int, rows: Rows, read: Rows, written: Rows) -> None:
         """Slot ``rows`` of ``layer`` now hold the states a launch wrote to the spare rows
         ``written``; the rows ``read`` (their `layer_rows` when the launch took them)
         become spare. No copy. ValueError, nothing committed and ``written`` handed back,
@@ -205,7 +209,7 @@ class StatePool:
             raise ValueError(f"count must be a positive integer, got {count!r}")
         rows = self._take_rows(count)
         self._storage.index_fill_(0, self._slot_index([r for row in rows for r in self._map.rows_of_slot(row)]), 0)
-        return [self._issue(row, [0] * self._geometry.num_layers) for row in rows]
+        return [self._issue(row, 0) for row in rows]
 
     @_locked
     def alloc_copies(self, state: torch.Tensor, count: int, tokens_per_layer: Sequence[int]) -> list[str]:
@@ -232,7 +236,7 @@ class StatePool:
             for row in rows:
                 heapq.heappush(self._free_rows, row)
             raise
-        return [self._issue(row, list(tokens)) for row in rows]
+        return [self._issue(row, tokens) for row in rows]
 
     @_locked
     def free(self, slot_id: str) -> None:
@@ -248,7 +252,7 @@ class StatePool:
         source = self._touch(slot_id)
         row = self._take_rows(1)[0]
         self._write_slot(row, self._read_slot(source.row))
-        return self._issue(row, list(source.tokens_per_layer), source.state_lost)
+        return self._issue(row, self._tokens[source.row], source.state_lost)
 
     @_locked
     def contains(self, slot_id: str) -> bool:
@@ -310,7 +314,7 @@ class StatePool:
         """The slot's state as safetensors bytes (see `state_store.transfer`)."""
         slot = self._touch(slot_id)
         layers = [self._storage[r] for r in self._map.rows_of_slot(slot.row)]
-        return transfer.encode(self._geometry, layers, slot.tokens_per_layer)
+        return transfer.encode(self._geometry, layers, self._tokens[slot.row].tolist())
 
     @_locked
     def import_(self, data: Union[bytes, bytearray, memoryview], slot_id: Optional[str] = None) -> str:
@@ -328,7 +332,7 @@ class StatePool:
             return self._issue(row, tokens)
         slot = self._touch(slot_id)
         self._write_slot(slot.row, state)
-        slot.tokens_per_layer = tokens
+        self._tokens[slot.row] = tokens
         slot.state_lost = False
         return slot_id
 
@@ -344,7 +348,8 @@ class StatePool:
         for slot in slots:
             slot.last_used = now
         lost = list(map(_STATE_LOST, slots))
-        return (SlotGroup(tuple(slot_ids), list(map(_ROW, slots)), slots, self._generation, now),
+        rows = list(map(_ROW, slots))
+        return (SlotGroup(tuple(slot_ids), rows, np.array(rows, dtype=np.int64), slots, self._generation, now),
                 slot_ids[lost.index(True)] if True in lost else None)
 
     def group_live(self, group: SlotGroup) -> bool:
@@ -371,16 +376,16 @@ class StatePool:
         return True
 
     @_locked
-    def record_group_tokens(self, group: SlotGroup, layer: int, counts: Sequence[int]) -> None:
+    def record_group_tokens(self, group: SlotGroup, layer: int, counts: Rows) -> None:
         """`record_tokens_many` for a `group` the pool vouched for (`group_live`) at the start
         of the work it counts (whose caller held its slots since): ``counts[i]`` tokens
-        (non-negative ints, one per slot, the caller's promise) added on ``layer`` to slot
-        i, every slot marked used. Resolves nothing, so it raises nothing for a slot."""
-        layer = self._layer_index(layer)
+        (non-negative ints, one per slot, the caller's promise: a sequence or an int64
+        array) added on ``layer`` to slot i, every slot marked used. Resolves nothing, so it
+        raises nothing for a slot."""
+        self._tokens[group.index, self._layer_index(layer)] += counts  # rows distinct: one add each
         now = self._clock()
-        for slot, n in zip(group._slots, counts):
+        for slot in group._slots:
             slot.last_used = now
-            slot.tokens_per_layer[layer] += n
         group._used_at = now
 
     @_locked
@@ -389,7 +394,7 @@ class StatePool:
         layer = self._layer_index(layer)
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"count must be a non-negative integer, got {count!r}")
-        self._touch(slot_id).tokens_per_layer[layer] += count
+        self._tokens[self._touch(slot_id).row, layer] += count
 
     @_locked
     def record_tokens_many(self, slot_ids: Sequence[str], layer: int, counts: Sequence[int]) -> None:
@@ -403,9 +408,9 @@ class StatePool:
             raise ValueError(f"counts must be non-negative integers, got {list(counts)[:8]}")
         slots = self._resolve_all(slot_ids)
         now = self._clock()
-        for slot, n in zip(slots, counts):
+        for slot in slots:
             slot.last_used = now
-            slot.tokens_per_layer[layer] += n
+        self._tokens[list(map(_ROW, slots)), layer] += counts  # distinct slots (a launch's): one add each
 
     @_locked
     def first_lost(self, slot_ids: Sequence[str]) -> Optional[str]:
@@ -473,11 +478,12 @@ class StatePool:
                 row=info.row,
                 created=info.created,
                 last_used=now - max(0.0, saved_at - info.last_used),
-                tokens_per_layer=list(info.tokens_per_layer),
                 state_lost=info.state_lost,
             )
             for info in infos
         }
+        for info in infos:
+            self._tokens[info.row] = info.tokens_per_layer
         used = {info.row for info in infos}
         self._free_rows = [row for row in range(self._geometry.num_slots) if row not in used]
         self._generation += 1
@@ -579,11 +585,13 @@ class StatePool:
             raise PoolFull(count, len(self._free_rows))
         return [heapq.heappop(self._free_rows) for _ in range(count)]
 
-    def _issue(self, row: int, tokens_per_layer: list[int], state_lost: bool = False) -> str:
-        """Map a new id to ``row`` (whose state the caller has set)."""
+    def _issue(self, row: int, tokens_per_layer: Union[int, Sequence[int], np.ndarray], state_lost: bool = False) -> str:
+        """Map a new id to ``row`` (whose state the caller has set), counting
+        ``tokens_per_layer`` (one count for every layer, or one per layer)."""
         slot_id = new_slot_id(self._id_prefix, self._slots)
         now = self._clock()
-        self._slots[slot_id] = _Slot(row, self._wall(now), now, tokens_per_layer, state_lost)
+        self._tokens[row] = tokens_per_layer
+        self._slots[slot_id] = _Slot(row, self._wall(now), now, state_lost)
         self._allocations += 1
         return slot_id
 
@@ -611,7 +619,7 @@ class StatePool:
             row=slot.row,
             created=slot.created,
             last_used=self._wall(slot.last_used),
-            tokens_per_layer=list(slot.tokens_per_layer),
+            tokens_per_layer=self._tokens[slot.row].tolist(),
             state_lost=slot.state_lost,
         )
 

@@ -10,21 +10,27 @@ changed). Plain host bookkeeping, no tensors: the pool holds the lock around it.
 """
 from __future__ import annotations
 
-import operator
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+Rows = Union[Sequence[int], np.ndarray]
+"""Row numbers: a sequence of ints, or an int64 array (a launch's hundreds: no Python loop)."""
 
 
 class RowMap:
     """Storage rows of ``num_layers`` x ``num_slots`` slot rows and ``num_spares`` spares;
     at first (and after `reset`) layer l's slot row s lives in storage row l * num_slots + s
-    and the spares are the last ``num_spares`` rows."""
+    and the spares are the last ``num_spares`` rows. Held in numpy arrays: a decode step
+    moves hundreds of rows, each pass one vectorized operation."""
 
     def __init__(self, num_layers: int, num_slots: int, num_spares: int) -> None:
         if num_spares < 0:
             raise ValueError(f"num_spares must be >= 0, got {num_spares}")
         self.num_layers, self.num_slots, self.num_spares = num_layers, num_slots, num_spares
-        self._where: list[list[int]] = []
-        self._spares: list[int] = []
+        self._where = np.empty((num_layers, num_slots), dtype=np.int64)  # [layer, slot row] -> storage row
+        self._spares = np.empty(num_spares, dtype=np.int64)  # a stack: the first ``_free`` are spare
+        self._free = 0
         self.reset()
 
     @property
@@ -35,49 +41,55 @@ class RowMap:
     @property
     def spare_count(self) -> int:
         """Spare rows free now."""
-        return len(self._spares)
+        return self._free
 
     def reset(self) -> None:
         """Every slot row back in its first place, every spare free."""
         L, S = self.num_layers, self.num_slots
-        self._where = [list(range(layer * S, (layer + 1) * S)) for layer in range(L)]
-        self._spares = list(range(L * S, L * S + self.num_spares))
+        self._where[:] = np.arange(L * S, dtype=np.int64).reshape(L, S)
+        self._spares[:] = np.arange(L * S, L * S + self.num_spares, dtype=np.int64)
+        self._free = self.num_spares
 
-    def rows_of_layer(self, layer: int, rows: Sequence[int]) -> list[int]:
-        """Storage rows of slot ``rows`` on ``layer``, in order."""
-        return list(map(self._where[layer].__getitem__, rows))
+    def rows_of_layer(self, layer: int, rows: Rows) -> np.ndarray:
+        """Storage rows of slot ``rows`` on ``layer``, in order: a new int64 array."""
+        return self._where[layer].take(rows)
 
     def rows_of_slot(self, row: int) -> list[int]:
         """Storage rows of slot ``row`` on every layer, in layer order."""
-        return list(map(operator.itemgetter(row), self._where))
+        return self._where[:, row].tolist()
 
     def all_rows(self) -> list[int]:
         """Storage rows of every (layer, slot row), layer by layer, slot rows in order: the
         logical pool [L, S] flattened."""
-        return [row for layer in self._where for row in layer]
+        return self._where.ravel().tolist()
 
-    def take_spares(self, count: int) -> Optional[list[int]]:
-        """``count`` spare rows, no longer spare, or None (nothing taken) when fewer are free."""
-        if count > len(self._spares):
+    def take_spares(self, count: int) -> Optional[np.ndarray]:
+        """``count`` spare rows (a new int64 array), no longer spare, or None (nothing taken)
+        when fewer are free."""
+        if count > self._free:
             return None
-        taken = self._spares[len(self._spares) - count:]
-        del self._spares[len(self._spares) - count:]
-        return taken
+        self._free -= count
+        return self._spares[self._free:self._free + count].copy()
 
-    def give_back(self, spares: Sequence[int]) -> None:
-        """Spare rows taken by `take_spares` and not committed."""
-        self._spares.extend(spares)
+    def give_back(self, spares: Rows) -> None:
+        """Spare rows taken by `take_spares` and not committed (ValueError, nothing changed,
+        for more than were taken: a row would be spare twice)."""
+        n = len(spares)
+        if self._free + n > self.num_spares:
+            raise ValueError(f"{n} rows given back, but only {self.num_spares - self._free} spare rows are taken")
+        self._spares[self._free:self._free + n] = spares
+        self._free += n
 
-    def commit(self, layer: int, rows: Sequence[int], read: Sequence[int], written: Sequence[int]) -> None:
+    def commit(self, layer: int, rows: Rows, read: Rows, written: Rows) -> None:
         """Slot ``rows`` of ``layer`` (distinct: one launch updates a slot once) now live in the
         storage rows ``written`` (taken spares), and the rows ``read`` they lived in become
         spare. ValueError, having changed nothing but handed ``written`` back, when a slot
         row no longer lives in its ``read`` row (the caller must keep the slots from other
         updates between reading and committing)."""
         where = self._where[layer]
-        if len(rows) != len(read) or len(rows) != len(written) or self.rows_of_layer(layer, rows) != list(read):
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) != len(read) or len(rows) != len(written) or not np.array_equal(where.take(rows), read):
             self.give_back(written)
             raise ValueError(f"slot rows of layer {layer} moved since they were read: nothing committed")
-        for row, new in zip(rows, written):
-            where[row] = new
-        self._spares.extend(read)
+        where[rows] = written
+        self.give_back(read)

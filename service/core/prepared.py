@@ -38,10 +38,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from array import array
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 import kernels
@@ -134,11 +134,13 @@ class PreparedPrefill:
         self.group = group
         self.keys = frozenset((s, valid.inputs.params.layer) for s in self.slots)  # `SlotOrdering.hold` takes it as is
         self.tokens = sum(valid.inputs.lengths)
+        self.counts = np.array(valid.inputs.lengths, dtype=np.int64)  # each slot's tokens per run
         self.refill, self.deliver, self.io = refill, deliver, io
         self.moves = moves
         n, device = len(self.rows), storage.device
         self._row_buffer = torch.zeros(2 * n if moves else n, dtype=torch.int64, device=device)
         self._host_rows = torch.zeros(self._row_buffer.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_view = self._host_rows.numpy()  # the same memory, written by numpy
         self._indices = self._row_buffer[:n]  # the rows read (and, in place, written)
         self.written: Optional[torch.Tensor] = self._row_buffer[n:] if moves else None  # the spare rows written
         self._storage = storage
@@ -189,7 +191,7 @@ class PreparedPrefill:
             return
         self._graph = graph
 
-    def launch(self, read: Sequence[int], moved: Optional[MovedRows], mark_lost: Callable[[], None]
+    def launch(self, read: np.ndarray, moved: Optional[MovedRows], mark_lost: Callable[[], None]
                ) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple[float, float, float], LaunchTransaction]:
         """One run (where the core runs device work: its device thread, or the event loop
         while that thread is idle; after ``refill``) reading the storage rows ``read`` (one
@@ -259,12 +261,14 @@ class PreparedPrefill:
         self._graph = None
         self._captured = None
 
-    def _upload_rows(self, read: Sequence[int], moved: Optional[MovedRows]) -> None:
+    def _upload_rows(self, read: np.ndarray, moved: Optional[MovedRows]) -> None:
         """The run's rows (read, then written) into the device buffer the launch reads,
         queued on the current stream ahead of it (from page-locked memory on a GPU: no wait;
         the previous run's copy is complete, its synchronization came after it)."""
-        values = array("q", read) if moved is None else array("q", [*read, *moved.rows])
-        self._host_rows.copy_(torch.frombuffer(values, dtype=torch.int64))
+        n = len(read)
+        self._host_view[:n] = read
+        if moved is not None:
+            self._host_view[n:] = moved.rows
         self._row_buffer.copy_(self._host_rows, non_blocking=True)
 
     def _transaction(self, pool: torch.Tensor, indices: torch.Tensor, graphed: bool,

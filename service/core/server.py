@@ -38,13 +38,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 import kernels
 from kernels.problem import packed_problem
 from state_store import (
-    HOST, CheckpointTarget, Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, SlotInfo, SlotOrdering,
-    SnapshotError, StatePool, UnknownSlot, key_problem,
+    HOST, CheckpointTarget, Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, Rows, SlotInfo,
+    SlotOrdering, SnapshotError, StatePool, UnknownSlot, key_problem,
 )
 
 from .batcher import Batcher
@@ -526,8 +527,8 @@ class ServerCore:
         prepared.refill()
         t1 = time.perf_counter()
         layer = prepared.valid.inputs.params.layer
-        read = self.pool.layer_rows(layer, prepared.rows)
-        moved = self.moved_rows(layer, prepared.rows, read, prepared.written) if prepared.moves else None
+        read = self.pool.layer_rows(layer, prepared.group.index)
+        moved = self.moved_rows(layer, prepared.group.index, read, prepared.written) if prepared.moves else None
         if prepared.moves and moved is None:  # launches run one at a time, each giving its spare rows back
             raise RuntimeError(f"no {len(read)} spare pool rows free for a prepared run: another launch kept them")
         t2 = time.perf_counter()
@@ -543,7 +544,7 @@ class ServerCore:
                 answer(run)
         finally:  # the run stands: its slots move onto their new rows and count its tokens, whatever the reply
             prepared.commit(transaction, mark_lost)
-            self.pool.record_group_tokens(prepared.group, layer, inputs.lengths)
+            self.pool.record_group_tokens(prepared.group, layer, prepared.counts)
             self.metrics.tokens.inc(prepared.tokens)
             self.metrics.sequences.inc(len(inputs.lengths))
         return run
@@ -763,7 +764,7 @@ class ServerCore:
             t0, n0 = t1, n1
         return results
 
-    def moved_rows(self, layer: int, rows: Sequence[int], read: Sequence[int],
+    def moved_rows(self, layer: int, rows: Rows, read: np.ndarray,
                    written: Optional[torch.Tensor] = None) -> Optional[MovedRows]:
         """Spare rows for a launch on slot ``rows`` of ``layer`` (read from the storage rows
         ``read``) to write its new states to, as a transaction's `MovedRows` (``written``:
@@ -776,14 +777,12 @@ class ServerCore:
             written = host_ints_to(spares, self.geometry.device)
 
         def commit(positions: list[int]) -> None:
-            if len(positions) == len(rows):  # every sequence stands: the lists as they are
+            if len(positions) == len(rows):  # every sequence stands: the rows as they are
                 self.pool.commit_rows(layer, rows, read, spares)
             else:
-                self.pool.commit_rows(layer, [rows[i] for i in positions], [read[i] for i in positions],
-                                      [spares[i] for i in positions])
+                self.pool.commit_rows(layer, np.take(rows, positions), read[positions], spares[positions])
 
-        return MovedRows(spares, written, commit,
-                         lambda positions: self.pool.return_spares([spares[i] for i in positions]))
+        return MovedRows(spares, written, commit, lambda positions: self.pool.return_spares(spares[positions]))
 
     def _checkpoint_states(self, jobs: list[_Job], storage: torch.Tensor,
                            placed: list[tuple[CheckpointTarget, torch.Tensor]]) -> list[torch.Tensor]:

@@ -15,10 +15,10 @@ kernels): a stream made current for a block without `torch.cuda.stream`'s device
 """
 from __future__ import annotations
 
-from array import array
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from kernels.cuda_streams import on_stream  # noqa: F401  (for the front ends: they may not import kernels)
@@ -35,13 +35,14 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)
 
 
-def host_ints_to(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """int64 [len(values)] on ``device``. On a GPU through page-locked memory with an
-    asynchronous copy: a plain copy of a host list would wait for everything queued on the
-    stream first (copies from pageable memory synchronize), here the inputs' copies."""
-    host = torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
+def host_ints_to(values: Union[Sequence[int], np.ndarray], device: torch.device) -> torch.Tensor:
+    """int64 [len(values)] on ``device`` (a copy: ``values`` may change after). On a GPU
+    through page-locked memory with an asynchronous copy: a plain copy of a host list would
+    wait for everything queued on the stream first (copies from pageable memory
+    synchronize), here the inputs' copies."""
+    host = torch.from_numpy(np.asarray(values, dtype=np.int64))
     if device.type != "cuda":
-        return host.to(device)
+        return host.to(device, copy=True)
     return host.pin_memory().to(device, non_blocking=True)
 
 

@@ -30,8 +30,9 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from ..errors import ServiceError
@@ -77,13 +78,13 @@ class LaunchFailed(ServiceError):
 @dataclass(frozen=True)
 class MovedRows:
     """Where a launch writes its N new states instead of over the rows it reads: ``rows``,
-    spare rows of the pool taken for it (host ints), and ``written`` [N] int64 on the pool's
+    spare rows of the pool taken for it (host ints: a list or an int64 array), and ``written`` [N] int64 on the pool's
     device holding them (or about to: a prepared launch uploads them itself); ``commit``
     moves the slots of the given sequence positions onto their new rows (the rows they
     were read from become spare), ``give_back`` returns the spare rows of the given
     positions."""
 
-    rows: list[int]
+    rows: Union[Sequence[int], np.ndarray]
     written: torch.Tensor
     commit: Callable[[list[int]], None]
     give_back: Callable[[list[int]], None]

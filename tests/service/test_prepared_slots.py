@@ -74,7 +74,7 @@ def test_the_answer_comes_once_per_run_that_stands(inline: bool, gen: torch.Gene
             seen: list[tuple[PreparedRun, int, list[int]]] = []
 
             def storage_rows() -> list[int]:
-                return core.pool.layer_rows(LAYER, core.pool.rows(slots))
+                return core.pool.layer_rows(LAYER, core.pool.rows(slots)).tolist()
 
             def answer(run: PreparedRun) -> None:
                 seen.append((run, core.pool.slot_info(slots[0]).tokens_per_layer[LAYER], storage_rows()))

@@ -35,7 +35,7 @@ def test_a_committed_update_moves_the_rows_and_changes_only_that_layer() -> None
     spare_before = pool.storage.shape[0] - 3 * 6
     new = torch.randn(2, *pool.storage.shape[1:])
     read = _update(pool, 1, slots[:2], new)
-    assert pool.layer_rows(1, pool.rows(slots[:2])) != read  # the slots live elsewhere now
+    assert pool.layer_rows(1, pool.rows(slots[:2])).tolist() != list(read)  # the slots live elsewhere now
     for i, s in enumerate(slots):
         want = states[s].clone()
         if i < 2:

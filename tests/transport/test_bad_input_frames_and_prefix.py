@@ -136,12 +136,19 @@ def _raw(path: str, timeout: float = 10) -> socket.socket:
 
 
 def _read_reply(s: socket.socket) -> tuple[int, str, bytes]:
+    """The next reply, read exactly (never into the one after it: replies to frames sent
+    together may arrive in one piece)."""
+    (size,) = struct.unpack(">I", _read_exactly(s, 4))
+    return split_reply(_read_exactly(s, size))
+
+
+def _read_exactly(s: socket.socket, n: int) -> bytes:
     data = b""
-    while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
-        chunk = s.recv(65536)
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
         assert chunk, "the server closed the connection before its reply"
         data += chunk
-    return split_reply(data[4:])
+    return data
 
 
 def _prepared_id(answer: Response) -> bytes:
