@@ -41,6 +41,8 @@ import asyncio
 import json
 import threading
 import urllib.parse
+import weakref
+from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
@@ -60,14 +62,14 @@ from .shm import (
     SHM_JSON, Arena, CudaArena, Geometry, Placed, Registration, ShmArena, is_unknown_region, split_sequences,
 )
 from service.wire.buffers import BodyBuffer
-from service.wire.frames import Op
+from service.wire.frames import PREPARED_ID, Op
 from service.wire.media import JSON, PROBLEM, SAFETENSORS, media_type
 from service.core.inputs import REQUIRED_TENSORS
 from service.wire.prefill import decode_prefill_response
 from service.wire.schema import PREFIX_DROPPED_HEADER
 from service.wire.safetensors_codec import safetensors_pieces
 from service.wire.state import decode_state_json, decode_state_safetensors, encode_state_json, encode_state_safetensors
-from service.wire.tensors import tensor_to_json
+from service.wire.tensors import JSON_NAMES, tensor_to_json
 
 __all__ = [
     "KDAClient", "AsyncKDAClient", "PrefillOutput", "PrefixAlloc", "SequenceInput",
@@ -255,6 +257,32 @@ def _read_state(headers: Headers, body: bytearray) -> torch.Tensor:
     return decode_state_safetensors(body)  # an export: its geometry metadata is not needed here
 
 
+def _check_tensor(name: str, t: Any) -> None:
+    """ValueError unless ``t`` is a tensor the wire carries (integer ones the server refuses
+    itself, with its problem document)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in JSON_NAMES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype} (no wire form)")
+
+
+def _check_inputs(parts: Mapping[str, Sequence[Any]], **extra: Any) -> None:
+    """Every encoding and transport refuses the same inputs before anything is made or sent:
+    tensors of a wire dtype, and the sequences' parts of one name packable along tokens (one
+    dtype and trailing shape). The rest the server checks."""
+    for name, ts in parts.items():
+        for t in ts:
+            _check_tensor(name, t)
+        first = ts[0]
+        for t in ts[1:]:
+            if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
+                raise ValueError(f"{name}: parts must share dtype and trailing shape to be packed along tokens, got "
+                                 f"{first.dtype}{list(first.shape)} and {t.dtype}{list(t.shape)}")
+    for name, t in extra.items():
+        if t is not None:
+            _check_tensor(name, t)
+
+
 def _prefill_options(
     layer: int, sequences: Sequence[SequenceInput], *, lower_bound: Optional[float], use_qk_l2norm: bool,
     use_beta_sigmoid: bool, allow_neg_eigval: bool, scale: Optional[float], return_final_state: bool,
@@ -264,6 +292,7 @@ def _prefill_options(
     if not sequences:
         raise ValueError("prefill needs at least one sequence")
     slots, parts = split_sequences(sequences, REQUIRED_TENSORS)
+    _check_inputs(parts)
     lengths = [int(q.shape[0]) for q in parts["q"]]
     specs: list[dict[str, Any]] = [{"slot": s, "length": n} for s, n in zip(slots, lengths)]
     if checkpoints is not None:
@@ -318,6 +347,7 @@ def _shm_prefill(
         layer, sequences, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
         allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state,
         checkpoints=checkpoints)
+    _check_inputs({}, A_log=A_log, dt_bias=dt_bias)
     tensors = {**parts, **{name: [t] for name, t in (("A_log", A_log), ("dt_bias", dt_bias)) if t is not None}}
     places, need = arena.layout(tensors, lengths, return_final_state)
     return _ShmPrefill(tensors, places, need, options, lengths)
@@ -333,6 +363,7 @@ def _prefill_call(
         layer, sequences, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
         allow_neg_eigval=allow_neg_eigval, scale=scale, return_final_state=return_final_state,
         checkpoints=checkpoints)
+    _check_inputs({}, A_log=A_log, dt_bias=dt_bias)
     extra = {name: t for name, t in (("A_log", A_log), ("dt_bias", dt_bias)) if t is not None}
     if media == SAFETENSORS:  # sent as the header and views of the tensors' own bytes: no copy, no join
         body: Body = safetensors_pieces({**parts, **extra}, {"request": json.dumps(options)})
@@ -454,6 +485,8 @@ class KDAClient:
         self._calls = _Calls(encoding)
         self._arena = _arena(transport, shm_ttl_s, shm_views)
         self._arena_lock = threading.Lock()  # one region: one shared memory prefill at a time
+        self._prepared: "weakref.WeakSet[PreparedPrefill]" = weakref.WeakSet()  # released at close
+        self._orphans: deque[tuple[Arena, int, int]] = deque()  # collected unreleased
         self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_client_headers(api_key),
                                   mounts={"http://": StdlibTransport()})
         url = self._http.base_url
@@ -584,6 +617,7 @@ class KDAClient:
         its own region, released with it (`PreparedPrefill.release`, or a ``with`` block)."""
         if self._framed is None or self._arena is None:
             raise ValueError(_NO_FRAMED_SOCKET)
+        self._release_orphans()
         if self._arena.geometry is None:
             self._arena.geometry = Geometry.from_info(self.info())
         arena, plan, slots = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
@@ -592,13 +626,31 @@ class KDAClient:
                                        scale=scale, return_final_state=return_final_state)
         self._register(arena, plan.need)
         try:
-            answer = self._framed.request(Op.PREPARE, arena.fill(plan.tensors, plan.places, plan.options))
+            answer, connection = self._framed.request_on(Op.PREPARE,
+                                                         arena.fill(plan.tensors, plan.places, plan.options))
             _raise_for(answer.status, answer.headers, answer.body)
+            number = json.loads(answer.body)["prepared"]
         except BaseException:
             self._drop(arena)
             raise
-        return PreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths,
-                               json.loads(answer.body)["prepared"], _finished, partial(self._drop, arena))
+        prepared = PreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths, number, _finished,
+                                   partial(self._drop, arena), connection, self._orphans)
+        self._prepared.add(prepared)
+        return prepared
+
+    def _release_orphans(self) -> None:
+        """Release the prepared prefills garbage-collected unreleased (quietly, as `_drop`)."""
+        while True:
+            try:
+                arena, connection, number = self._orphans.popleft()
+            except IndexError:
+                return
+            try:
+                if self._framed is not None:
+                    with suppress(httpx.TransportError, KDAError):
+                        _finished(self._framed.request(Op.RELEASE, PREPARED_ID.pack(number), connection))
+            finally:
+                self._drop(arena)
 
     def _register(self, arena: Arena, need: int) -> None:
         registration = arena.create(need)
@@ -619,8 +671,13 @@ class KDAClient:
                 self._run(self._calls.unregister_region(arena, name))
 
     def close(self) -> None:
-        """Unregister the shared memory region (if any) and close the connection."""
+        """Release the prepared prefills still alive, unregister the shared memory region (if
+        any) and close the connections."""
         try:
+            for prepared in list(self._prepared):
+                with suppress(httpx.TransportError, KDAError):
+                    prepared.release()
+            self._release_orphans()
             if self._arena is not None:
                 self._drop(self._arena)
         finally:
@@ -650,6 +707,8 @@ class AsyncKDAClient:
         self._calls = _Calls(encoding)
         self._arena = _arena(transport, shm_ttl_s, shm_views)
         self._arena_lock = asyncio.Lock()  # one region: one shared memory prefill at a time
+        self._prepared: "weakref.WeakSet[AsyncPreparedPrefill]" = weakref.WeakSet()  # as `KDAClient`'s
+        self._orphans: deque[tuple[Arena, int, int]] = deque()
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_client_headers(api_key))
 
     async def _run(self, call: _Call[_T]) -> _T:
@@ -743,6 +802,7 @@ class AsyncKDAClient:
         ``await release()`` or ``async with``)."""
         if self._framed is None or self._arena is None:
             raise ValueError(_NO_FRAMED_SOCKET)
+        await self._release_orphans()
         if self._arena.geometry is None:
             self._arena.geometry = Geometry.from_info(await self.info())
         arena, plan, slots = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
@@ -751,13 +811,31 @@ class AsyncKDAClient:
                                        scale=scale, return_final_state=return_final_state)
         await self._register(arena, plan.need)
         try:
-            answer = await self._framed.request(Op.PREPARE, arena.fill(plan.tensors, plan.places, plan.options))
+            answer, connection = await self._framed.request_on(Op.PREPARE,
+                                                               arena.fill(plan.tensors, plan.places, plan.options))
             _raise_for(answer.status, answer.headers, answer.body)
+            number = json.loads(answer.body)["prepared"]
         except BaseException:
             await self._drop(arena)
             raise
-        return AsyncPreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths,
-                                    json.loads(answer.body)["prepared"], _finished, partial(self._drop, arena))
+        prepared = AsyncPreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths, number, _finished,
+                                        partial(self._drop, arena), connection, self._orphans)
+        self._prepared.add(prepared)
+        return prepared
+
+    async def _release_orphans(self) -> None:
+        """`KDAClient._release_orphans`, awaited."""
+        while True:
+            try:
+                arena, connection, number = self._orphans.popleft()
+            except IndexError:
+                return
+            try:
+                if self._framed is not None:
+                    with suppress(httpx.TransportError, KDAError):
+                        _finished(await self._framed.request(Op.RELEASE, PREPARED_ID.pack(number), connection))
+            finally:
+                await self._drop(arena)
 
     async def _register(self, arena: Arena, need: int) -> None:
         registration = arena.create(need)
@@ -778,8 +856,13 @@ class AsyncKDAClient:
                 await self._run(self._calls.unregister_region(arena, name))
 
     async def aclose(self) -> None:
-        """Unregister the shared memory region (if any) and close the connection."""
+        """Release the prepared prefills still alive, unregister the shared memory region (if
+        any) and close the connections."""
         try:
+            for prepared in list(self._prepared):
+                with suppress(httpx.TransportError, KDAError):
+                    await prepared.release()
+            await self._release_orphans()
             if self._arena is not None:
                 await self._drop(self._arena)
         finally:

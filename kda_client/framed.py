@@ -9,10 +9,16 @@ as an HTTP response's would be, so `KDAClient` parses it and raises its errors a
 HTTP. Failures raise httpx's exceptions, as the HTTP paths do: ConnectError, WriteError,
 ReadError, ReadTimeout, RemoteProtocolError. A connection the server closed while idle is
 replaced before a request is sent on it; a request whose reply was lost is not re-sent.
+
+Connections are numbered (``connection``: the current one's, from 1). A request bound to
+one (``request(..., connection=N)``: a prepared prefill's RUN and RELEASE, whose ids count
+from 1 on every connection) is never sent on another: when connection N is gone it is
+answered here, 404 ``unknown-prepared``, as the server answers an id it does not hold.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import select
 import socket
 import struct
@@ -30,6 +36,14 @@ _FIRST_READ = 1 << 16
 """Bytes a reply's first receive asks for: every reply but a large error document's fits."""
 
 
+def _gone(connection: int) -> Response:
+    """The answer to a request bound to ``connection`` once that connection has closed."""
+    problem = {"type": "urn:kda-serve:problem:unknown-prepared", "title": "Unknown prepared prefill", "status": 404,
+               "detail": f"framed socket connection {connection}, which this prepared prefill lived on, has "
+                         "closed (and its prepared prefills with it): prepare again"}
+    return Response(404, {"content-type": PROBLEM}, bytearray(json.dumps(problem).encode("utf-8")))
+
+
 class FramedExchange:
     """Requests to the framed socket at ``path``; ``api_key`` sent once per connection
     when given; ``timeout`` (s) bounds the connect and each read."""
@@ -39,20 +53,37 @@ class FramedExchange:
         self.key = None if api_key is None else api_key.encode("utf-8")
         self._sock: Optional[socket.socket] = None
         self._lock = threading.Lock()
+        self.connection = 0  # the current connection's number (0: none yet)
 
-    def request(self, op: Op, payload: bytes) -> Response:
-        """``op`` with ``payload``, and its reply (a refused API key's 401 in its place)."""
+    def request(self, op: Op, payload: bytes, connection: Optional[int] = None) -> Response:
+        """``op`` with ``payload``, and its reply (a refused API key's 401 in its place);
+        with ``connection``, only on that connection (see the module docstring)."""
+        return self.request_on(op, payload, connection)[0]
+
+    def request_on(self, op: Op, payload: bytes, connection: Optional[int] = None) -> tuple[Response, int]:
+        """`request`, and the number of the connection that answered."""
         with self._lock:
             try:
-                sock, refused = self._connected()
-                if refused is not None:
-                    self._drop()
-                    return refused
+                if connection is None:
+                    sock, refused = self._connected()
+                    if refused is not None:
+                        self._drop()
+                        return refused, self.connection
+                elif (sock := self._held(connection)) is None:
+                    return _gone(connection), connection
                 self._send(sock, request_frame(op, payload))
-                return self._read(sock)
+                return self._read(sock), self.connection
             except BaseException:
                 self._drop()
                 raise
+
+    def _held(self, connection: int) -> Optional[socket.socket]:
+        """The kept socket when it is connection number ``connection`` and still open (the
+        server has not closed it: nothing to read while idle), else None."""
+        sock = self._sock
+        if connection != self.connection or sock is None or select.select([sock], [], [], 0)[0]:
+            return None
+        return sock
 
     def close(self) -> None:
         with self._lock:
@@ -72,6 +103,7 @@ class FramedExchange:
             sock.close()
             raise httpx.ConnectError(f"framed socket {self.path}: {e}") from e
         self._sock = sock
+        self.connection += 1
         if self.key is not None:
             self._send(sock, request_frame(Op.AUTH, self.key))
             answer = self._read(sock)
@@ -136,16 +168,25 @@ class AsyncFramedExchange:
         self.key = None if api_key is None else api_key.encode("utf-8")
         self._streams: Optional[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = None
         self._lock = asyncio.Lock()
+        self.connection = 0  # as `FramedExchange.connection`
 
-    async def request(self, op: Op, payload: bytes) -> Response:
-        """``op`` with ``payload``, and its reply (a refused API key's 401 in its place)."""
+    async def request(self, op: Op, payload: bytes, connection: Optional[int] = None) -> Response:
+        """``op`` with ``payload``, and its reply (a refused API key's 401 in its place);
+        with ``connection``, only on that connection (see the module docstring)."""
+        return (await self.request_on(op, payload, connection))[0]
+
+    async def request_on(self, op: Op, payload: bytes, connection: Optional[int] = None) -> tuple[Response, int]:
+        """`request`, and the number of the connection that answered."""
         async with self._lock:
+            if connection is not None and (connection != self.connection or self._streams is None
+                                           or self._streams[0].at_eof()):
+                return _gone(connection), connection
             try:
                 streams, refused = await self._connected()
                 if refused is not None:
                     await self.aclose_connection()
-                    return refused
-                return await self._exchange(streams, request_frame(op, payload))
+                    return refused, self.connection
+                return await self._exchange(streams, request_frame(op, payload)), self.connection
             except BaseException:
                 await self.aclose_connection()
                 raise
@@ -172,6 +213,7 @@ class AsyncFramedExchange:
         except (OSError, TimeoutError) as e:
             raise httpx.ConnectError(f"framed socket {self.path}: {e}") from e
         self._streams = streams
+        self.connection += 1
         if self.key is not None:
             answer = await self._exchange(streams, request_frame(Op.AUTH, self.key))
             if answer.status >= 400:

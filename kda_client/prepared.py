@@ -7,11 +7,19 @@ laid out once: `run` copies the packed inputs into it and sends one RUN frame (a
 the server refills its buffers from those bytes, replays its launch (a CUDA graph on a GPU
 server) and writes o and the final states behind them, so nothing is encoded, parsed or
 validated per step. The prepared prefill lives on the client's framed socket connection:
-a connection the server closed (a restart) takes it along, and the next `run` raises
-`SlotNotFound` (404, ``unknown-prepared``): prepare again.
+a connection that closed (a server restart, a failed request) takes it along, and the next
+`run` raises `SlotNotFound` (404, ``unknown-prepared``) without sending anything (ids
+count from 1 on every connection: the same id on a later one is another prefill): prepare
+again.
+
+Release each (`release`, or a ``with`` block). Closing the client releases those still
+alive, and one dropped unreleased is released (on the server, its region unregistered) at
+the client's next `prepare` or at its close.
 """
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from typing import Awaitable, Callable, Optional
 
 import torch
@@ -28,15 +36,30 @@ class _Prepared:
     """What `PreparedPrefill` and `AsyncPreparedPrefill` share: ``slots`` and ``lengths``
     as prepared, its ``number`` on its connection, its inputs' and outputs' ``places`` in
     ``arena``'s region; ``finish`` raises the client's error for a refused answer and
-    returns its phases."""
+    returns its phases. ``connection``: the number of the framed connection it lives on;
+    ``orphans``: where (arena, connection, number) goes when it is garbage-collected
+    unreleased, for its client to release."""
 
     def __init__(self, arena: Arena, places: dict[str, Placed], slots: list[str], lengths: list[int], number: int,
-                 finish: Callable[[Response], dict[str, float]]) -> None:
+                 finish: Callable[[Response], dict[str, float]], connection: int,
+                 orphans: deque[tuple[Arena, int, int]]) -> None:
         self.slots, self.lengths = slots, lengths
         self._arena, self._places = arena, places
         self._id = PREPARED_ID.pack(number)
+        self._connection = connection
         self._finish = finish
         self._released = False
+        # No network at collection time (any thread, any lock held): only a note for the client.
+        self._orphaned = weakref.finalize(self, orphans.append, (arena, connection, number))
+        self._orphaned.atexit = False
+
+    def _releasing(self) -> bool:
+        """Mark it released; whether it was not already."""
+        if self._released:
+            return False
+        self._released = True
+        self._orphaned.detach()
+        return True
 
     def _put(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
         if self._released:
@@ -57,8 +80,8 @@ class PreparedPrefill(_Prepared):
 
     def __init__(self, exchange: FramedExchange, arena: Arena, places: dict[str, Placed], slots: list[str],
                  lengths: list[int], number: int, finish: Callable[[Response], dict[str, float]],
-                 unregister: Callable[[], None]) -> None:
-        super().__init__(arena, places, slots, lengths, number, finish)
+                 unregister: Callable[[], None], connection: int, orphans: deque[tuple[Arena, int, int]]) -> None:
+        super().__init__(arena, places, slots, lengths, number, finish, connection, orphans)
         self._exchange, self._unregister = exchange, unregister
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -69,15 +92,14 @@ class PreparedPrefill(_Prepared):
         prepared), copies unless the client was made with ``shm_views``; the server's errors
         as `KDAClient.prefill` raises them (a refused step changes no slot)."""
         self._put(q, k, v, g, beta)
-        return self._output(self._exchange.request(Op.RUN, self._id))
+        return self._output(self._exchange.request(Op.RUN, self._id, self._connection))
 
     def release(self) -> None:
         """Release it on the server and unregister its region (once; later calls do nothing)."""
-        if self._released:
+        if not self._releasing():
             return
-        self._released = True
         try:
-            self._finish(self._exchange.request(Op.RELEASE, self._id))
+            self._finish(self._exchange.request(Op.RELEASE, self._id, self._connection))
         finally:
             self._unregister()
 
@@ -93,23 +115,23 @@ class AsyncPreparedPrefill(_Prepared):
 
     def __init__(self, exchange: AsyncFramedExchange, arena: Arena, places: dict[str, Placed], slots: list[str],
                  lengths: list[int], number: int, finish: Callable[[Response], dict[str, float]],
-                 unregister: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(arena, places, slots, lengths, number, finish)
+                 unregister: Callable[[], Awaitable[None]], connection: int,
+                 orphans: deque[tuple[Arena, int, int]]) -> None:
+        super().__init__(arena, places, slots, lengths, number, finish, connection, orphans)
         self._exchange, self._unregister = exchange, unregister
 
     async def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor) -> PrefillOutput:
         """`PreparedPrefill.run`, awaited."""
         self._put(q, k, v, g, beta)
-        return self._output(await self._exchange.request(Op.RUN, self._id))
+        return self._output(await self._exchange.request(Op.RUN, self._id, self._connection))
 
     async def release(self) -> None:
         """`PreparedPrefill.release`, awaited."""
-        if self._released:
+        if not self._releasing():
             return
-        self._released = True
         try:
-            self._finish(await self._exchange.request(Op.RELEASE, self._id))
+            self._finish(await self._exchange.request(Op.RELEASE, self._id, self._connection))
         finally:
             await self._unregister()
 
