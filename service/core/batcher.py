@@ -17,11 +17,17 @@ and merge with it through the device thread instead.
 Callers hold their (slot, layer) keys in `state_store.SlotOrdering` before submitting, so a
 slot appears at most once among pending submissions, hence once per launch, and work on
 one (slot, layer) reaches the device in arrival order.
+
+A submitter cancelled while its submission is pending drops it: it never runs. Once taken
+into a launch, a submission cancelled before the device thread starts that launch is left
+out of it; one cancelled later runs, and its submitter waits for the launch to end before
+it lets go (so the keys it holds are not released under a launch still updating them).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, Optional, Sequence, TypeVar, Union
@@ -44,6 +50,9 @@ class _Entry(Generic[J, R]):
     job: J
     future: "asyncio.Future[R]" = field(repr=False)
     enqueued: float
+    launch: "Optional[asyncio.Future[None]]" = field(default=None, repr=False)  # done when its launch has ended
+    started: bool = False  # its launch took it (the device thread, under `Batcher._claims`)
+    withdrawn: bool = False  # its submitter was cancelled before that (the loop, under `Batcher._claims`)
 
 
 class Batcher(Generic[J, R]):
@@ -69,6 +78,7 @@ class Batcher(Generic[J, R]):
         self._arrived = asyncio.Event()
         self._task: Optional[asyncio.Task[None]] = None
         self._closed = False
+        self._claims = threading.Lock()  # an entry is started by its launch or withdrawn by its submitter, not both
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="kda-batcher")
@@ -86,9 +96,29 @@ class Batcher(Generic[J, R]):
                     return self._run_inline(entry)
             self._arrived.set()
             return await entry.future
+        except asyncio.CancelledError:
+            await self._let_go(entry)
+            raise
         finally:
             if entry in self._pending:  # cancelled before its launch: it never runs
                 self._pending.remove(entry)
+
+    async def _let_go(self, entry: _Entry[J, R]) -> None:
+        """For a cancelled submitter: a pending ``entry`` is simply dropped (`submit`'s
+        ``finally``); one taken into a launch the device thread has not started is withdrawn
+        (left out of it); one that launch already took is waited for until the launch has
+        ended (through further cancellations: the launch is bounded)."""
+        if entry.launch is None:
+            return
+        with self._claims:
+            if not entry.started:
+                entry.withdrawn = True
+                return
+        while not entry.launch.done():
+            try:
+                await asyncio.shield(entry.launch)
+            except asyncio.CancelledError:
+                continue
 
     def _may_inline(self, tokens: int) -> bool:
         return (tokens <= self._inline_tokens and self._window_s == 0 and not self._launching and not self._closed
@@ -165,19 +195,34 @@ class Batcher(Generic[J, R]):
             self._pending.remove(entry)
         return batch
 
+    def _run_submitted(self, batch: list[_Entry[J, R]]) -> list[Any]:
+        """On the device thread: ``batch``'s launch without the entries their submitters
+        withdrew while it waited for the thread (`_let_go`; their outcome None: never run)."""
+        with self._claims:
+            wanted = [not entry.withdrawn for entry in batch]
+            for entry in batch:
+                entry.started = not entry.withdrawn
+        jobs = [entry.job for entry, keep in zip(batch, wanted) if keep]
+        outcomes = iter(self._run_batch(jobs) if jobs else ())
+        return [next(outcomes) if keep else None for keep in wanted]
+
     async def _launch(self, batch: list[_Entry[J, R]]) -> None:
         start = time.monotonic()
         for entry in batch:
             self._metrics.queue_seconds.observe(start - entry.enqueued)
         self._metrics.batch_requests.observe(len(batch))
         self._launching = True
+        ended = asyncio.get_running_loop().create_future()
+        for entry in batch:
+            entry.launch = ended
         try:
-            outcomes: Sequence[Any] = await self._worker.run(self._run_batch, [e.job for e in batch])
+            outcomes: Sequence[Any] = await self._worker.run(self._run_submitted, batch)
         except Exception as e:  # the launch failed as a whole
             log.exception("kernel launch of %d request(s) failed", len(batch))
             outcomes = [e] * len(batch)
         finally:
             self._launching = False
+            ended.set_result(None)
         self._metrics.kernel_seconds.observe(time.monotonic() - start)
         for entry, outcome in zip(batch, outcomes):
             if entry.future.done():  # the submitter was cancelled mid-launch

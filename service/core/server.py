@@ -44,7 +44,7 @@ import torch
 import kernels
 from kernels.problem import packed_problem
 from state_store import (
-    HOST, CheckpointTarget, Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, Rows, SlotInfo,
+    HOST, CheckpointTarget, Persistence, PoolStats, PrefixCache, PrefixInfo, PrefixMatch, Rows, SlotGroup, SlotInfo,
     SlotOrdering, SnapshotError, StatePool, UnknownSlot, key_problem,
 )
 
@@ -77,6 +77,7 @@ class _Job:
     slots: list[str]
     allocated: list[str]
     checkpoints: list[Planned]
+    group: Optional[SlotGroup] = None  # its slots as resolved for its launch (on the device thread)
 
 
 @dataclass(frozen=True)
@@ -440,10 +441,12 @@ class ServerCore:
         lost = self.pool.first_lost([slot_id for slot_id in inputs.slots if slot_id is not None])  # or UnknownSlot
         if lost is not None:
             raise StateLost(lost)
-        if inputs.checkpoints:  # refused before anything is allocated; checked again once the slots are held
+        if inputs.checkpoints and not self._queued_on(inputs.slots, inputs.params.layer):
+            # refused before anything is allocated; checked again once the slots are held (the only check
+            # while earlier work on a slot is queued: the counts it will have are not known yet)
             plan_checkpoints(inputs, self._tokens_before(inputs.slots, inputs.params.layer))
         count = inputs.slots.count(None)
-        created = await self.worker.run(self._alloc, count) if count else []
+        created = await self._alloc_for_request(count) if count else []
         try:
             fresh = iter(created)
             slots = [s if s is not None else next(fresh) for s in inputs.slots]
@@ -515,6 +518,8 @@ class ServerCore:
         return run
 
     def _run_prepared(self, prepared: PreparedPrefill, answer: Optional[Answer]) -> PreparedRun:
+        if prepared.closed:  # released while this run waited for its slots (`close` runs on the device thread too)
+            raise InvalidRequest("this prepared prefill was released", field="prepared")
         if not self.pool.use_group(prepared.group):  # a slot freed, expired or lost since the last run's check
             group, lost = self.pool.group(prepared.slots)
             if lost is not None:
@@ -553,6 +558,10 @@ class ServerCore:
         """Let go of ``prepared``'s graph and buffers (on the device thread: never under a run)."""
         await self.worker.run(prepared.close)
 
+    def _queued_on(self, slots: Sequence[Optional[str]], layer: int) -> bool:
+        """Whether work on ``layer`` of one of ``slots`` (None: a new one) is held or waiting."""
+        return any(self.ordering.queued((s, layer)) for s in slots if s is not None)
+
     def _tokens_before(self, slots: Sequence[Optional[str]], layer: int) -> list[int]:
         """Each slot's tokens on ``layer`` (0 for a slot still to be allocated)."""
         return [0 if s is None else self.pool.slot_info(s).tokens_per_layer[layer] for s in slots]
@@ -577,14 +586,14 @@ class ServerCore:
         live, rows = [], []
         for i, job in enumerate(jobs):
             try:
-                job_rows, lost = self.pool.rows_checked(job.slots)
+                job.group, lost = self.pool.group(job.slots)  # counted later without resolving them again
             except UnknownSlot as e:
                 outcomes[i] = e
                 continue
             if lost is not None:
                 outcomes[i] = StateLost(lost)
                 continue
-            rows.extend(job_rows)
+            rows.extend(job.group.rows)
             live.append(job)
         if live and self.persistence is not None:
             try:
@@ -753,7 +762,7 @@ class ServerCore:
             if j in launched.refused:
                 results.append(launched.refused[j])
             else:
-                self.pool.record_tokens_many(job.slots, layer, job_lengths)
+                self.pool.record_group_tokens(job.group, layer, job_lengths)  # no lookup: nothing expires here
                 self.metrics.tokens.inc(sum(job_lengths))
                 self.metrics.sequences.inc(len(job_lengths))
                 o_all, final_all = ((launched.o, launched.finals) if job.valid.inputs.device_outputs
@@ -850,6 +859,22 @@ class ServerCore:
             if self.persistence is not None:
                 self.persistence.note_change()
             return slots, held.match, held.tier
+
+    async def _alloc_for_request(self, count: int) -> list[str]:
+        """``count`` new slots for a request. Cancelling the caller while they are made
+        cannot lose them: the allocation runs on, and the slots it made are freed once it
+        is done (no one could ever name them)."""
+        task = asyncio.ensure_future(self.worker.run(self._alloc, count))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._free_made)
+            raise
+
+    def _free_made(self, done: "asyncio.Future[list[str]]") -> None:
+        """Free the slots an abandoned allocation made (`_alloc_for_request`)."""
+        if not done.cancelled() and done.exception() is None:
+            self._in_background(self.worker.run(self._free_all, done.result()), "freeing abandoned slots")
 
     def _in_background(self, work: Awaitable[object], what: str) -> None:
         """Run ``work`` as a task of the serving loop that `close` waits for; a failure is logged."""

@@ -45,9 +45,10 @@ class DeviceWorker:
         self._device = device
         initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-device", initializer=initializer)
-        # each counter is written by one thread only: submitted by the loop, finished by the worker
+        # each counter is written by one thread only: submitted and cancelled by the loop, finished by the worker
         self._submitted = 0
         self._finished = 0
+        self._cancelled = 0  # submitted, then cancelled before they started: never finished
 
     def _counted(self, fn: Callable[[], _T]) -> _T:
         try:
@@ -56,17 +57,23 @@ class DeviceWorker:
             self._finished += 1
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` on the device thread, awaited from the event loop."""
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, self._counted, functools.partial(fn, *args))
+        """``fn(*args)`` on the device thread, awaited from the event loop. Cancelling the
+        caller before the thread starts it cancels it (it never runs); once started it runs
+        to its end."""
+        job = self._executor.submit(self._counted, functools.partial(fn, *args))
         self._submitted += 1  # once accepted (a closed executor raises above)
-        return await future
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if job.cancel():  # never started, never to finish: `idle` must not wait for it
+                self._cancelled += 1
+            raise
 
     @property
     def idle(self) -> bool:
         """Whether everything submitted with `run` has finished (read on the loop, which is
         the only thread that submits: an idle worker stays idle until the loop submits)."""
-        return self._submitted == self._finished
+        return self._submitted == self._finished + self._cancelled
 
     def run_inline(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` on the calling thread (the event loop), the device current there
