@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from contextlib import suppress
 from typing import Awaitable, Callable, Optional
 
 import torch
@@ -106,8 +107,14 @@ class PreparedPrefill(_Prepared):
     def __enter__(self) -> "PreparedPrefill":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, exc_type: Optional[type], *exc: object) -> None:
+        """Release it; when the block raised, a failure to release (say, on the connection
+        that failed with it) does not hide the block's error."""
+        if exc_type is None:
+            self.release()
+            return
+        with suppress(Exception):
+            self.release()
 
 
 class AsyncPreparedPrefill(_Prepared):
@@ -138,5 +145,10 @@ class AsyncPreparedPrefill(_Prepared):
     async def __aenter__(self) -> "AsyncPreparedPrefill":
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()
+    async def __aexit__(self, exc_type: Optional[type], *exc: object) -> None:
+        """`PreparedPrefill.__exit__`, awaited."""
+        if exc_type is None:
+            await self.release()
+            return
+        with suppress(Exception):
+            await self.release()

@@ -456,3 +456,19 @@ def test_one_sync_client_shared_by_threads_gives_each_its_result(server, clean, 
             assert torch.equal(out.o_packed, ref_out.o_packed) and torch.equal(out.final_state, ref_out.final_state)
             c.free(out.slots[0])
     assert not _mine(server)
+
+
+def test_a_with_block_error_is_not_hidden_by_a_failed_release(server, clean, framed, gen) -> None:
+    """The block raises after the framed connection dropped: its release then fails (the
+    prepared prefill went with the connection: `SlotNotFound`), and the block's own error
+    is what the caller sees; the region is unregistered all the same."""
+    seq = make_sequence(3, gen)
+    with KDAClient(server.url, transport="shm", framed_socket=framed) as c:
+        slot = c.alloc(1)[0]
+        with pytest.raises(KeyError, match="the block's own error"):
+            with c.prepare(0, [(slot, *seq)]) as step:
+                step.run(*seq)
+                c._framed.close()  # the connection drops
+                raise KeyError("the block's own error")
+        assert not _mine(server)
+        c.free(slot)
