@@ -48,3 +48,8 @@ class SnapshotError(PoolError):
         self.reason = reason
         where = f"snapshot {os.fspath(path)!r}" if path is not None else "slot state data"
         super().__init__(f"{where}: {reason}")
+
+
+class SnapshotNotDurable(SnapshotError):
+    """A snapshot file was renamed into place, but making the rename durable (its
+    directory's fsync) failed: after a crash the disk may hold it or the file it replaced."""

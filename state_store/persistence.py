@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
 from . import prefix_snapshot
-from .errors import GeometryMismatch, SnapshotError
+from .errors import GeometryMismatch, SnapshotError, SnapshotNotDurable
 from .pool import StatePool
 from .prefix_cache import PrefixCache
 from .snapshot import PathLike, Stamp, fsync_directory
@@ -255,22 +255,39 @@ class Persistence:
         """Write snapshot generation n+1 atomically, then empty the journal; returns n+1.
 
         Raises SnapshotError when the snapshot cannot be written (the previous snapshot and
-        the journal then still describe the pool) or the journal cannot be emptied (its
-        records are then stale, of an older generation, and ignored at restore).
+        the journal then still describe the pool), when the journal cannot be emptied (its
+        records are then stale, of an older generation, and ignored at restore) or when the
+        prefix cache's file cannot be written (after the pool's: the cache's older file
+        stays; its entries are copies, never a slot's state). The generation moves as soon
+        as the pool's file may be on disk, so every change after it is journaled under the
+        new one: when the rename may not be durable (`SnapshotNotDurable`) the journal keeps
+        its older records too, and a restart that finds the older file then sees records of
+        a newer generation and flags every slot lost rather than serve a stale state.
         """
         with self._pool.lock:
             generation = self._generation + 1
-            self._pool.snapshot(self._path, generation)
-            if self._prefix_cache is not None:
-                prefix_snapshot.write(self.prefix_path, self._prefix_cache)
+            try:
+                self._pool.snapshot(self._path, generation)
+            except SnapshotNotDurable:
+                self._generation = generation  # announce every change anew under it; keep the journal
+                self._advanced.clear()
+                raise
             self._generation = generation
             self._advanced.clear()
             self._changed = False
+            prefix_error: Optional[SnapshotError] = None
+            if self._prefix_cache is not None:
+                try:
+                    prefix_snapshot.write(self.prefix_path, self._prefix_cache)
+                except SnapshotError as exc:
+                    prefix_error = exc
             try:
                 os.ftruncate(self._journal_fd(), 0)
                 os.fsync(self._journal_fd())
             except OSError as exc:
                 raise SnapshotError(self._journal_path, f"cannot empty the journal: {exc}") from exc
+            if prefix_error is not None:
+                raise prefix_error
             return generation
 
     def advancing(self, slot_ids: Iterable[str]) -> None:

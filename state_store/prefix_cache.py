@@ -316,7 +316,7 @@ class PrefixCache:
         """The entry to write ``key`` at ``tokens`` into, made the most recent: the present
         one when it is at that offset on the device and not being restored, else a new one
         (a copy of the present one's layers when at the same offset). None when an entry
-        cannot fit in either tier."""
+        cannot fit in either tier, or its memory cannot be had (the present one then stays)."""
         old = self._entries.get(key)
         if old is not None and old.tokens == tokens and old.tier == DEVICE and not old.pins:
             self._touch(old)
@@ -327,7 +327,13 @@ class PrefixCache:
         if tier is None:
             self._evicted(DEVICE)
             return None
-        entry = Entry(key, tokens, self._new_tensor(tier), [False] * self._geometry.num_layers, tier, self._clock())
+        try:
+            state = self._new_tensor(tier)
+        except torch.cuda.OutOfMemoryError:
+            if old is not None and self._make_room(old.tier, old.nbytes):  # within its tier's budget again
+                self._entries[key] = old
+            return None
+        entry = Entry(key, tokens, state, [False] * self._geometry.num_layers, tier, self._clock())
         if old is not None and old.tokens == tokens:
             entry.state.copy_(old.state)
             entry.have = list(old.have)

@@ -26,7 +26,7 @@ import torch
 from tensor_io import safetensors_format
 from tensor_io.views import tensor_bytes
 
-from .errors import GeometryMismatch, SnapshotError
+from .errors import GeometryMismatch, SnapshotError, SnapshotNotDurable
 from .geometry import PoolGeometry
 from .records import SlotInfo
 
@@ -100,7 +100,8 @@ def write_atomically(path: PathLike, name: str, dtype: torch.dtype, shape: tuple
     """One safetensors file at ``path`` holding the tensor ``name`` of ``dtype`` and
     ``shape`` (the bytes of ``parts`` concatenated) and ``metadata``, written atomically: a
     temporary file beside it, fsynced, renamed over ``path``, the directory fsynced.
-    SnapshotError when it cannot be written (the old file, if any, is left as it was)."""
+    SnapshotError when it cannot be written (the old file, if any, is left as it was);
+    SnapshotNotDurable when it was renamed in but the directory's fsync failed."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
@@ -114,9 +115,12 @@ def write_atomically(path: PathLike, name: str, dtype: torch.dtype, shape: tuple
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             raise
-        fsync_directory(directory)
     except OSError as exc:
         raise SnapshotError(path, f"cannot write: {exc}") from exc
+    try:
+        fsync_directory(directory)
+    except OSError as exc:
+        raise SnapshotNotDurable(path, f"renamed into place, but the rename may not survive a crash: {exc}") from exc
 
 
 def fsync_directory(directory: str) -> None:

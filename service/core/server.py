@@ -817,12 +817,18 @@ class ServerCore:
     def _store_checkpoints(self, jobs: list[_Job], refused: Mapping[int, Exception],
                            placed: Sequence[tuple[CheckpointTarget, torch.Tensor]]) -> None:
         """Commit the launch's checkpoints (``placed``: each target with the state the launch
-        wrote, [HV, V, K]) to the prefix cache, but those of jobs rolled back (``refused``)."""
+        wrote, [HV, V, K]) to the prefix cache, but those of jobs rolled back (``refused``).
+        The launch has committed its slots: a checkpoint that cannot be stored (no memory
+        for a new entry) is logged and left out, never failing the prefill (the cache only
+        holds copies)."""
         written = iter(placed)
         for j, job in enumerate(jobs):
             for _, (target, state) in zip(job.checkpoints, written):
                 if j not in refused:
-                    self.prefix_cache.commit(target, state)
+                    try:
+                        self.prefix_cache.commit(target, state)
+                    except Exception:
+                        log.exception("checkpoint %r at %d tokens was not stored", target.key, target.tokens)
         if self.persistence is not None:
             self.persistence.note_change()
 

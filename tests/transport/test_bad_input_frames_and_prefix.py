@@ -12,6 +12,7 @@ import time
 import zlib
 from pathlib import Path
 from typing import Any, Iterator, Optional
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ from server_harness import metric
 from kda_client.framed import FramedExchange
 from kda_client.small import Response
 from service.wire.frames import MAX_FRAME, PREPARED_ID, Op, request_frame, split_reply
+from service.wire.schema import PREFIX_DROPPED_HEADER
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -727,3 +729,25 @@ def test_a_prefix_match_on_a_lone_surrogate_key_neither_500s_nor_leaks_a_slot(sr
             http.delete(f"/slots/{s}")
     finally:
         _alive(srv, http)
+
+
+@pytest.mark.parametrize("key", ["line\nbreak", "a/b\n/c", "\u00e9\n"])
+def test_a_key_with_newlines_or_slashes_is_named_by_its_routes(srv, http, key):
+    """Any valid key names its entry in ``/prefix/{key}`` (percent-encoded): published,
+    found by GET, dropped by DELETE (204, the header saying it was there), then gone (404
+    unknown-prefix, not the router's not-found)."""
+    gen = torch.Generator().manual_seed(9)
+    from kda_client.client import KDAClient
+    with KDAClient(srv.url) as client:
+        slot = client.alloc(1)[0]
+        for layer in range(LAYERS):
+            client.prefill(layer, [(slot, *make_sequence(3, gen))])
+        client.publish(slot, key)
+        client.free(slot)
+    path = "/prefix/" + quote(key, safe="")
+    got = http.get(path)
+    assert got.status_code == 200 and got.json()["key"] == key and got.json()["tokens"] == 3
+    dropped = http.delete(path)
+    assert dropped.status_code == 204 and dropped.headers[PREFIX_DROPPED_HEADER] == "true"
+    gone = http.get(path)
+    assert gone.status_code == 404 and gone.json()["type"].endswith("unknown-prefix")

@@ -6,10 +6,28 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Response
+from starlette.convertors import Convertor, register_url_convertor
 
 from ...core.api import CoreAPI
 from ...wire.schema import PREFIX_DROPPED_HEADER, PrefixEntryJSON, PublishRequest
 from ..openapi import error_responses
+
+
+class PrefixKeyConvertor(Convertor[str]):
+    """A prefix key in a path: any characters after ``/prefix/``, slashes and newlines
+    included (the ``path`` convertor's ``.*`` stops at a newline, so such a key's route
+    did not match: a 404 where DELETE documents 204)."""
+
+    regex = "(?s:.*)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("prefix_key", PrefixKeyConvertor())  # Starlette's registry: the same name, the same convertor
 
 
 def entry_json(info: Any) -> dict[str, Any]:
@@ -32,12 +50,12 @@ def add_prefix_routes(router: APIRouter, core: CoreAPI) -> None:
     async def publish(slot_id: str, body: PublishRequest) -> dict[str, Any]:
         return entry_json(await core.publish(slot_id, body.key))
 
-    @router.get("/prefix/{key:path}", response_model=PrefixEntryJSON, responses=error_responses(404),
+    @router.get("/prefix/{key:prefix_key}", response_model=PrefixEntryJSON, responses=error_responses(404),
                 summary="A prefix cache entry's metadata")
     async def prefix_info(key: str) -> dict[str, Any]:
         return entry_json(await core.prefix_info(key))
 
-    @router.delete("/prefix/{key:path}", status_code=204, responses=error_responses(400),
+    @router.delete("/prefix/{key:prefix_key}", status_code=204, responses=error_responses(400),
                    summary="Remove a prefix cache entry (idempotent: 204 whether or not there was one; "
                            f"the {PREFIX_DROPPED_HEADER} header says which)")
     async def drop_prefix(key: str) -> Response:
