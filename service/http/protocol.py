@@ -238,6 +238,8 @@ class KDAHttpProtocol(HttpToolsProtocol):
         self._idle: Optional[asyncio.TimerHandle] = None  # closes a connection that starts no request
         self._header_deadline: Optional[asyncio.TimerHandle] = None  # 408 for headers still incomplete
         self._corks: list[CorkedWrites] = []  # the writes of responses not yet complete (pipelining: several)
+        self._refusal: Optional[bytes] = None  # a refusal waiting for the responses to the requests before it
+        self._trailer_bytes = 0  # the trailer fields of the request's chunked body so far
 
     # -- connection limits ---------------------------------------------------------------
 
@@ -268,17 +270,42 @@ class KDAHttpProtocol(HttpToolsProtocol):
                                      f"{self.limits.header_timeout_s:g} s of their first byte (--header-timeout-s)"))
 
     def _refuse(self, response: bytes) -> None:
+        """Answer a request that cannot be read with ``response`` and close the connection:
+        at once when it is the request whose body is being read (its own handler sees the
+        client gone), else (a request that follows others on the connection) once the
+        requests before it are answered, in order (pipelining); nothing more is read
+        meanwhile."""
         self._cancel_timers()
         self.logger.warning("refused a request: %s", response.split(b"\r\n", 1)[0].decode("latin-1"))
+        if not (self.cycle is not None and self.cycle.more_body) and self._answering():
+            self._refusal = response
+            self.flow.pause_reading()
+            return
         self.transport.write(response)
         self.transport.close()
+
+    def _answering(self) -> bool:
+        """Whether a request begun before now is still to be answered (running or queued)."""
+        return (self.cycle is not None and not self.cycle.response_complete) or bool(self.pipeline)
 
     def _header_size_problem(self, size: int) -> bytes:
         return raw_problem(431, "request-header-fields-too-large", f"the request line and headers hold {size} bytes "
                            f"or more, over the {self.limits.max_header_bytes}-byte limit (--max-header-kb)")
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_headers:
+            super().on_header(name, value)
+            return
+        # a chunked body's trailer field: counted against the header limit, then dropped (nothing reads trailers)
+        self._trailer_bytes += len(name) + len(value) + 4
+        if self._trailer_bytes > self.limits.max_header_bytes:
+            raise _Refusal(raw_problem(431, "request-header-fields-too-large", f"the chunked body's trailer fields "
+                                       f"hold {self._trailer_bytes} bytes or more, over the "
+                                       f"{self.limits.max_header_bytes}-byte limit (--max-header-kb)"))
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._trailer_bytes = 0
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
@@ -299,6 +326,12 @@ class KDAHttpProtocol(HttpToolsProtocol):
             raise _Refusal(raw_problem(400, "upgrade-not-supported", f"this server speaks HTTP/1.1 only: it does not "
                                        f"upgrade the connection (Upgrade: {upgrade[:64]!r}); send the request "
                                        "without Upgrade", title="Upgrade not supported"))
+        version = self.parser.get_http_version()
+        if version == "1.0":
+            self.expect_100_continue = False  # RFC 9110 10.1.1: an HTTP/1.0 request's expectation is ignored
+        elif (hosts := sum(1 for name, _ in self.headers if name == b"host")) != 1:
+            raise _Refusal(raw_problem(400, "bad-request", f"an HTTP/{version} request needs exactly one Host "
+                                       f"header (RFC 9112 3.2), got {hosts}"))
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
@@ -306,6 +339,12 @@ class KDAHttpProtocol(HttpToolsProtocol):
             cork.flush()
         self._corks = [c for c in self._corks if c.owner is not None and not c.owner.response_complete]
         super().on_response_complete()
+        if self._refusal is not None:  # the refused request's turn once every request before it is answered
+            self.flow.pause_reading()
+            if not self._answering() and not self.transport.is_closing():
+                self.transport.write(self._refusal)
+                self.transport.close()
+            return
         if not self.transport.is_closing() and not self.pipeline and self._idle is None:
             # idle between requests: uvicorn's keep-alive timer, which any byte cancels; this
             # one only a request's start does
@@ -314,6 +353,8 @@ class KDAHttpProtocol(HttpToolsProtocol):
     # -- bytes in ------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:  # a request was refused: nothing after it is read
+            return
         self._unset_keepalive_if_required()
         whole = self._whole
         if whole is not None and whole.cycle is self.cycle and whole.remaining > 0:
@@ -342,9 +383,7 @@ class KDAHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserError as e:
             status, response = parser_problem(e)
             self.logger.warning("Invalid HTTP request received (%s): %d", e, status)
-            self._cancel_timers()
-            self.transport.write(response)
-            self.transport.close()
+            self._refuse(response)
             return
         if self._in_headers and self._messages == counted:  # still the same headers: all of data was theirs
             self._header_bytes += len(data)  # (a request that began inside data is counted from the next read)

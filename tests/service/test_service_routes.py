@@ -18,8 +18,8 @@ REST = {
     ("GET", "/slots/{slot_id}/state"), ("PUT", "/slots/{slot_id}/state"), ("POST", "/prefill"),
     ("POST", "/shm/regions"), ("GET", "/shm/regions"), ("GET", "/shm/regions/{name}"),
     ("DELETE", "/shm/regions/{name}"), ("GET", "/info"), ("GET", "/metrics"), ("GET", "/health/live"),
-    ("GET", "/health/ready"), ("POST", "/slots/{slot_id}/publish"), ("GET", "/prefix/{key:path}"),
-    ("DELETE", "/prefix/{key:path}"),
+    ("GET", "/health/ready"), ("POST", "/slots/{slot_id}/publish"), ("GET", "/prefix/{key:prefix_key}"),
+    ("DELETE", "/prefix/{key:prefix_key}"),
 }
 
 
