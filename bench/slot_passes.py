@@ -5,7 +5,7 @@ around the kernels: the slot ordering's hold and release, the pool's rows and lo
 check, the token counts. On the H200 host the server spends ~1 ms of a 256-sequence step
 between its phases (bench/RESULTS.md); this prints each pass's host time for ``--slots``
 slots (medians of ``--calls`` calls, microseconds), and the two ways to take a launch's rows
-side by side (`StatePool.rows` then `first_lost`, against `StatePool.rows_checked`).
+side by side (`StatePool.rows` then `first_lost`, against `StatePool.group`).
 
     python bench/slot_passes.py [--slots 256] [--calls 2000]
 """
@@ -60,7 +60,7 @@ def main() -> None:
         "SlotOrdering.hold and release": asyncio.run(_ordering_us([(s, 0) for s in ids], args.calls)),
         "StatePool.first_lost (the request's pre-check)": median_us(lambda: pool.first_lost(ids), args.calls),
         "StatePool.rows, then first_lost": median_us(lambda: (pool.rows(ids), pool.first_lost(ids)), args.calls),
-        "StatePool.rows_checked (the launch's)": median_us(lambda: pool.rows_checked(ids), args.calls),
+        "StatePool.group (the launch's)": median_us(lambda: pool.group(ids), args.calls),
         "StatePool.record_tokens_many": median_us(lambda: pool.record_tokens_many(ids, 0, counts), args.calls),
     }
     print(f"per-slot passes over {args.slots} slots, median us of {args.calls} calls:")

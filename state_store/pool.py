@@ -143,7 +143,7 @@ class StatePool:
     @property
     def generation(self) -> int:
         """A counter that moves whenever a live slot stops being live (freed, swept, the id
-        map restored) or is flagged lost: slots found live and sound (`rows_checked`) at one
+        map restored) or is flagged lost: slots found live and sound (`group`) at one
         generation still are while it has not moved and none has idled past the ttl (an
         idle slot expires lazily, when next resolved: no generation moves before), so a
         caller checking the same slots again and again (a prepared prefill's runs) may skip
@@ -165,6 +165,11 @@ class StatePool:
     def spare_rows(self) -> int:
         """How many spare rows the pool has (free or taken): the most one launch can take."""
         return self._map.num_spares
+
+    @property
+    def free_spare_rows(self) -> int:
+        """How many spare rows are free now (all of them between launches)."""
+        return self._map.spare_count
 
     @property
     def lock(self) -> threading.RLock:
@@ -285,15 +290,6 @@ class StatePool:
         return list(map(_ROW, slots))
 
     @_locked
-    def rows_checked(self, slot_ids: Sequence[str]) -> tuple[list[int], Optional[str]]:
-        """`rows` and `first_lost` in one pass under one lock (a launch's check of hundreds
-        of slots): the rows of ``slot_ids`` in order and the first of them flagged
-        state_lost, or None. UnknownSlot for the first id that is not live, having resolved
-        none; otherwise every slot is marked used."""
-        group, lost = self.group(slot_ids)
-        return group.rows, lost
-
-    @_locked
     def read_state(self, slot_id: str) -> torch.Tensor:
         """A copy of the slot's state, [L, HV, V, K] in the pool dtype, on the pool device."""
         return self._read_slot(self._touch(slot_id).row)
@@ -338,9 +334,10 @@ class StatePool:
 
     @_locked
     def group(self, slot_ids: Sequence[str]) -> tuple[SlotGroup, Optional[str]]:
-        """`rows_checked` kept for later runs: the slots of ``slot_ids`` as a `SlotGroup`
-        (every one marked used now) and the first of them flagged state_lost, or None.
-        UnknownSlot for the first id that is not live, having resolved none."""
+        """The slots of ``slot_ids`` resolved in one pass under one lock (a launch's check of
+        hundreds of slots), as a `SlotGroup` (every one marked used now; its ``rows`` are the
+        launch's slot rows), and the first of them flagged state_lost, or None. UnknownSlot
+        for the first id that is not live, having resolved none."""
         if isinstance(slot_ids, str):
             raise TypeError("a sequence of slot ids is needed, not one id")
         slots = self._resolve_all(slot_ids)  # (an expiry found here raises, having moved the generation)

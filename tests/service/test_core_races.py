@@ -139,14 +139,6 @@ async def _same(core: ServerCore, a: str, b: str) -> None:
     assert (await core.slot_info(a)).tokens_per_layer == (await core.slot_info(b)).tokens_per_layer
 
 
-def _spares_free(core: ServerCore) -> bool:
-    taken = core.pool.take_spares(core.pool.spare_rows)
-    if taken is None:
-        return False
-    core.pool.return_spares(taken)
-    return True
-
-
 # -- slot operations queued behind a launch on the slot: each sees the launch whole -------
 
 
@@ -192,7 +184,7 @@ def test_slot_operations_wait_for_the_launch_in_flight_on_the_slot(op: str, gen:
                 assert not core.has_slot(a)
                 with pytest.raises(UnknownSlot):
                     await core.get_state(a)
-            assert _spares_free(core)
+            assert core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -223,7 +215,7 @@ def test_publish_waits_for_the_launch_in_flight(gen: torch.Generator, monkeypatc
             (restored,), match = await core.alloc_prefix(["p"])
             assert match.tokens == 70
             await _same(core, restored, ref)
-            assert _spares_free(core)
+            assert core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -267,7 +259,7 @@ def test_slot_operations_wait_for_a_prepared_run_in_flight(op: str, gen: torch.G
                     await core.run_prepared(prepared)
             await core.release_prepared(prepared)
             await core.release_prepared(ref_prepared)
-            assert _spares_free(core)
+            assert core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -313,7 +305,7 @@ def test_a_prepared_run_and_a_prefill_on_one_slot_apply_in_arrival_order(prepare
             assert (await core.slot_info(a)).tokens_per_layer[LAYER] == 71
             for p in (prepared, ref_prepared):
                 await core.release_prepared(p)
-            assert _spares_free(core)
+            assert core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -348,7 +340,7 @@ def test_two_prepared_prefills_sharing_a_slot_run_one_at_a_time(gen: torch.Gener
             assert (await core.slot_info(b)).tokens_per_layer[LAYER] == 2
             for p in (p1, p2, r1, r2):
                 await core.release_prepared(p)
-            assert _spares_free(core)
+            assert core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -379,7 +371,7 @@ def test_two_prefills_on_one_slot_pending_together_are_not_merged(gen: torch.Gen
             assert sum(sizes) == 4 and max(sizes) <= 2  # [a], [b, c], [b]: b never twice in one launch
             for s, r in ((a, ra), (b, rb), (c, rc)):
                 await _same(core, s, r)
-            assert _spares_free(core)
+            assert core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -421,7 +413,7 @@ def test_a_request_cancelled_while_it_waits_for_its_slot_changes_nothing(gen: to
             await core.prefill(_prefill(ra, seq))
             await _same(core, a, ra)
             await core.release_prepared(prepared)
-            assert core.ordering.queued((a, LAYER)) == 0 and _spares_free(core)
+            assert core.ordering.queued((a, LAYER)) == 0 and core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -571,7 +563,7 @@ def test_releasing_a_prepared_prefill_during_its_run_lets_the_run_finish(gen: to
             with pytest.raises(InvalidRequest):
                 await core.run_prepared(prepared)
             assert torch.equal(await core.get_state(a), after)
-            assert (await core.slot_info(a)).tokens_per_layer[LAYER] == 1 and _spares_free(core)
+            assert (await core.slot_info(a)).tokens_per_layer[LAYER] == 1 and core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -668,7 +660,7 @@ def test_a_slot_expiring_during_its_launch_does_not_half_apply_the_request(gen: 
             tokens = (await core.slot_info(a)).tokens_per_layer[LAYER]
             changed = not torch.equal(await core.get_state(a), before)
             await core.release_prepared(prepared)
-            assert _spares_free(core)
+            assert core.pool.free_spare_rows == core.pool.spare_rows
             # whole (a advanced and counted) or nothing (a unchanged, nothing counted)
             assert (changed, tokens) in ((True, 5), (False, 0)), (outcome, changed, tokens)
 
@@ -701,7 +693,7 @@ def test_a_sweep_requested_during_a_launch_frees_only_the_idle_slot(gen: torch.G
             await launch
             assert await sweep == [b]
             await _same(core, a, ref)
-            assert core.slot_ids() and b not in core.slot_ids() and _spares_free(core)
+            assert core.slot_ids() and b not in core.slot_ids() and core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -731,7 +723,7 @@ def test_work_queued_behind_a_free_finds_the_slot_gone(gen: torch.Generator,
             assert all(isinstance(o, UnknownSlot) for o in outcomes), outcomes
             assert core.stats().used == 0 and core.stats().frees == 1
             fresh = await core.alloc(8)
-            assert a not in fresh and _spares_free(core)
+            assert a not in fresh and core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)
 
@@ -762,6 +754,6 @@ def test_restoring_a_prefix_while_its_last_layer_is_checkpointed_sees_it_whole(
             (restored,), match = await restore
             assert match.matched == 1 and match.tokens == 64
             await _same(core, restored, a)
-            assert _spares_free(core)
+            assert core.pool.free_spare_rows == core.pool.spare_rows
 
     _run(main)

@@ -64,9 +64,7 @@ def test_prepared_decode_steps_move_rows_and_give_every_spare_back(device: str, 
                 await core.run_prepared(prepared)
                 rows = [core.pool.layer_rows(1, core.pool.rows(slots))]
                 seen.append(([(await core.get_state(s))[1].cpu() for s in slots], rows))
-                taken = core.pool.take_spares(core.pool.spare_rows)  # every spare row free again
-                assert taken is not None
-                core.pool.return_spares(taken)
+                assert core.pool.free_spare_rows == core.pool.spare_rows  # every spare row free again
             assert len(delivered) == len(steps)
             await core.release_prepared(prepared)
             return seen

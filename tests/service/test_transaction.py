@@ -26,15 +26,6 @@ DEVICES = [
 ]
 
 
-def _all_spares_free(core: ServerCore) -> bool:
-    """Whether every spare row of the core's pool is free (no launch kept one)."""
-    taken = core.pool.take_spares(core.pool.spare_rows)
-    if taken is None:
-        return False
-    core.pool.return_spares(taken)
-    return True
-
-
 def _layer(device: str, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(8, HV, V, K, generator=gen).to(device)
 
@@ -279,7 +270,7 @@ def test_a_failed_launch_restores_its_slots_in_the_server(device: str, spare_row
             monkeypatch.setattr(server_module.kernels, "run_problem", real)
             after = await core.get_state(slot)
             info = await core.slot_info(slot)
-            assert _all_spares_free(core)
+            assert core.pool.free_spare_rows == core.pool.spare_rows
             result = await core.prefill(prefill_inputs(slot, second))
             return before, after, failed.value, info, result
         finally:
@@ -474,7 +465,7 @@ def test_inputs_failing_the_kernels_check_are_refused_after_the_launch_and_chang
     assert not torch.equal(core.pool.read_state(slots[1]).cpu(), before[1])
     assert core.pool.slot_info(slots[0]).tokens_per_layer == [0, 0]
     assert core.pool.slot_info(slots[1]).tokens_per_layer == [3, 0]
-    assert _all_spares_free(core)  # the refused request's spare row went back, the other's old row too
+    assert core.pool.free_spare_rows == core.pool.spare_rows  # the refused request's spare row went back, the other's old row too
     o2, h2 = reference([good], initial=before[1][0:1])
     assert rel(outcomes[1].o, o2) < TOL
 

@@ -308,7 +308,7 @@ def test_a_prepared_runs_slot_cannot_expire_while_the_run_is_in_flight(gen):
     a lazy expiry on the event loop during the run (`stats` for a metrics scrape,
     `has_slot`, `slot_info`, another request's `first_lost`) must not free a slot the run
     is updating (`StatePool.use_group` marks them used as the run starts, as
-    `rows_checked` does for a batched prefill): the run's tokens are counted into live
+    `group` does for a batched prefill): the run's tokens are counted into live
     slots."""
     import threading
 

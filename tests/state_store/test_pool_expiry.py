@@ -100,7 +100,7 @@ def test_times_are_reported_in_unix_seconds(clock):
 
 BATCH_USES = {
     "rows": lambda pool, ids: pool.rows(ids),
-    "rows_checked": lambda pool, ids: pool.rows_checked(ids),
+    "group": lambda pool, ids: pool.group(ids),
     "record_tokens_many": lambda pool, ids: pool.record_tokens_many(ids, 0, [1] * len(ids)),
     "first_lost": lambda pool, ids: pool.first_lost(ids),
 }

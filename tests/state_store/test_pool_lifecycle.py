@@ -344,20 +344,22 @@ def test_first_lost_names_the_first_flagged_slot():
         pool.first_lost([a, "gone", b])
 
 
-def test_rows_checked_gives_the_rows_and_the_first_lost_slot_and_marks_them_used(clock):
+def test_group_gives_the_rows_and_the_first_lost_slot_and_marks_them_used(clock):
     pool = make_pool(clock=clock)
     a, b, c = pool.alloc(3)
     expected = pool.rows([a, c, b])
     before = pool.slot_info(b).last_used
-    assert pool.rows_checked([a, c, b]) == (expected, None)
+    group, lost = pool.group([a, c, b])
+    assert (group.rows, group.index.tolist(), group.ids, lost) == (expected, expected, (a, c, b), None)
     pool.mark_lost([c, b])
     clock.advance(5.0)
-    assert pool.rows_checked([a, c, b]) == (expected, c)
+    group, lost = pool.group([a, c, b])
+    assert (group.rows, lost) == (expected, c)
     assert all(pool.slot_info(s).last_used == before + 5.0 for s in (a, b, c))
     with pytest.raises(UnknownSlot):
-        pool.rows_checked([a, "gone"])
+        pool.group([a, "gone"])
     with pytest.raises(TypeError):
-        pool.rows_checked(a)
+        pool.group(a)
 
 
 def test_generation_moves_exactly_when_a_live_slot_may_no_longer_check(clock, tmp_path):
@@ -369,7 +371,7 @@ def test_generation_moves_exactly_when_a_live_slot_may_no_longer_check(clock, tm
     seen = pool.generation
     pool.alloc(1)
     pool.fork(a)
-    pool.rows_checked([a, b])
+    pool.group([a, b])
     pool.record_tokens_many([a, b], 0, [1, 1])
     pool.write_state(a, random_state(pool, 0))
     pool.import_(pool.export(a), b)

@@ -62,6 +62,12 @@ def test_too_few_spares_take_none() -> None:
     assert pool.take_spares(3) is None
     taken = pool.take_spares(2)
     assert taken is not None and len(set(taken)) == 2 and pool.take_spares(1) is None
+    assert (pool.spare_rows, pool.free_spare_rows) == (2, 0)
+    pool.return_spares(taken[:1])
+    assert pool.free_spare_rows == 1
+    with pytest.raises(ValueError):  # more back than were taken: a row would be spare twice
+        pool.return_spares([taken[1], taken[1]])
+    assert pool.free_spare_rows == 1
 
 
 def test_a_commit_of_rows_that_moved_changes_nothing() -> None:
