@@ -407,7 +407,8 @@ class StatePool:
         now = self._clock()
         for slot in slots:
             slot.last_used = now
-        self._tokens[list(map(_ROW, slots)), layer] += counts  # distinct slots (a launch's): one add each
+        n = len(slots)  # distinct slots (a launch's): one add each; arrays built in C loops
+        self._tokens[np.fromiter(map(_ROW, slots), np.int64, n), layer] += np.fromiter(counts, np.int64, n)
 
     @_locked
     def first_lost(self, slot_ids: Sequence[str]) -> Optional[str]:
