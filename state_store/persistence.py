@@ -10,7 +10,9 @@ the change it announces:
 - ``advance``: the states of these slots are about to change in place (a prefill launch, a
   state upload). Written once per slot per generation, so a busy slot costs one fsync per
   snapshot interval, not one per launch.
-- ``free``: the slot is about to be freed.
+- ``free``: the slot is about to be freed: by a free (`Persistence.freeing`), or because it
+  idled past the pool's ttl (the pool's expiry hook, lazily or in a sweep: it would
+  otherwise come back alive after a restart, its ttl counting again from the snapshot).
 
 Taking snapshot n+1 empties the journal, in the same locked step as the snapshot's atomic
 rename, so no change falls between the two. At restore, the records of the snapshot's
@@ -75,8 +77,9 @@ class RestoreReport:
     starts empty); ``restored``: live slots after the restore; ``lost``: slots of the
     snapshot that advanced after it, now flagged ``state_lost``; ``gone``: slots that
     advanced after the snapshot but are not in it (created later), now unknown;
-    ``refreed``: slots freed after the snapshot, freed again; ``journal_intact``: False when
-    the journal could not be trusted and every restored slot was flagged lost;
+    ``refreed``: slots freed (or expired) after the snapshot, freed again;
+    ``journal_intact``: False when the journal could not be trusted and every restored
+    slot was flagged lost;
     ``prefix_entries``: prefix cache entries restored; ``prefix_problem``: why the prefix
     cache file could not be used (the cache then starts empty), or None."""
 
@@ -154,10 +157,11 @@ class Persistence:
     Call `restore` once, before anything else: it loads the snapshot (when there is one),
     applies the journal and opens it for appending. Then announce every change with
     `advancing` (before an in-place state change) or `freeing` (before a free), note other
-    changes (allocations, forks, expiries) with `note_change`, and call `snapshot` to write
-    the next generation. Every method holds the pool's lock; call them from the thread that
-    changes the pool (the service's device thread), so an announcement and its change are
-    never separated by a snapshot.
+    changes (allocations, forks) with `note_change`, and call `snapshot` to write the next
+    generation. Expiries announce themselves: this installs the pool's expiry hook, which
+    journals them as frees under the pool's lock, whichever thread finds them. Every method
+    holds the pool's lock; call them from the thread that changes the pool (the service's
+    device thread), so an announcement and its change are never separated by a snapshot.
 
     With a ``prefix_cache``, every snapshot also writes its entries to ``path + ".prefix"``
     (`state_store.prefix_snapshot`) and `restore` loads them; a prefix file that cannot be
@@ -173,6 +177,7 @@ class Persistence:
         self._generation = 0
         self._advanced: set[str] = set()
         self._changed = False
+        pool.set_expiry_hook(self._expiring)
 
     @property
     def path(self) -> str:
@@ -194,8 +199,9 @@ class Persistence:
 
     def restore(self) -> RestoreReport:
         """Load the snapshot when one exists, apply the journal (see the module docstring),
-        open the journal for appending, and, when the journal held anything, write the next
-        snapshot at once so that the flags just set survive another crash.
+        open the journal for appending, and, when the journal held anything or a slot
+        expired meanwhile (before the journal was open), write the next snapshot at once so
+        that the flags just set, and the expiries, survive another crash.
 
         Raises SnapshotError or GeometryMismatch when the snapshot cannot be used (the pool
         is then left as it was, and nothing is written).
@@ -207,7 +213,7 @@ class Persistence:
             report = self._apply(stamp, journal)
             report = self._restore_prefix_cache(report)
             self._open_journal()
-            if not journal.empty:
+            if not journal.empty or self._changed:
                 self.snapshot()
             return report
 
@@ -309,10 +315,21 @@ class Persistence:
             self._advanced.discard(slot_id)
 
     def note_change(self) -> None:
-        """Record a change the journal need not name (an allocation, a fork, an expiry):
-        the slots it creates are simply absent from the last snapshot."""
+        """Record a change the journal need not name (an allocation, a fork): the slots it
+        creates are simply absent from the last snapshot."""
         with self._pool.lock:
             self._changed = True
+
+    def _expiring(self, slot_ids: list[str]) -> None:
+        """The pool's expiry hook: ``slot_ids`` idled past the ttl and are about to be freed,
+        journaled as a free (SnapshotError as for `freeing`: then the pool frees none). Only
+        noted while the journal is not open (`restore`'s own look at the slots, which then
+        writes a snapshot; after `close`)."""
+        with self._pool.lock:
+            self._changed = True
+            if self._fd is not None:
+                self._append(FREE, slot_ids)
+            self._advanced.difference_update(slot_ids)
 
     def close(self) -> None:
         """Close the journal (the files stay)."""

@@ -96,8 +96,9 @@ class StatePool:
 
     Slots idle (not used by rows, read_state, write_state, fork, export, import_,
     record_tokens) for more than ``ttl`` seconds of ``clock`` are freed: lazily, on access
-    to the id, and by `sweep`. Every method holds ``lock`` (a re-entrant lock the caller
-    may also hold, e.g. across a kernel launch on `storage`).
+    to the id, and by `sweep`; an expiry hook (`set_expiry_hook`) hears of them first.
+    Every method holds ``lock`` (a re-entrant lock the caller may also hold, e.g. across a
+    kernel launch on `storage`).
     """
 
     def __init__(
@@ -139,6 +140,14 @@ class StatePool:
         self._free_rows = list(range(num_slots))  # a min-heap: lowest free row first
         self._allocations = self._frees = self._expiries = 0
         self._generation = 0  # `generation`
+        self._expiry_hook: Optional[Callable[[list[str]], None]] = None
+
+    def set_expiry_hook(self, hook: Optional[Callable[[list[str]], None]]) -> None:
+        """Have ``hook(slot_ids)`` called, holding the lock, before slots idle past the ttl
+        are freed (lazily or by `sweep`): a journal announces them as it does a free. When
+        it raises, none of them is freed and the error propagates from the method that
+        found them (they expire at a later look). None: no hook."""
+        self._expiry_hook = hook
 
     @property
     def generation(self) -> int:
@@ -519,8 +528,7 @@ class StatePool:
         if slot is None:
             raise UnknownSlot(slot_id)
         if self._ttl is not None and self._clock() - slot.last_used > self._ttl:
-            self._release(slot_id)
-            self._expiries += 1
+            self._expire([slot_id])
             raise UnknownSlot(slot_id)
         return slot
 
@@ -602,10 +610,17 @@ class StatePool:
             return []
         now = self._clock()
         expired = [sid for sid, slot in self._slots.items() if now - slot.last_used > self._ttl]
-        for slot_id in expired:
-            self._release(slot_id)
-        self._expiries += len(expired)
+        if expired:
+            self._expire(expired)
         return expired
+
+    def _expire(self, slot_ids: list[str]) -> None:
+        """Free ``slot_ids`` (live, idle past the ttl) once the expiry hook has heard of them."""
+        if self._expiry_hook is not None:
+            self._expiry_hook(slot_ids)
+        for slot_id in slot_ids:
+            self._release(slot_id)
+        self._expiries += len(slot_ids)
 
     def _wall(self, clock_time: float) -> float:
         """Unix seconds of a time on the pool's clock."""

@@ -324,8 +324,7 @@ class PrefixCache:
         if old is not None:
             self._remove(key)
         tier = next((t for t in TIERS if self._make_room(t, self.entry_bytes)), None)
-        if tier is None:
-            self._evicted(DEVICE)
+        if tier is None:  # refused: it never entered a tier, so it is no eviction
             return None
         try:
             state = self._new_tensor(tier)
@@ -357,13 +356,18 @@ class PrefixCache:
     def _bytes(self, tier: str) -> int:
         return sum(e.nbytes for e in self._entries.values() if e.tier == tier)
 
+    def _used(self, tier: str) -> int:
+        """Bytes counted against ``tier``'s budget: its entries', and on the device the new
+        entries placed for a launch (`place`)."""
+        return self._bytes(tier) + (self._pending if tier == DEVICE else 0)
+
     def _make_room(self, tier: str, incoming: int) -> bool:
         """Evict least recently used, unpinned entries of ``tier`` until ``incoming`` more
         bytes fit its budget (device entries move to the host tier when it can take them);
         whether they fit. Pinned entries stay, so a tier full of them takes nothing."""
         if incoming > self._budget[tier]:
             return False
-        used = self._bytes(tier) + (self._pending if tier == DEVICE else 0)
+        used = self._used(tier)
         for entry in [e for e in self._entries.values() if e.tier == tier]:
             if used + incoming <= self._budget[tier]:
                 break
@@ -465,7 +469,9 @@ class PrefixCache:
                                     self._budget[tier]) for tier in TIERS}
 
     def evictions(self) -> dict[str, int]:
-        """Entries that left each tier for lack of room, since the start."""
+        """Entries that left each tier for lack of room (device: moved to the host tier or
+        dropped; host: dropped), since the start. Not a new entry refused for lack of room
+        (it never entered a tier), nor anything `replace_all` leaves out."""
         with self._lock:
             return dict(self._counters.evictions)
 
@@ -492,17 +498,30 @@ class PrefixCache:
     def replace_all(self, loaded: Sequence[tuple[str, int, list[bool], float, torch.Tensor]]) -> None:
         """Replace every entry with ``loaded`` (key, tokens, layers stored, idle seconds,
         state [L, HV, V, K] on the host), least recently used first, as far as the budgets
-        take them (the most recent are kept first)."""
+        take them: the most recent first, each in the first tier with room for it (device,
+        then host; a key given twice: its later entry). Nothing moves down or is dropped to
+        make room, so no eviction is counted; what finds no room is left out."""
         with self._lock:
             self._entries.clear()
             now = self._clock()
-            for key, tokens, have, idle, state in loaded:
-                entry = self._writable(key, tokens)
-                if entry is None:
-                    continue
-                entry.state.copy_(state)
-                entry.have = list(have)
-                entry.last_used = now - idle
+            for key, tokens, have, idle, state in reversed(loaded):
+                if key not in self._entries:
+                    self._load(key, tokens, have, now - idle, state)
+
+    def _load(self, key: str, tokens: int, have: list[bool], last_used: float, state: torch.Tensor) -> None:
+        """Hold ``state`` [L, HV, V, K] (pool dtype, any device) as the entry ``key``, less
+        recent than every entry held, in the first tier with room for it (nothing is moved
+        to make room); left out when neither has room or its memory cannot be had."""
+        tier = next((t for t in TIERS if self._used(t) + self.entry_bytes <= self._budget[t]), None)
+        if tier is None:
+            return
+        try:
+            tensor = self._new_tensor(tier)
+        except torch.cuda.OutOfMemoryError:
+            return
+        tensor.copy_(state)
+        self._entries[key] = Entry(key, tokens, tensor, list(have), tier, last_used)
+        self._entries.move_to_end(key, last=False)
 
     # -- internals -----------------------------------------------------------------------
 
