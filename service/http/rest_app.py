@@ -1,7 +1,8 @@
 """`create_rest_app`: a FastAPI app serving the REST API over a core, with the middleware
 and error handling every deployment wears: problem+json for every error (a 500 for what
 escapes a route, with ``Connection: close``), the body limit and timeout, the API key when
-one is set, per-route metrics in ``core.metrics``, and request ids and trace context
+one is set, a 404 for an encoded slash outside a prefix key (`service.http.encoded_slash`),
+per-route metrics in ``core.metrics``, and request ids and trace context
 (`service.http.request_id`: ``X-Request-ID``, ``traceparent``, OpenTelemetry spans);
 ``POST /prefill`` reaches its endpoint past FastAPI's routing (`service.http.fast_prefill`).
 The single-process app (`service.http.app`) and the Ray Serve ingress
@@ -18,6 +19,7 @@ from fastapi_offline import FastAPIOffline
 from ..config import Settings
 from ..core.api import CoreAPI
 from ..shm.registry import ShmRegistry
+from .encoded_slash import EncodedSlashGuard
 from .fast_prefill import PrefillFastPath
 from .middleware import AuthMiddleware, BodyLimitMiddleware, InternalErrors, MetricsMiddleware
 from .openapi import install_openapi
@@ -56,6 +58,7 @@ def create_rest_app(core: CoreAPI, settings: Settings, *, title: str, summary: s
     app.add_middleware(MetricsMiddleware, metrics=lambda: core.metrics)
     app.add_middleware(InternalErrors)  # a 500 problem with Connection: close for what escapes a route
     app.add_middleware(RequestIdMiddleware)  # outermost: every response gets X-Request-ID and traceparent
+    app.router.routes.insert(0, EncodedSlashGuard())  # first: a stray %2F matches no route below (404)
     app.include_router(router)
     install_openapi(app)
     return app
