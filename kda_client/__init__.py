@@ -3,14 +3,13 @@
 A package of its own: importing it loads httpx, torch and the wire formats
 (`service.wire`), never the server (no fastapi, starlette, uvicorn or triton).
 """
-from .client import (
-    AsyncKDAClient, BadRequest, KDAClient, KDAError, PoolFullError, PrefillOutput, PrefixAlloc, SequenceInput,
-    ServerError,
-    ServiceUnavailable, SlotNotFound, Unauthorized,
+from .client import AsyncKDAClient, KDAClient, PrefillOutput, PrefixAlloc, SequenceInput
+from .errors import (
+    BadRequest, ClientClosed, KDAError, PoolFullError, ServerError, ServiceUnavailable, SlotNotFound, Unauthorized,
 )
 
 __all__ = [
     "KDAClient", "AsyncKDAClient", "PrefillOutput", "PrefixAlloc", "SequenceInput", "KDAError", "BadRequest",
     "Unauthorized",
-    "SlotNotFound", "ServiceUnavailable", "PoolFullError", "ServerError",
+    "SlotNotFound", "ServiceUnavailable", "PoolFullError", "ServerError", "ClientClosed",
 ]

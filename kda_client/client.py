@@ -3,7 +3,9 @@
 Binary transport (safetensors) by default, JSON with ``encoding="json"``. Tensors may be
 on any device and in float32, bfloat16 or float16; results come back as CPU tensors
 viewing the response buffer (no copy). Errors raise `KDAError` subclasses carrying the
-server's problem details; network failures raise httpx's exceptions.
+server's problem details (`kda_client.errors`); network failures raise httpx's exceptions.
+A closed client (`close`, `aclose`, the end of its ``with`` block) refuses every call, and
+its prepared prefills every run, with `ClientClosed` before sending or registering anything.
 
 `KDAClient` sends small ``http://`` requests (bodies up to 64 KiB: one-token to
 few-hundred-token prefills, slot calls) through `kda_client.small.SmallExchange`, one
@@ -53,6 +55,9 @@ from typing import (
 import httpx
 import torch
 
+from .errors import (
+    BadRequest, ClientClosed, KDAError, PoolFullError, ServerError, ServiceUnavailable, SlotNotFound, Unauthorized,
+)
 from .framed import AsyncFramedExchange, FramedExchange
 from .outputs import PrefillOutput
 from .prepared import AsyncPreparedPrefill, PreparedPrefill
@@ -74,6 +79,7 @@ from service.wire.tensors import JSON_NAMES, tensor_to_json
 __all__ = [
     "KDAClient", "AsyncKDAClient", "PrefillOutput", "PrefixAlloc", "SequenceInput",
     "KDAError", "BadRequest", "Unauthorized", "SlotNotFound", "ServiceUnavailable", "PoolFullError", "ServerError",
+    "ClientClosed",
 ]
 
 Encoding = Literal["safetensors", "json"]
@@ -89,47 +95,6 @@ Headers = Mapping[str, str]
 
 def _body_size(body: Body) -> int:
     return sum(piece.nbytes for piece in body) if isinstance(body, list) else len(body)
-
-
-# -- errors ----------------------------------------------------------------------------
-
-class KDAError(Exception):
-    """An error response. ``status``: the HTTP status; ``problem``: the RFC 9457 document
-    (type, title, status, detail and members such as ``field``)."""
-
-    def __init__(self, status: int, problem: dict[str, Any]) -> None:
-        self.status = status
-        self.problem = problem
-        super().__init__(f"{status} {problem.get('title', '')}: {problem.get('detail', '')}".strip())
-
-
-class BadRequest(KDAError):
-    """The request was refused as it stands (400, 406, 413, 415, 422); nothing changed."""
-
-
-class Unauthorized(KDAError):
-    """401: missing or wrong API key."""
-
-
-class SlotNotFound(KDAError):
-    """404: the slot id was never issued, was freed, or expired (or, for the prefix
-    routes, the prefix cache holds no entry of that key)."""
-
-
-class ServiceUnavailable(KDAError):
-    """503: try again after ``retry_after`` seconds (None when the server gave none)."""
-
-    def __init__(self, status: int, problem: dict[str, Any], retry_after: Optional[float]) -> None:
-        super().__init__(status, problem)
-        self.retry_after = retry_after
-
-
-class PoolFullError(ServiceUnavailable):
-    """503: no free slot for the allocation (nothing was allocated)."""
-
-
-class ServerError(KDAError):
-    """500 and other server-side failures."""
 
 
 def _raise_for(status: int, headers: Headers, body: bytearray) -> None:
@@ -487,6 +452,7 @@ class KDAClient:
         self._arena_lock = threading.Lock()  # one region: one shared memory prefill at a time
         self._prepared: "weakref.WeakSet[PreparedPrefill]" = weakref.WeakSet()  # released at close
         self._orphans: deque[tuple[Arena, int, int]] = deque()  # collected unreleased
+        self._closed = False  # by `close`: every call refused from then on
         self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_client_headers(api_key),
                                   mounts={"http://": StdlibTransport()})
         url = self._http.base_url
@@ -494,7 +460,17 @@ class KDAClient:
                                      url.raw_path.decode("ascii").partition("?")[0], _client_headers(api_key), timeout)
                        if url.scheme == "http" else None)
 
+    def _check_open(self) -> None:
+        """ClientClosed once the client is closed."""
+        if self._closed:
+            raise ClientClosed()
+
     def _run(self, call: _Call[_T]) -> _T:
+        """`_send` on an open client (ClientClosed, before anything is sent, on a closed one)."""
+        self._check_open()
+        return self._send(call)
+
+    def _send(self, call: _Call[_T]) -> _T:
         """``call``'s request and its parsed answer (KDAError for an error status). Shared
         memory prefills take the framed socket when there is one; small requests over
         http:// `SmallExchange`, the rest httpx."""
@@ -564,7 +540,8 @@ class KDAClient:
         return self._run(self._calls.info())
 
     def ready(self) -> bool:
-        """Whether the server answers /health/ready with 200."""
+        """Whether the server answers /health/ready with 200 (ClientClosed when closed)."""
+        self._check_open()
         try:
             return self._http.get("/health/ready").status_code == 200
         except httpx.TransportError:
@@ -582,6 +559,7 @@ class KDAClient:
         ``checkpoints``: per sequence, ``(offset, key)`` pairs: store the slot's state at
         ``offset`` tokens of this layer (its tokens before plus a multiple of 64 into the
         sequence, or the sequence's end) in the prefix cache under ``key``."""
+        self._check_open()
         options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
                        return_final_state=return_final_state, checkpoints=checkpoints)
@@ -615,6 +593,7 @@ class KDAClient:
         after step with new inputs (`PreparedPrefill.run`): one small frame per step, and on
         a GPU server one CUDA graph replayed. Needs ``framed_socket`` (ValueError without);
         its own region, released with it (`PreparedPrefill.release`, or a ``with`` block)."""
+        self._check_open()
         if self._framed is None or self._arena is None:
             raise ValueError(_NO_FRAMED_SOCKET)
         self._release_orphans()
@@ -634,7 +613,7 @@ class KDAClient:
             self._drop(arena)
             raise
         prepared = PreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths, number, _finished,
-                                   partial(self._drop, arena), connection, self._orphans)
+                                   partial(self._drop, arena), connection, self._orphans, lambda: self._closed)
         self._prepared.add(prepared)
         return prepared
 
@@ -653,6 +632,9 @@ class KDAClient:
                 self._drop(arena)
 
     def _register(self, arena: Arena, need: int) -> None:
+        """Register a new region of ``need`` bytes for ``arena`` (refused once the client is
+        closed), then unregister the one it replaces (sent even should the client close
+        meanwhile: no region may stay registered)."""
         registration = arena.create(need)
         try:
             self._run(self._calls.register_region(registration))
@@ -661,25 +643,31 @@ class KDAClient:
             raise
         old = arena.registered()
         if old is not None:
-            self._run(self._calls.unregister_region(arena, old))
+            self._send(self._calls.unregister_region(arena, old))
 
     def _drop(self, arena: Arena) -> None:
-        """Close ``arena`` and unregister its region on the server (quietly: its lease reclaims it)."""
+        """Close ``arena`` and unregister its region on the server (quietly: its lease reclaims
+        it), the client closed or not."""
         name = arena.close()
         if name is not None:
             with suppress(httpx.TransportError, KDAError):
-                self._run(self._calls.unregister_region(arena, name))
+                self._send(self._calls.unregister_region(arena, name))
 
     def close(self) -> None:
         """Release the prepared prefills still alive, unregister the shared memory region (if
-        any) and close the connections."""
+        any) and close the connections. From then on every call, and every run of a prepared
+        prefill, raises ClientClosed before anything is sent; closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             for prepared in list(self._prepared):
                 with suppress(httpx.TransportError, KDAError):
                     prepared.release()
             self._release_orphans()
             if self._arena is not None:
-                self._drop(self._arena)
+                with self._arena_lock:  # after a shared memory prefill under way: its region goes too
+                    self._drop(self._arena)
         finally:
             if self._framed is not None:
                 self._framed.close()
@@ -688,6 +676,8 @@ class KDAClient:
             self._http.close()
 
     def __enter__(self) -> "KDAClient":
+        """The client, for a block that closes it (ClientClosed when it is closed already)."""
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -709,10 +699,22 @@ class AsyncKDAClient:
         self._arena_lock = asyncio.Lock()  # one region: one shared memory prefill at a time
         self._prepared: "weakref.WeakSet[AsyncPreparedPrefill]" = weakref.WeakSet()  # as `KDAClient`'s
         self._orphans: deque[tuple[Arena, int, int]] = deque()
+        self._closed = False  # by `aclose`, as `KDAClient`'s
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_client_headers(api_key))
 
+    def _check_open(self) -> None:
+        """ClientClosed once the client is closed."""
+        if self._closed:
+            raise ClientClosed()
+
     async def _run(self, call: _Call[_T]) -> _T:
-        if self._framed is not None and call.content_type == SHM_JSON:  # as `KDAClient._run`
+        """`_send` on an open client (ClientClosed, before anything is sent, on a closed one)."""
+        self._check_open()
+        return await self._send(call)
+
+    async def _send(self, call: _Call[_T]) -> _T:
+        """`KDAClient._send`, awaited (httpx's default transport for every HTTP request)."""
+        if self._framed is not None and call.content_type == SHM_JSON:  # as `KDAClient._send`
             assert isinstance(call.body, (bytes, bytearray))
             answer = await self._framed.request(Op.PREFILL, bytes(call.body))
             _raise_for(answer.status, answer.headers, answer.body)
@@ -760,6 +762,8 @@ class AsyncKDAClient:
         return await self._run(self._calls.info())
 
     async def ready(self) -> bool:
+        """`KDAClient.ready`, awaited."""
+        self._check_open()
         try:
             return (await self._http.get("/health/ready")).status_code == 200
         except httpx.TransportError:
@@ -771,6 +775,8 @@ class AsyncKDAClient:
         use_beta_sigmoid: bool = False, allow_neg_eigval: bool = False, scale: Optional[float] = None,
         return_final_state: bool = True, checkpoints: Optional[Sequence[Sequence[tuple[int, str]]]] = None,
     ) -> PrefillOutput:
+        """`KDAClient.prefill`, awaited."""
+        self._check_open()
         options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
                        return_final_state=return_final_state, checkpoints=checkpoints)
@@ -800,6 +806,7 @@ class AsyncKDAClient:
     ) -> AsyncPreparedPrefill:
         """`KDAClient.prepare` for asyncio: an `AsyncPreparedPrefill` (``await run(...)``,
         ``await release()`` or ``async with``)."""
+        self._check_open()
         if self._framed is None or self._arena is None:
             raise ValueError(_NO_FRAMED_SOCKET)
         await self._release_orphans()
@@ -819,7 +826,7 @@ class AsyncKDAClient:
             await self._drop(arena)
             raise
         prepared = AsyncPreparedPrefill(self._framed, arena, plan.places, slots, plan.lengths, number, _finished,
-                                        partial(self._drop, arena), connection, self._orphans)
+                                        partial(self._drop, arena), connection, self._orphans, lambda: self._closed)
         self._prepared.add(prepared)
         return prepared
 
@@ -838,6 +845,7 @@ class AsyncKDAClient:
                 await self._drop(arena)
 
     async def _register(self, arena: Arena, need: int) -> None:
+        """`KDAClient._register`, awaited."""
         registration = arena.create(need)
         try:
             await self._run(self._calls.register_region(registration))
@@ -846,31 +854,36 @@ class AsyncKDAClient:
             raise
         old = arena.registered()
         if old is not None:
-            await self._run(self._calls.unregister_region(arena, old))
+            await self._send(self._calls.unregister_region(arena, old))
 
     async def _drop(self, arena: Arena) -> None:
         """`KDAClient._drop`, awaited."""
         name = arena.close()
         if name is not None:
             with suppress(httpx.TransportError, KDAError):
-                await self._run(self._calls.unregister_region(arena, name))
+                await self._send(self._calls.unregister_region(arena, name))
 
     async def aclose(self) -> None:
-        """Release the prepared prefills still alive, unregister the shared memory region (if
-        any) and close the connections."""
+        """`KDAClient.close`, awaited."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             for prepared in list(self._prepared):
                 with suppress(httpx.TransportError, KDAError):
                     await prepared.release()
             await self._release_orphans()
             if self._arena is not None:
-                await self._drop(self._arena)
+                async with self._arena_lock:  # as `KDAClient.close`
+                    await self._drop(self._arena)
         finally:
             if self._framed is not None:
                 await self._framed.aclose_connection()
             await self._http.aclose()
 
     async def __aenter__(self) -> "AsyncKDAClient":
+        """`KDAClient.__enter__`, awaited."""
+        self._check_open()
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -14,7 +14,8 @@ again.
 
 Release each (`release`, or a ``with`` block). Closing the client releases those still
 alive, and one dropped unreleased is released (on the server, its region unregistered) at
-the client's next `prepare` or at its close.
+the client's next `prepare` or at its close. Once the client is closed `run` raises
+`ClientClosed` without sending anything, and `release` does nothing.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 
 from service.wire.frames import PREPARED_ID, Op
 
+from .errors import ClientClosed
 from .framed import AsyncFramedExchange, FramedExchange
 from .outputs import PrefillOutput
 from .shm import Arena, Placed
@@ -39,16 +41,17 @@ class _Prepared:
     ``arena``'s region; ``finish`` raises the client's error for a refused answer and
     returns its phases. ``connection``: the number of the framed connection it lives on;
     ``orphans``: where (arena, connection, number) goes when it is garbage-collected
-    unreleased, for its client to release."""
+    unreleased, for its client to release; ``closed``: whether its client is closed."""
 
     def __init__(self, arena: Arena, places: dict[str, Placed], slots: list[str], lengths: list[int], number: int,
                  finish: Callable[[Response], dict[str, float]], connection: int,
-                 orphans: deque[tuple[Arena, int, int]]) -> None:
+                 orphans: deque[tuple[Arena, int, int]], closed: Callable[[], bool]) -> None:
         self.slots, self.lengths = slots, lengths
         self._arena, self._places = arena, places
         self._id = PREPARED_ID.pack(number)
         self._connection = connection
         self._finish = finish
+        self._closed = closed
         self._released = False
         # No network at collection time (any thread, any lock held): only a note for the client.
         self._orphaned = weakref.finalize(self, orphans.append, (arena, connection, number))
@@ -63,6 +66,10 @@ class _Prepared:
         return True
 
     def _put(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        """Copy a step's inputs in (ClientClosed once the client is closed, ValueError once
+        released)."""
+        if self._closed():
+            raise ClientClosed("its prepared prefills are released")
         if self._released:
             raise ValueError("this prepared prefill was released")
         self._arena.put({"q": q, "k": k, "v": v, "g": g, "beta": beta}, self._places)
@@ -81,8 +88,9 @@ class PreparedPrefill(_Prepared):
 
     def __init__(self, exchange: FramedExchange, arena: Arena, places: dict[str, Placed], slots: list[str],
                  lengths: list[int], number: int, finish: Callable[[Response], dict[str, float]],
-                 unregister: Callable[[], None], connection: int, orphans: deque[tuple[Arena, int, int]]) -> None:
-        super().__init__(arena, places, slots, lengths, number, finish, connection, orphans)
+                 unregister: Callable[[], None], connection: int, orphans: deque[tuple[Arena, int, int]],
+                 closed: Callable[[], bool]) -> None:
+        super().__init__(arena, places, slots, lengths, number, finish, connection, orphans, closed)
         self._exchange, self._unregister = exchange, unregister
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -91,7 +99,8 @@ class PreparedPrefill(_Prepared):
         tokens packed in order, of the shapes and dtypes prepared (ValueError otherwise; on
         the host or any device). Returns o and the final states (unless declined when
         prepared), copies unless the client was made with ``shm_views``; the server's errors
-        as `KDAClient.prefill` raises them (a refused step changes no slot)."""
+        as `KDAClient.prefill` raises them (a refused step changes no slot); ClientClosed,
+        before anything is sent, once the client is closed."""
         self._put(q, k, v, g, beta)
         return self._output(self._exchange.request(Op.RUN, self._id, self._connection))
 
@@ -123,8 +132,8 @@ class AsyncPreparedPrefill(_Prepared):
     def __init__(self, exchange: AsyncFramedExchange, arena: Arena, places: dict[str, Placed], slots: list[str],
                  lengths: list[int], number: int, finish: Callable[[Response], dict[str, float]],
                  unregister: Callable[[], Awaitable[None]], connection: int,
-                 orphans: deque[tuple[Arena, int, int]]) -> None:
-        super().__init__(arena, places, slots, lengths, number, finish, connection, orphans)
+                 orphans: deque[tuple[Arena, int, int]], closed: Callable[[], bool]) -> None:
+        super().__init__(arena, places, slots, lengths, number, finish, connection, orphans, closed)
         self._exchange, self._unregister = exchange, unregister
 
     async def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

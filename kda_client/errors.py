@@ -1,0 +1,57 @@
+"""The client's errors: `KDAError` and its subclasses for the server's error responses
+(`kda_client.client` maps each status to one), and `ClientClosed` for a call on a closed
+client, which no server answered. Network failures raise httpx's exceptions, bad inputs
+ValueError."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class KDAError(Exception):
+    """An error response. ``status``: the HTTP status; ``problem``: the RFC 9457 document
+    (type, title, status, detail and members such as ``field``)."""
+
+    def __init__(self, status: int, problem: dict[str, Any]) -> None:
+        self.status = status
+        self.problem = problem
+        super().__init__(f"{status} {problem.get('title', '')}: {problem.get('detail', '')}".strip())
+
+
+class BadRequest(KDAError):
+    """The request was refused as it stands (400, 406, 413, 415, 422); nothing changed."""
+
+
+class Unauthorized(KDAError):
+    """401: missing or wrong API key."""
+
+
+class SlotNotFound(KDAError):
+    """404: the slot id was never issued, was freed, or expired (or, for the prefix
+    routes, the prefix cache holds no entry of that key)."""
+
+
+class ServiceUnavailable(KDAError):
+    """503: try again after ``retry_after`` seconds (None when the server gave none)."""
+
+    def __init__(self, status: int, problem: dict[str, Any], retry_after: Optional[float]) -> None:
+        super().__init__(status, problem)
+        self.retry_after = retry_after
+
+
+class PoolFullError(ServiceUnavailable):
+    """503: no free slot for the allocation (nothing was allocated)."""
+
+
+class ServerError(KDAError):
+    """500 and other server-side failures."""
+
+
+class ClientClosed(ValueError):
+    """A call on a closed client (after `KDAClient.close`, `AsyncKDAClient.aclose` or the end
+    of its ``with`` block), or a run of one of its prepared prefills: refused before anything
+    is sent, created or registered. Not a `KDAError`, which is a server's answer: a misuse,
+    hence a ValueError, as a run of a released prepared prefill and ``io``'s operations on a
+    closed file are. ``detail``: what else the caller should know, after the message."""
+
+    def __init__(self, detail: Optional[str] = None) -> None:
+        super().__init__("the client is closed" if detail is None else f"the client is closed: {detail}")
