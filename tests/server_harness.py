@@ -29,6 +29,12 @@ TOL = 1e-4  # relative L2 against float64, fp32 inputs
 MAX_BODY_MB = 1  # the shared server's body limit: small, so the 413 tests send little
 
 
+def server_python_path() -> str:
+    """A server process's PYTHONPATH: the repository first, then whatever the caller's path
+    holds (e.g. wheels carried to the GPU machine, installed beside the image's packages)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,9 +75,7 @@ def start_server(args: Sequence[str], log: Path, env: Optional[dict[str, str]] =
     `service.cli.main`)."""
     port = free_port()
     grpc_args = ["--grpc-port", str(free_port())] if grpc else []
-    # The repository first, then whatever the caller's path holds (e.g. carried wheels).
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": server_python_path(), **(env or {})}
     out = open(log, "wb")
     process = subprocess.Popen(
         [sys.executable, *entry, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",

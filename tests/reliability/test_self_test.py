@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 from reliability_helpers import GEOMETRY_ARGS, ROOT, Server, make_sequence
-from server_harness import free_port
+from server_harness import free_port, server_python_path
 
 from kda_client.client import KDAClient, ServiceUnavailable
 from service.config import Settings
@@ -34,7 +34,7 @@ def _start_unready(args: list[str], log: Any) -> Server:
     out = open(log, "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", *args],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=subprocess.STDOUT)
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": server_python_path()}, stdout=out, stderr=subprocess.STDOUT)
     out.close()
     server = Server(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + 90

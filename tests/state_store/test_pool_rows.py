@@ -101,7 +101,7 @@ def test_slot_operations_and_snapshots_follow_moved_rows(tmp_path) -> None:
     restored = make_pool()
     restored.restore(tmp_path / "pool.kda")
     assert_bit_equal(restored.image(), pool.image())
-    assert_bit_equal(restored.read_state(a), want_a) and restored.layer_rows(0, [0]) == [0]  # the map starts over
+    assert_bit_equal(restored.read_state(a), want_a) and restored.layer_rows(0, [0]).tolist() == [0]  # the map starts over
     pool.free(a)
     (e,) = pool.alloc(1)  # a's slot row, its moved storage rows zeroed
     assert pool.rows([e]) == [0] and not pool.read_state(e).any()
