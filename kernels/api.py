@@ -10,6 +10,7 @@ with ``out=``), and no output requires grad.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Optional
 
@@ -74,22 +75,33 @@ def _packed_bounds(
                              f"got {cu_seqlens_cpu.numel()}")
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     bounds = tuple(host.tolist())
+    if cu_seqlens_cpu is not None and cu_seqlens is not None and cu_seqlens.device.type == "cpu":
+        # both on the host: comparing them costs no synchronization (on a GPU, the caller's promise)
+        if tuple(cu_seqlens.tolist()) != bounds:
+            raise ValueError(f"cu_seqlens_cpu must hold the same offsets as cu_seqlens, got cu_seqlens_cpu "
+                             f"{list(bounds)[:17]} and cu_seqlens {cu_seqlens.tolist()[:17]}")
     if bounds[0] != 0 or bounds[-1] != T or not all(map(operator.lt, bounds, bounds[1:])):
         raise ValueError(
-            f"cu_seqlens must start at 0, increase strictly and end at T={T}, got {list(bounds)}"
+            f"cu_seqlens must start at 0, increase strictly (no empty sequence) and end at T={T}, "
+            f"got {list(bounds)}"
         )
     return bounds
 
 
-def _check_indices(indices: torch.Tensor, n_seq: int, num_slots: int, read_values: bool) -> torch.Tensor:
-    """``indices`` checked: shape and dtype always; with ``read_values`` also each value in
-    -1..num_slots-1 and no slot twice (the values come to the host: a synchronization when
-    they are on a GPU). Returns them as int64."""
+def _check_indices(indices: torch.Tensor, n_seq: int, num_slots: int, read_values: bool,
+                   device: torch.device) -> torch.Tensor:
+    """``indices`` checked: shape, dtype and device (the host or ``device``) always; with
+    ``read_values`` also each value in -1..num_slots-1 and no slot twice (the values come to
+    the host: a synchronization when they are on a GPU). Returns them as contiguous int64
+    (the Triton kernels read them at ``indices + n``: a strided view would name other rows)."""
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.numel() != n_seq:
         shape = _shape(indices) if isinstance(indices, torch.Tensor) else type(indices).__name__
         raise ValueError(f"initial_state_indices must have shape ({n_seq},), one per sequence, got {shape}")
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"initial_state_indices must be int32 or int64, got {indices.dtype}")
+    if indices.device.type != "cpu" and indices.device != device:
+        raise ValueError(f"initial_state_indices is on {indices.device}, q on {device} (give them on q's device "
+                         f"or the host)")
     if read_values:
         host = indices.tolist()
         bad = [i for i in host if i < -1 or i >= num_slots]
@@ -100,7 +112,7 @@ def _check_indices(indices: torch.Tensor, n_seq: int, num_slots: int, read_value
         live = [i for i in host if i >= 0]
         if len(set(live)) != len(live):
             raise ValueError(f"initial_state_indices repeats a slot: {host}")
-    return indices if indices.dtype == torch.int64 else indices.to(torch.int64)
+    return indices.to(torch.int64).contiguous()
 
 
 def build_problem(
@@ -131,13 +143,16 @@ def build_problem(
     from it, and the values of ``indices`` are the caller's promise (shape and dtype checked)."""
     B, T, HV, K, V = _check_inputs(q, k, v, g, beta)
     _check_pool(pool, (HV, V, K) if state_v_first else (HV, K, V), state_v_first, q.device)
-    _check_gate(A_log, dt_bias, lower_bound, HV, K)
+    _check_gate(A_log, dt_bias, lower_bound, HV, K, q.device)
+    _check_scale(scale)
     device = q.device
 
     bounds = _packed_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     n_seq = len(bounds) - 1
-    trusted = cu_seqlens_cpu is not None and indices.device.type != "cpu"
-    idx = _check_indices(indices, n_seq, pool.shape[0], read_values=not trusted).to(device)
+    trusted = cu_seqlens_cpu is not None and isinstance(indices, torch.Tensor) and indices.device.type != "cpu"
+    idx = _check_indices(indices, n_seq, pool.shape[0], read_values=not trusted, device=device).to(device)
+    if pool.shape[0] == 0:  # every index is -1 (checked above, or the caller's promise): nothing to read or write
+        raise ValueError(f"initial_state has no slot: got a pool of shape {_shape(pool)}")
     positions, ckpt = check_checkpoints(checkpoint_tokens, checkpoint_states, bounds, pool)
 
     def packed(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +186,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         raise ValueError(f"k must have q's shape {_shape(q)}, got {_shape(k)}")
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T} as in q, got {_shape(v)}")
+    if H < 1 or HV < 1:
+        raise ValueError(f"q/k and v must each have at least one head, got H={H} (q {_shape(q)}) and "
+                         f"HV={HV} (v {_shape(v)})")
     if HV % H != 0:
         raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's heads H={H} (GVA)")
     if why := head_dims_error(K, V):
@@ -192,7 +210,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 def _check_pool(pool: torch.Tensor, want: tuple[int, int, int], state_v_first: bool, device: torch.device) -> None:
     """ValueError unless ``pool`` is [S, *want] (the state's dims in its layout), float32 or
-    bfloat16, on ``device``."""
+    bfloat16, on ``device``, no two of its elements in one place of memory."""
+    if not isinstance(pool, torch.Tensor):
+        raise ValueError(f"initial_state must be a torch.Tensor, the pool [num_slots, HV, V, K], "
+                         f"got {type(pool).__name__}")
     if pool.dim() != 4:
         raise ValueError(f"initial_state must be the pool [num_slots, HV, V, K], got shape {_shape(pool)}")
     if tuple(pool.shape[1:]) != want:
@@ -202,18 +223,59 @@ def _check_pool(pool: torch.Tensor, want: tuple[int, int, int], state_v_first: b
         raise ValueError(f"initial_state must be float32 or bfloat16, got {pool.dtype}")
     if pool.device != device:
         raise ValueError(f"initial_state is on {pool.device}, q on {device}")
+    if _may_overlap(pool):
+        raise ValueError(f"initial_state must not overlap itself (an expanded view, say): shape {_shape(pool)}, "
+                         f"strides {pool.stride()}; rows written in place would share memory")
+
+
+def _may_overlap(x: torch.Tensor) -> bool:
+    """Whether two elements of ``x`` may share memory: False when, dims ordered by stride,
+    each stride exceeds the reach of the dims before it (the sufficient condition; every
+    dense layout and every slice of one meets it)."""
+    reach = 0
+    for stride, size in sorted((s, n) for s, n in zip(x.stride(), x.shape) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _describe(x: Any) -> str:
+    return f"{_shape(x)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def _check_gate(A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], lower_bound: Optional[float],
-                HV: int, K: int) -> None:
-    """ValueError unless the gate's parameters fit: A_log [HV], dt_bias [HV, K] (or flat), a
-    valid lower bound."""
-    if A_log is not None and tuple(A_log.shape) != (HV,):
-        raise ValueError(f"A_log must have shape ({HV},), got {_shape(A_log)}")
-    if dt_bias is not None and dt_bias.numel() != HV * K:
-        raise ValueError(f"dt_bias must have shape ({HV}, {K}) or ({HV * K},), got {_shape(dt_bias)}")
+                HV: int, K: int, device: torch.device) -> None:
+    """ValueError unless the gate's parameters fit: A_log a float tensor [HV], dt_bias a
+    float tensor [HV, K] or [HV * K] (only with A_log or lower_bound: without either g is
+    the log decay and dt_bias would be ignored), both on ``device``, a valid lower bound."""
+    for name, x, shapes in (("A_log", A_log, ((HV,),)), ("dt_bias", dt_bias, ((HV, K), (HV * K,)))):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():  # both backends convert to fp32
+            want = " or ".join(map(str, shapes))
+            raise ValueError(f"{name} must be a float tensor of shape {want}, got {_describe(x)}")
+        if tuple(x.shape) not in shapes:
+            raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {_shape(x)}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}, q on {device}")
+    if dt_bias is not None and A_log is None and lower_bound is None:
+        raise ValueError("dt_bias needs A_log or lower_bound (without either, g is taken as the log decay "
+                         "and dt_bias would be ignored)")
     if lower_bound is not None and (why := lower_bound_error(lower_bound)):
         raise ValueError(why)
+
+
+def _check_scale(scale: Optional[float]) -> None:
+    """ValueError unless ``scale`` is None or a finite number."""
+    if scale is None:
+        return
+    try:
+        value = float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"scale must be a finite number or None, got {_describe(scale)}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be a finite number, got {value}")
 
 
 @torch.no_grad()
@@ -285,7 +347,16 @@ def chunk_kda(
     (their shape and dtype are: the caller promises each is -1 or a distinct slot of the
     pool), so a call with ``cu_seqlens`` and ``cu_seqlens_cpu`` both given, after one
     eager call of the same layout (its launch tables are cached), can be captured in a CUDA
-    graph. Checkpoint positions are always read on the host.
+    graph. Checkpoint positions are always read on the host. When ``cu_seqlens`` is on the
+    host too, the two must hold the same offsets.
+
+    Refused with a ValueError naming the argument, before anything is written: an empty
+    sequence (cu_seqlens must increase strictly), a pool with no slot or whose elements
+    overlap in memory (an expanded view), no head in q/k or v, indices on a device other
+    than q's or the host, A_log / dt_bias that are not float tensors of shape [HV] /
+    [HV, K] or [HV * K] on q's device, dt_bias without A_log or lower_bound (g is then the
+    log decay and dt_bias would be ignored), a scale that is not finite. Any strides of the
+    inputs, the pool and the indices are accepted.
     """
     _reject_training_knobs(training_knobs)
     if initial_state is None or initial_state_indices is None:
@@ -337,8 +408,18 @@ def kda_prefill(
     final states' dtype.
     """
     _reject_training_knobs({"cp_context": cp_context, "disable_recompute": disable_recompute})
-    B, T, H, K = q.shape if q.dim() == 4 else (0, 0, 0, 0)
-    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    # the shapes read here (to size the states) are checked first; chunk_kda checks the rest
+    _check_rank("q", q, 4)
+    _check_rank("v", v, 4)
+    B, T, H, K = q.shape
+    if cu_seqlens is None:
+        n_seq = B
+    elif not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor of N + 1 >= 2 offsets, got {cu_seqlens!r}")
+    else:
+        n_seq = cu_seqlens.numel() - 1
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise ValueError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
     if initial_state is None:
         HV, V = v.shape[2], v.shape[3]
         shape = (n_seq, HV, V, K) if state_v_first else (n_seq, HV, K, V)
