@@ -28,7 +28,19 @@ of the event loop's turn when it is not yet (a small safetensors reply: one syst
 instead of four, and one read for the client).
 
 Requests without Content-Length (chunked), bodies the app does not read, pipelined
-requests waiting their turn, keep-alive, disconnects and shutdown are uvicorn's own.
+requests waiting their turn, keep-alive, disconnects and shutdown are uvicorn's own; the
+client's FIN is not. uvicorn takes it for the client leaving and closes the connection:
+requests read whole behind the one running were never answered (nor run). But a FIN may
+be a half-close (``shutdown(SHUT_WR)``, ``nc -N``: the client still reads) as well as a
+close, and the server cannot tell which. Here (`KDAHttpProtocol.eof_received`) nothing
+more is read, every request received whole before the FIN is run and answered, in order,
+and the connection then closes. A request the FIN cut short is dropped: its headers
+unfinished, it is never run; its body unfinished, it never gets it (it is not started when
+its turn comes after the FIN, and is told the client left when already running, as on any
+disconnect). A request that asks, once its body is read, whether its client is still there
+is told it is gone, as before: in kda-serve only one that made slots asks, about to hand
+over their ids (`service.http.abandon`), which a client that closed would never read; it
+frees them, its answer is dropped and the connection closed (`KDAHttpProtocol._after_fin`).
 
 Where uvicorn answers a request its HTTP parser refuses with a plain-text 400, this answers
 with an RFC 9457 problem (``bad-content-length`` for a malformed Content-Length or one
@@ -111,6 +123,11 @@ def declared_length(headers: list[tuple[bytes, bytes]]) -> Optional[int]:
             except ValueError:
                 return None
     return length
+
+
+def declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's headers announce a body: chunked, or a Content-Length above 0."""
+    return any(name == b"transfer-encoding" for name, _ in headers) or bool(declared_length(headers))
 
 
 def parser_problem(error: httptools.HttpParserError) -> tuple[int, bytes]:
@@ -240,6 +257,7 @@ class KDAHttpProtocol(HttpToolsProtocol):
         self._corks: list[CorkedWrites] = []  # the writes of responses not yet complete (pipelining: several)
         self._refusal: Optional[bytes] = None  # a refusal waiting for the responses to the requests before it
         self._trailer_bytes = 0  # the trailer fields of the request's chunked body so far
+        self._eof = False  # the client has sent its FIN: nothing more will arrive
 
     # -- connection limits ---------------------------------------------------------------
 
@@ -250,6 +268,24 @@ class KDAHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._cancel_timers()
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool:
+        """The client's FIN (see the module docstring): nothing more is read. The connection
+        stays open, half-closed, while requests received whole before it are still to be
+        answered (`on_response_complete` closes it after the last); else it closes now
+        (False). A request the FIN cut short is dropped: one in its headers at once, one
+        with its body unfinished at its turn (`_after_fin`), or at once when it is running
+        (its app is told the client left). Called again whenever reading resumes (uvloop)."""
+        self._eof = True
+        self._cancel_timers()
+        running_cut_short = self.cycle is not None and self.cycle.more_body and not self.pipeline
+        return self._answering() and not running_cut_short
+
+    def _gone(self, cycle: RequestResponseCycle) -> None:
+        """Take ``cycle``'s client for gone: its answer goes nowhere, and the connection
+        closes (nothing behind it is run)."""
+        cycle.disconnected = True
+        self.transport.close()
 
     def _cancel_timers(self) -> None:
         for timer in (self._idle, self._header_deadline):
@@ -345,7 +381,12 @@ class KDAHttpProtocol(HttpToolsProtocol):
                 self.transport.write(self._refusal)
                 self.transport.close()
             return
-        if not self.transport.is_closing() and not self.pipeline and self._idle is None:
+        if self.transport.is_closing():
+            return
+        if self._eof:  # half-closed: the connection ends with the last answer
+            if not self._answering():
+                self.transport.close()
+        elif not self.pipeline and self._idle is None:
             # idle between requests: uvicorn's keep-alive timer, which any byte cancels; this
             # one only a request's start does
             self._idle = self.loop.call_later(self.timeout_keep_alive, self._close_idle)
@@ -446,10 +487,37 @@ class KDAHttpProtocol(HttpToolsProtocol):
         cork = CorkedWrites(cycle.transport, self.loop, cycle)
         cycle.transport = cork  # type: ignore[assignment]
         self._corks.append(cork)
+        app = self._after_fin(cycle, app)
         length = declared_length(cycle.scope["headers"])
         if length is not None:
             app = self._with_whole_body(cycle, length, app)
         super()._start_asgi_task(cycle, app)
+
+    def _after_fin(self, cycle: RequestResponseCycle, app: ASGI3Application) -> ASGI3Application:
+        """``app`` minding the client's FIN (`eof_received`): not started when the FIN cut
+        ``cycle``'s body short; once its body is handed over (or when it has none), a
+        ``receive`` after the FIN is told the client is gone (`_gone`), as a client that
+        closed must be: only a request that made slots asks, to free them rather than send
+        their ids to nobody."""
+        body_due = declares_body(cycle.scope["headers"])
+
+        async def fin_aware_app(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+            if self._eof and cycle.more_body:  # its body will never come
+                self._gone(cycle)
+                return
+
+            async def fin_aware_receive() -> ASGIReceiveEvent:
+                nonlocal body_due
+                if self._eof and not body_due and not cycle.response_complete:
+                    self._gone(cycle)
+                    return {"type": "http.disconnect"}
+                message = await receive()
+                body_due = message["type"] == "http.request" and bool(message.get("more_body", False))
+                return message
+
+            await app(scope, fin_aware_receive, send)
+
+        return fin_aware_app
 
     def _with_whole_body(self, cycle: RequestResponseCycle, length: int, app: ASGI3Application) -> ASGI3Application:
         """``app`` with ``receive`` replaced by one that delivers ``cycle``'s body whole."""
