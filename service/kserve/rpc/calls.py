@@ -3,6 +3,7 @@ metrics, and work that must finish whole once started.
 
 - The key: ``authorization: Bearer <key>`` metadata (compared in constant time) on every
   call but ServerLive and ServerReady, as the HTTP health probes; UNAUTHENTICATED otherwise.
+  Then a request that is not a valid message (`decode.Malformed`) is refused.
 - Outcome: a service error becomes its status code and message (`rpc_status`); the call
   ends with it. A call the client cancelled counts as CANCELLED.
 - Metrics: ``kda_grpc_requests{method, status}`` and ``kda_grpc_request_seconds{method}``.
@@ -20,6 +21,7 @@ from typing import Awaitable, Callable, Optional, TypeVar
 import grpc
 
 from ...core.metrics import Metrics
+from .decode import Malformed
 from .status import Unauthenticated, rpc_status
 
 _T = TypeVar("_T")
@@ -47,12 +49,15 @@ class Calls:
         self.metrics.grpc_requests.labels(method, code.name).inc()
         self.metrics.grpc_latency.labels(method).observe(seconds)
 
-    async def unary(self, method: str, context: grpc.aio.ServicerContext, body: Callable[[], Awaitable[_T]]) -> _T:
-        """``body()`` as the call ``method``: the key checked first; an error ends the call
-        with its status code and message."""
+    async def unary(self, method: str, request: object, context: grpc.aio.ServicerContext,
+                    body: Callable[[], Awaitable[_T]]) -> _T:
+        """``body()`` as the call ``method`` of ``request``: the key checked first, then
+        whether ``request`` parsed; an error ends the call with its status code and message."""
         start, code = time.monotonic(), grpc.StatusCode.OK
         try:
             self.check_key(method, context)
+            if isinstance(request, Malformed):
+                raise request.error()
             return await body()
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED

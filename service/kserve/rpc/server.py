@@ -5,8 +5,9 @@ registry).
 It listens on ``--host``:``--grpc-port`` (SO_REUSEPORT off, so a port in use fails the
 start instead of being shared). Received messages are limited to ``--max-body-mb`` (a
 larger one is refused by gRPC with RESOURCE_EXHAUSTED before it is decoded); sent ones are
-not. `stop` drains: streams stop reading and end once their requests are done, new calls
-are refused (UNAVAILABLE), calls in flight get `GRACE_S` to finish, and every inference
+not. One that does not decode reaches its method as `decode.Malformed` (`TolerantDecoding`).
+`stop` drains: streams stop reading and end once their requests are done, new calls are
+refused (UNAVAILABLE), calls in flight get `GRACE_S` to finish, and every inference
 already started runs to its end before the core closes.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 from ...config import Settings
 from ..endpoint import KServeEndpoint
 from .calls import Calls
+from .decode import TolerantDecoding
 from .messages import pb_grpc
 from .servicer import InferenceServicer
 
@@ -45,7 +47,7 @@ class GrpcFrontEnd:
     async def start(self, version: str) -> None:
         """Listen and serve (``version``: the server's, for ServerMetadata). OSError when
         the address cannot be bound."""
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=[TolerantDecoding()], options=[
             ("grpc.max_receive_message_length", self.max_receive_bytes),
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),

@@ -29,7 +29,7 @@ from .calls import Calls
 from .codec import model_infer
 from .messages import pb, pb_grpc
 from .status import Unimplemented, rpc_status
-from .stream import METHOD as STREAM, StreamSession, serve_stream
+from .stream import METHOD as STREAM, Request, StreamSession, serve_stream
 
 Context = grpc.aio.ServicerContext
 
@@ -44,7 +44,7 @@ def _unimplemented(method: str) -> Callable[..., Any]:
     async def call(self: "InferenceServicer", request: Any, context: Context) -> Any:
         async def body() -> Any:
             raise Unimplemented(method)
-        return await self.calls.unary(method, context, body)
+        return await self.calls.unary(method, request, context, body)
     call.__name__ = method
     return call
 
@@ -68,35 +68,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         async def body() -> pb.ServerLiveResponse:
             return pb.ServerLiveResponse(live=True)
-        return await self.calls.unary("ServerLive", context, body)
+        return await self.calls.unary("ServerLive", request, context, body)
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
         async def body() -> pb.ServerReadyResponse:
             return pb.ServerReadyResponse(ready=self.endpoint.ready())
-        return await self.calls.unary("ServerReady", context, body)
+        return await self.calls.unary("ServerReady", request, context, body)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         async def body() -> pb.ModelReadyResponse:
             known = request.name == MODEL and request.version in ("", VERSION)
             return pb.ModelReadyResponse(ready=known and self.endpoint.ready())
-        return await self.calls.unary("ModelReady", context, body)
+        return await self.calls.unary("ModelReady", request, context, body)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         async def body() -> pb.ServerMetadataResponse:
             return pb.ServerMetadataResponse(**self.endpoint.server_metadata(self.version))
-        return await self.calls.unary("ServerMetadata", context, body)
+        return await self.calls.unary("ServerMetadata", request, context, body)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         async def body() -> pb.ModelMetadataResponse:
             check_model(request.name, request.version)
             return metadata.model_metadata(self.endpoint.core.geometry)
-        return await self.calls.unary("ModelMetadata", context, body)
+        return await self.calls.unary("ModelMetadata", request, context, body)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
         async def body() -> pb.ModelConfigResponse:
             check_model(request.name, request.version)
             return metadata.model_config(self.endpoint.core.geometry)
-        return await self.calls.unary("ModelConfig", context, body)
+        return await self.calls.unary("ModelConfig", request, context, body)
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
                               context: Context) -> pb.RepositoryIndexResponse:
@@ -105,16 +105,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             models = [] if request.ready and state != "READY" else [
                 pb.RepositoryIndexResponse.ModelIndex(name=MODEL, version=VERSION, state=state)]
             return pb.RepositoryIndexResponse(models=models)
-        return await self.calls.unary("RepositoryIndex", context, body)
+        return await self.calls.unary("RepositoryIndex", request, context, body)
 
     # -- inference ------------------------------------------------------------------------
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async def body() -> pb.ModelInferResponse:
             return await self.calls.whole(model_infer(self.endpoint, request))
-        return await self.calls.unary("ModelInfer", context, body)
+        return await self.calls.unary("ModelInfer", request, context, body)
 
-    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context) -> None:
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[Request], context: Context) -> None:
         start = time.monotonic()
         try:
             self.calls.check_key(STREAM, context)
@@ -134,7 +134,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                        context: Context) -> pb.SystemSharedMemoryStatusResponse:
         async def body() -> pb.SystemSharedMemoryStatusResponse:
             return metadata.system_status(self.registry, request.name)
-        return await self.calls.unary("SystemSharedMemoryStatus", context, body)
+        return await self.calls.unary("SystemSharedMemoryStatus", request, context, body)
 
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
                                          context: Context) -> pb.SystemSharedMemoryRegisterResponse:
@@ -143,20 +143,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 {"key": request.key, "offset": request.offset, "byte_size": request.byte_size}), where="request")
             self.registry.register_system(_region_name(request.name), doc.key, doc.offset, doc.byte_size)
             return pb.SystemSharedMemoryRegisterResponse()
-        return await self.calls.unary("SystemSharedMemoryRegister", context, body)
+        return await self.calls.unary("SystemSharedMemoryRegister", request, context, body)
 
     async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
                                            context: Context) -> pb.SystemSharedMemoryUnregisterResponse:
         async def body() -> pb.SystemSharedMemoryUnregisterResponse:
             self.registry.unregister(SYSTEM, request.name or None)
             return pb.SystemSharedMemoryUnregisterResponse()
-        return await self.calls.unary("SystemSharedMemoryUnregister", context, body)
+        return await self.calls.unary("SystemSharedMemoryUnregister", request, context, body)
 
     async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
                                      context: Context) -> pb.CudaSharedMemoryStatusResponse:
         async def body() -> pb.CudaSharedMemoryStatusResponse:
             return metadata.cuda_status(self.registry, request.name)
-        return await self.calls.unary("CudaSharedMemoryStatus", context, body)
+        return await self.calls.unary("CudaSharedMemoryStatus", request, context, body)
 
     async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest,
                                        context: Context) -> pb.CudaSharedMemoryRegisterResponse:
@@ -167,7 +167,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 where="request")
             self.registry.register_cuda(_region_name(request.name), request.raw_handle, doc.device_id, doc.byte_size)
             return pb.CudaSharedMemoryRegisterResponse()
-        return await self.calls.unary("CudaSharedMemoryRegister", context, body)
+        return await self.calls.unary("CudaSharedMemoryRegister", request, context, body)
 
     async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
                                          context: Context) -> pb.CudaSharedMemoryUnregisterResponse:
@@ -175,7 +175,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.registry.require_cuda()
             self.registry.unregister(CUDA, request.name or None)
             return pb.CudaSharedMemoryUnregisterResponse()
-        return await self.calls.unary("CudaSharedMemoryUnregister", context, body)
+        return await self.calls.unary("CudaSharedMemoryUnregister", request, context, body)
 
     ModelStatistics = _unimplemented("ModelStatistics")
     RepositoryModelLoad = _unimplemented("RepositoryModelLoad")

@@ -6,6 +6,11 @@ DEADLINE_EXCEEDED; 409 (state_lost) -> FAILED_PRECONDITION; 413 and 503 (pool fu
 persistence unavailable) -> RESOURCE_EXHAUSTED; not ready (warming) -> UNAVAILABLE.
 Methods not implemented: UNIMPLEMENTED. Anything else is a bug: INTERNAL, and the log has
 the traceback.
+
+A message travels in the ``grpc-message`` trailer, percent-encoded (up to 3 bytes a byte),
+and clients drop a call whose trailers pass their metadata limit (grpcio: 8 KiB) with a
+RESOURCE_EXHAUSTED of their own. A message echoes what the request sent (a model name, a
+datatype, parameter names), of any length over gRPC, so it is cut to `MESSAGE_MAX_BYTES`.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from ...errors import API_KEY_REQUIRED, PERSISTENCE_UNAVAILABLE, NotReady, Servi
 
 log = logging.getLogger("kda_serve.grpc")
 Code = grpc.StatusCode
+MESSAGE_MAX_BYTES = 2048  # UTF-8; at most 6 KiB percent-encoded
 BY_HTTP_STATUS: dict[int, grpc.StatusCode] = {
     400: Code.INVALID_ARGUMENT, 401: Code.UNAUTHENTICATED, 404: Code.NOT_FOUND, 408: Code.DEADLINE_EXCEEDED,
     409: Code.FAILED_PRECONDITION, 413: Code.RESOURCE_EXHAUSTED, 415: Code.INVALID_ARGUMENT,
@@ -44,8 +50,24 @@ class Unimplemented(Exception):
         super().__init__(f"kda-serve does not implement {method}")
 
 
+def bounded(message: str) -> str:
+    """``message``, cut to at most `MESSAGE_MAX_BYTES` of UTF-8 (at a character) with a
+    note of how much was cut; a lone surrogate (JSON parameters may hold one) as ``\\udc80``."""
+    data = message.encode("utf-8", "backslashreplace")
+    if len(data) <= MESSAGE_MAX_BYTES:
+        return data.decode("utf-8")
+    note = f" ... ({len(data)} bytes, cut)"
+    head = data[:MESSAGE_MAX_BYTES - len(note)].decode("utf-8", "ignore")
+    return head + note
+
+
 def rpc_status(e: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a call that raised ``e`` ends with."""
+    """The status code and message a call that raised ``e`` ends with (`bounded`)."""
+    code, message = _status(e)
+    return code, bounded(message)
+
+
+def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, Unimplemented):
         return Code.UNIMPLEMENTED, str(e)
     if isinstance(e, NotReady):

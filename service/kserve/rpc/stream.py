@@ -7,7 +7,7 @@ order they came; others run concurrently and share kernel launches. Each respons
 written as soon as its request is done, so responses of different sequences may overtake
 each other (Triton's stream does the same; clients match them by ``id``). A refused
 request gets a response with ``error_message`` (the message HTTP would give) and the stream
-goes on.
+goes on; so does one that is not a valid message (`decode.Malformed`).
 
 A request once read runs whole (`Calls.whole`): a client that drops the stream leaves
 each request it sent applied completely or, if it was not read yet, not at all. While the
@@ -18,25 +18,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Awaitable, Callable, Hashable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Hashable, Optional, Union
 
 import grpc
 
 from ..endpoint import KServeEndpoint
 from .calls import Calls
 from .codec import model_infer
+from .decode import Malformed
 from .messages import pb
 from .status import rpc_status
 
 log = logging.getLogger("kda_serve.grpc")
 METHOD = "ModelStreamInfer"
 MAX_IN_FLIGHT = 64
+Request = Union[pb.ModelInferRequest, Malformed]
 
 
-def order_key(request: pb.ModelInferRequest) -> Optional[Hashable]:
+def order_key(request: Request) -> Optional[Hashable]:
     """What the request must keep its place behind: its sequence id (42 and "42" differ), or
-    its REST slot; None for a request on a scratch slot. Read without checking (the parse
-    refuses bad values)."""
+    its REST slot; None for a request on a scratch slot or one that did not parse. Read
+    without checking (the parse refuses bad values)."""
+    if isinstance(request, Malformed):
+        return None
     for name in ("sequence_id", "slot"):
         entry = request.parameters.get(name)
         choice = entry.WhichOneof("parameter_choice") if entry is not None else None
@@ -58,7 +62,7 @@ class StreamSession:
         self._last: dict[Hashable, asyncio.Future] = {}
         self._tasks: set[asyncio.Future] = set()
 
-    async def submit(self, request: pb.ModelInferRequest) -> None:
+    async def submit(self, request: Request) -> None:
         """Start ``request`` behind the previous one of its key (waits while the stream has
         `MAX_IN_FLIGHT` requests running)."""
         await self._slots.acquire()
@@ -78,16 +82,17 @@ class StreamSession:
         if not task.cancelled():
             task.exception()
 
-    async def _run(self, request: pb.ModelInferRequest, previous: Optional[asyncio.Future]) -> None:
+    async def _run(self, request: Request, previous: Optional[asyncio.Future]) -> None:
         if previous is not None:
             await asyncio.wait([previous])
         start, code = time.monotonic(), grpc.StatusCode.OK
         try:
+            if isinstance(request, Malformed):
+                raise request.error()
             response = pb.ModelStreamInferResponse(infer_response=await model_infer(self.endpoint, request))
         except Exception as e:
             code, message = rpc_status(e)
-            response = pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(
-                id=request.id, model_name=request.model_name, model_version=request.model_version))
+            response = _refusal(request, message)
         self.calls.count(METHOD, code, time.monotonic() - start)
         await self._write(response)
 
@@ -104,13 +109,21 @@ class StreamSession:
             await asyncio.wait(list(self._tasks))
 
 
+def _refusal(request: Request, message: str) -> pb.ModelStreamInferResponse:
+    """The response refusing ``request`` with ``message``, echoing its id and model (none
+    for a request that did not parse)."""
+    echo = pb.ModelInferResponse() if isinstance(request, Malformed) else pb.ModelInferResponse(
+        id=request.id, model_name=request.model_name, model_version=request.model_version)
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=echo)
+
+
 def _retrieved(future: asyncio.Future) -> None:
     """Mark the outcome of a read nobody waits for as seen (no "never retrieved" log)."""
     if not future.cancelled():
         future.exception()
 
 
-async def serve_stream(session: StreamSession, requests: AsyncIterator[pb.ModelInferRequest],
+async def serve_stream(session: StreamSession, requests: AsyncIterator[Request],
                        draining: Callable[[], Awaitable[None]]) -> bool:
     """Read ``requests`` into ``session`` until the client closes its side (True) or the
     server drains (False), then wait for the requests started and their responses. When
