@@ -106,8 +106,10 @@ def load_gate_params(path: str, geometry: PoolGeometry) -> dict[int, Gate]:
         A_log, dt_bias, lb = e.get("A_log"), e.get("dt_bias"), e.get("lower_bound")
         if A_log is not None and tuple(A_log.shape) != (HV,):
             raise ValueError(f"{path}: layers.{layer}.A_log must be [{HV}], got {list(A_log.shape)}")
-        if dt_bias is not None and dt_bias.numel() != HV * K:
-            raise ValueError(f"{path}: layers.{layer}.dt_bias must be [{HV}, {K}], got {list(dt_bias.shape)}")
+        if dt_bias is not None and tuple(dt_bias.shape) not in ((HV, K), (HV * K,)):  # not its size alone: a
+            # [K, HV] entry holds as many values, each paired with the wrong head and key once reshaped
+            raise ValueError(f"{path}: layers.{layer}.dt_bias must be [{HV}, {K}] or [{HV * K}], "
+                             f"got {list(dt_bias.shape)}")
         if lb is not None and lb.numel() != 1:
             raise ValueError(f"{path}: layers.{layer}.lower_bound must hold one value, got {list(lb.shape)}")
         lower_bound = None if lb is None else float(lb.reshape(()))

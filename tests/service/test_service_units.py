@@ -156,6 +156,21 @@ def test_gate_files_load_in_any_float_dtype_the_safetensors_package_writes(tmp_p
         load_gate_params(str(tmp_path / "bad.safetensors"), GEOMETRY)
 
 
+def test_a_gate_file_dt_bias_of_the_right_size_but_another_shape_is_refused(tmp_path):
+    """dt_bias is [HV, K] or [HV * K]: a [K, HV] entry (a transposed export) holds the same
+    number of values, and reshaping it would pair every bias with the wrong head and key."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(6)
+    for shape in [(K, HV), (1, HV * K), (HV, K, 1)]:
+        path = tmp_path / f"gates_{'x'.join(map(str, shape))}.safetensors"
+        save_file({"layers.0.A_log": torch.randn(HV, generator=gen),
+                   "layers.0.dt_bias": torch.randn(*shape, generator=gen)}, path)
+        with pytest.raises(ValueError, match=rf"layers.0.dt_bias must be \[{HV}, {K}\] or \[{HV * K}\], "
+                                             rf"got \[{', '.join(map(str, shape))}\]"):
+            load_gate_params(str(path), GEOMETRY)
+
+
 def test_a_gate_file_with_a_shape_no_tensor_can_have_is_a_value_error(tmp_path):
     """Files go through the one shape check too (`tensor_io.shapes`): [2^63, 0] holds no
     bytes but no tensor can have it; a ValueError naming the file, never torch's TypeError."""
