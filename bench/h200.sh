@@ -29,6 +29,14 @@ git log --oneline -1 2>/dev/null
 python3 -c "import service.cli" || { echo "the server does not import: a wheel is missing from .srvwhl"; exit 1; }
 # Steps run in the order given; `name:seconds` caps one step's time (default below), so
 # several steps fit one 10-minute call.
+# tritonclient (the KServe tests' client) is a test dependency the image lacks and .srvwhl does
+# not carry (its wheel and grpcio's are large): without it, the files that import it are left
+# out, said aloud, rather than stopping the whole collection
+kserve_ignores() {
+    python3 -c "import tritonclient.grpc" 2>/dev/null && return
+    echo "(tritonclient missing: tests/kserve and test_bad_input_frames_and_prefix.py left out)" >&2
+    echo --ignore=tests/kserve --ignore=tests/transport/test_bad_input_frames_and_prefix.py
+}
 run_step() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     echo "== $name (limit ${limit} s)"
@@ -38,7 +46,7 @@ run_step() {  # name, time limit (s), command...
 for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     name=${spec%%:*}; limit=${spec#*:}; [[ $limit == "$spec" ]] && limit=540
     case $name in
-    gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store tests/reliability tests/kserve tests/client --ignore=tests/reliability/test_fuzz.py ;;
+    gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store tests/reliability tests/kserve tests/client --ignore=tests/reliability/test_fuzz.py $(kserve_ignores) ;;
     # the kernel paths' interpreter tests, compiled: on CUDA their `device` fixture is the GPU
     kernel-paths) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_nonfinite.py tests/triton/test_triton_checkpoints.py tests/triton/test_triton_state_stages.py tests/triton/test_triton_vectors.py tests/triton/test_triton_extremes.py tests/triton/test_triton_intra_bounded.py ;;
     # the service's input checks, the kernels' input checks and non-finite flags, o into a given tensor, compiled
