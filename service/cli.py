@@ -15,6 +15,10 @@ on the way (a pool larger than the device's memory, a bad gate file, a port in u
 socket that cannot be made, a snapshot that cannot be used, a bad setting) prints one line,
 ``kda-serve: <why>``, on stderr and exits 2, with no traceback. Logs go to stderr in one
 format (`service.logs`; ``--log-format json``).
+
+Stopping (SIGTERM, or SIGINT): `Server`, uvicorn's, calls `begin_shutdown` the moment the
+signal arrives, so gRPC stops taking new work at once; uvicorn stops listening and drains
+HTTP (up to 30 s); then the app's shutdown stops gRPC, writes the last snapshot, exit 0.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import logging
 import signal
 import socket
 import sys
+from types import FrameType
 from typing import NoReturn, Optional, Sequence
 
 import uvicorn
@@ -32,7 +37,7 @@ from state_store import PoolError
 
 from .config import Settings, parse_settings
 from .framed import socket_path_problem
-from .http.app import create_app
+from .http.app import begin_shutdown, create_app
 from .http.protocol_choice import choose_protocol, fallback_warning
 from .http.request_id import RequestIdFilter
 from .logs import configure_logging
@@ -54,6 +59,22 @@ def _exit_cleanly(signum: int, frame: object) -> NoReturn:
     """SIGTERM's handler outside uvicorn's serving loop: uvicorn drains, closes the app
     (snapshot) and then re-raises the signal it caught; this makes that an exit status of 0."""
     raise SystemExit(0)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server for ``app``, which also tells the app the moment a signal asks it
+    to stop (`begin_shutdown`), before uvicorn's drain of HTTP. Made on the serving loop."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+        self._loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        """uvicorn's handler (signal.signal, between two bytecodes): the app is told from
+        the loop, as soon as the handler returns."""
+        super().handle_exit(sig, frame)
+        self._loop.call_soon_threadsafe(begin_shutdown, self._app)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -105,7 +126,7 @@ async def _serve(settings: Settings, app: FastAPI, sock: socket.socket, config: 
         await app.state.core.restore()
     except PoolError as e:  # SnapshotError, GeometryMismatch: the pool is as it was
         raise StartRefused(f"refused the snapshot: {_one_line(e)}") from None
-    server = uvicorn.Server(config)
+    server = Server(config, app)
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
         await asyncio.wait({serving}, timeout=0.02)

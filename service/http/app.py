@@ -17,6 +17,10 @@ tell transport time from compute.
 A client that leaves before its response (``POST /slots``, fork, a /prefill that created
 slots) leaves no slot behind: the slots created for it are freed (status 499 in the
 metrics), also when it leaves while a large response is still being sent.
+
+Stopping: the server (`service.cli`) calls `begin_shutdown` the moment SIGTERM arrives;
+gRPC stops taking new work then (readiness false, new calls UNAVAILABLE) while uvicorn
+drains HTTP; then the lifespans' shutdown stops gRPC, the framed socket and the core.
 """
 from __future__ import annotations
 
@@ -113,11 +117,18 @@ def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Li
     return lifespan
 
 
+def begin_shutdown(app: FastAPI) -> None:
+    """The process was asked to stop (SIGTERM): the front ends that uvicorn does not drain
+    stop taking new work now (`service.kserve.rpc.server`). Idempotent; on the serving loop."""
+    app.state.stopping.set()
+
+
 def create_app(settings: Settings) -> FastAPI:
     """The app serving a new `ServerCore` (``app.state.core``; the pool is allocated and
     gate parameters loaded here, so bad settings fail before serving). Its lifespan starts
     the core, warms the kernels in the background (/health/ready answers 200 after), sweeps
-    idle slots when a ttl is set, and closes the core (snapshot) at shutdown. With
+    idle slots when a ttl is set, and closes the core (snapshot) at shutdown
+    (``app.state.stopping``: set by `begin_shutdown`). With
     ``--metrics-port`` the Prometheus page is also served there, without the API key
     (`service.http.metrics_port`; a busy port raises OSError here)."""
     core = ServerCore(settings)
@@ -130,8 +141,9 @@ def create_app(settings: Settings) -> FastAPI:
                           summary="KDA (Kimi Delta Attention) chunked prefill over HTTP, on an in-place state pool",
                           regions=registry, lifespan=_lifespan(core, registry, settings))
     app.add_middleware(ProtocolErrors)  # outermost: {"error": ...} bodies under /v2, from every layer
+    app.state.stopping = asyncio.Event()
     # Open Inference Protocol (KServe v2): /v2/... over HTTP, and gRPC on --grpc-port when set
-    app.include_router(kserve_router(core, core.is_ready, registry, settings))
+    app.include_router(kserve_router(core, core.is_ready, registry, settings, app.state.stopping))
     # bound last, so nothing after it can fail and leave the port held; closed by the lifespan
     app.state.metrics_server = (MetricsServer(settings.host, settings.metrics_port, core.metrics.registry)
                                 if settings.metrics_port else None)

@@ -4,6 +4,11 @@ strict pydantic models: unknown members are refused, numbers are not taken from 
 Parameters (request, input, output) are ``name -> string | number | boolean`` as the
 protocol says; which names are allowed, and their types, is `service.kserve.options`' and
 `service.kserve.codec`'s business.
+
+A shared memory region's name (a URL segment over HTTP, a string field over gRPC) goes
+through `region_name` on both front ends: 1 to `REGION_NAME_MAX` characters, as ``POST
+/shm/regions`` and ``POST /prefill``'s references to regions take (`service.shm`), so a
+region registered through the KServe extensions can always be named there too.
 """
 from __future__ import annotations
 
@@ -11,12 +16,25 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from ..errors import InvalidRequest
 from ..wire.schema import Shape
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 ParameterValue = Union[StrictBool, StrictInt, StrictFloat, StrictStr]
 Parameters = dict[str, ParameterValue]
 NAME_MAX = 256
+REGION_NAME_MAX = 255  # characters, as service.shm's region names (POST /shm/regions, /prefill by reference)
+
+
+def region_name(name: str) -> str:
+    """``name`` when it can name a shared memory region (1 to `REGION_NAME_MAX` characters);
+    InvalidRequest (HTTP 400, gRPC INVALID_ARGUMENT) naming the field ``name`` otherwise."""
+    if not name:
+        raise InvalidRequest("a shared memory region needs a name", field="name")
+    if len(name) > REGION_NAME_MAX:
+        raise InvalidRequest(f"name: a shared memory region's name has at most {REGION_NAME_MAX} characters, "
+                             f"got {len(name)}", field="name")
+    return name
 
 
 class RequestInput(BaseModel):

@@ -15,12 +15,15 @@ service's own, rendered as ``{"error": ...}`` by `ProtocolErrors`. The routes on
 bytes: decoding is `service.kserve.http_codec`'s, the request path the endpoint's.
 
 The router's lifespan loads the sequence table (when a snapshot path is set; it is saved
-with every snapshot) and starts the gRPC server; at shutdown it drains and stops gRPC
-before the app closes the core. The shared memory registry is the app's, shared with
-``POST /prefill`` (the app unmaps every region at shutdown).
+with every snapshot) and starts the gRPC server. gRPC stops taking new work as soon as
+``stopping`` is set (the process got SIGTERM; HTTP drains meanwhile), and at shutdown the
+lifespan drains and stops it before the app closes the core. The shared memory registry
+is the app's, shared with ``POST /prefill`` (the app unmaps every region at shutdown);
+region names are checked by `protocol.region_name`, as over gRPC.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from contextlib import asynccontextmanager
@@ -39,7 +42,7 @@ from ..wire.schema import parse_model
 from .endpoint import KServeEndpoint
 from .http_codec import HEADER_LENGTH, encode_response, header_end, parse_request
 from .model import MODEL, PLATFORM, VERSION, check_model, model_inputs, model_outputs
-from .protocol import CudaShmRegister, SystemShmRegister
+from .protocol import CudaShmRegister, SystemShmRegister, region_name
 
 __all__ = ["MODEL", "VERSION", "kserve_router", "model_metadata"]
 OCTET = "application/octet-stream"
@@ -63,24 +66,26 @@ def model_metadata(core: ServerCore) -> dict[str, Any]:
     return {"name": MODEL, "versions": [VERSION], "platform": PLATFORM, "inputs": inputs, "outputs": outputs}
 
 
-def _grpc_front_end(endpoint: KServeEndpoint, settings: Settings) -> Any:
+def _grpc_front_end(endpoint: KServeEndpoint, settings: Settings, stopping: asyncio.Event) -> Any:
     """The gRPC front end for ``settings.grpc_port`` (not started). ValueError when grpcio
     or tritonclient's generated messages are missing (the ``grpc`` extra)."""
     try:
         from .rpc import GrpcFrontEnd
     except ImportError as e:
         raise ValueError(f"--grpc-port needs the grpc extra (from the checkout: pip install -e '.[grpc]'): {e}") from None
-    return GrpcFrontEnd(endpoint, settings)
+    return GrpcFrontEnd(endpoint, settings, stopping)
 
 
 def kserve_router(core: ServerCore, ready: Callable[[], bool], registry: ShmRegistry,
-                  settings: Optional[Settings] = None) -> APIRouter:
+                  settings: Optional[Settings] = None, stopping: Optional[asyncio.Event] = None) -> APIRouter:
     """The KServe v2 routes on ``core``; ``ready`` says whether the kernels are warm and
     passed their self-test; ``registry`` holds the app's shared memory regions (its owner
-    closes it); a non-zero ``settings.grpc_port`` serves gRPC too. Mount with
+    closes it); a non-zero ``settings.grpc_port`` serves gRPC too, which stops taking new
+    work once ``stopping`` is set (None: at the app's shutdown only). Mount with
     ``app.include_router`` and add `ProtocolErrors` to the app."""
     endpoint = KServeEndpoint(core, ready, registry)
-    grpc = _grpc_front_end(endpoint, settings) if settings is not None and settings.grpc_port else None
+    grpc = (_grpc_front_end(endpoint, settings, stopping or asyncio.Event())
+            if settings is not None and settings.grpc_port else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -162,6 +167,7 @@ def _system_shared_memory(router: APIRouter, registry: ShmRegistry) -> None:
 
     @router.post("/v2/systemsharedmemory/region/{name}/register", summary="Register a POSIX shared memory region")
     async def system_register(name: str, request: Request) -> dict[str, Any]:
+        region_name(name)
         body = parse_model(SystemShmRegister, await read_body(request))
         registry.register_system(name, body.key, body.offset, body.byte_size, body.ttl_s)
         return {}
@@ -187,6 +193,7 @@ def _cuda_shared_memory(router: APIRouter, registry: ShmRegistry) -> None:
     @router.post("/v2/cudasharedmemory/region/{name}/register", summary="Register a CUDA IPC memory region")
     async def cuda_register(name: str, request: Request) -> dict[str, Any]:
         registry.require_cuda()
+        region_name(name)
         body = parse_model(CudaShmRegister, await read_body(request))
         try:
             raw = base64.b64decode(body.raw_handle.b64, validate=True)

@@ -1,9 +1,12 @@
-"""What every gRPC call goes through: the API key, the status code of its outcome, the
-metrics, and work that must finish whole once started.
+"""What every gRPC call goes through: the API key, the server stopping, the status code of
+its outcome, the metrics, and work that must finish whole once started.
 
 - The key: ``authorization: Bearer <key>`` metadata (compared in constant time) on every
   call but ServerLive and ServerReady, as the HTTP health probes; UNAUTHENTICATED otherwise.
-  Then a request that is not a valid message (`decode.Malformed`) is refused.
+- Stopping: once ``stopping`` is set (the process got SIGTERM, or the app shuts down), a
+  new call is refused UNAVAILABLE (`ShuttingDown`), but for the health calls (ServerLive,
+  ServerReady, ModelReady: readiness then answers false, `ready`); calls already admitted
+  go on. Then a request that is not a valid message (`decode.Malformed`) is refused.
 - Outcome: a service error becomes its status code and message (`rpc_status`); the call
   ends with it. A call the client cancelled counts as CANCELLED.
 - Metrics: ``kda_grpc_requests{method, status}`` and ``kda_grpc_request_seconds{method}``.
@@ -22,19 +25,33 @@ import grpc
 
 from ...core.metrics import Metrics
 from .decode import Malformed
-from .status import Unauthenticated, rpc_status
+from .status import ShuttingDown, Unauthenticated, rpc_status
 
 _T = TypeVar("_T")
 OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
+HEALTH_METHODS = frozenset({"ServerLive", "ServerReady", "ModelReady"})
 
 
 class Calls:
-    """The call bookkeeping of one gRPC front end; ``api_key`` None: no key needed."""
+    """The call bookkeeping of one gRPC front end; ``api_key`` None: no key needed;
+    ``stopping``: set once the server is asked to stop (see the module docstring)."""
 
-    def __init__(self, metrics: Metrics, api_key: Optional[str]) -> None:
+    def __init__(self, metrics: Metrics, api_key: Optional[str], stopping: asyncio.Event) -> None:
         self.metrics = metrics
+        self.stopping = stopping
         self._key = None if api_key is None else api_key.encode("utf-8")
         self._running: set[asyncio.Task] = set()
+
+    def admit(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        """`check_key`, then ShuttingDown for a new call of ``method`` while the server stops
+        (health calls excepted)."""
+        self.check_key(method, context)
+        if self.stopping.is_set() and method not in HEALTH_METHODS:
+            raise ShuttingDown()
+
+    def ready(self, ready: bool) -> bool:
+        """What readiness answers, ``ready`` being the endpoint's: false while stopping."""
+        return ready and not self.stopping.is_set()
 
     def check_key(self, method: str, context: grpc.aio.ServicerContext) -> None:
         """Unauthenticated unless ``method`` is open or the call carries the key."""
@@ -51,11 +68,11 @@ class Calls:
 
     async def unary(self, method: str, request: object, context: grpc.aio.ServicerContext,
                     body: Callable[[], Awaitable[_T]]) -> _T:
-        """``body()`` as the call ``method`` of ``request``: the key checked first, then
-        whether ``request`` parsed; an error ends the call with its status code and message."""
+        """``body()`` as the call ``method`` of ``request``: `admit` first, then whether
+        ``request`` parsed; an error ends the call with its status code and message."""
         start, code = time.monotonic(), grpc.StatusCode.OK
         try:
-            self.check_key(method, context)
+            self.admit(method, context)
             if isinstance(request, Malformed):
                 raise request.error()
             return await body()

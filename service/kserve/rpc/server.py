@@ -6,12 +6,18 @@ It listens on ``--host``:``--grpc-port`` (SO_REUSEPORT off, so a port in use fai
 start instead of being shared). Received messages are limited to ``--max-body-mb`` (a
 larger one is refused by gRPC with RESOURCE_EXHAUSTED before it is decoded); sent ones are
 not. One that does not decode reaches its method as `decode.Malformed` (`TolerantDecoding`).
-`stop` drains: streams stop reading and end once their requests are done, new calls are
-refused (UNAVAILABLE), calls in flight get `GRACE_S` to finish, and every inference
-already started runs to its end before the core closes.
+
+Stopping comes in two steps. From the moment ``stopping`` is set (the process got SIGTERM,
+while uvicorn still drains HTTP; `service.http.app.begin_shutdown`): ServerReady and
+ModelReady answer false, new calls and streams are refused (UNAVAILABLE), streams stop
+reading and end (UNAVAILABLE) once their requests are answered; calls in flight go on.
+`stop` (the app's shutdown, after HTTP's drain) sets it too if it was not, stops the server
+giving the calls in flight `GRACE_S` to finish, and waits for every inference already
+started to run to its end before the core closes.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Optional
 
@@ -34,15 +40,15 @@ def _address(host: str, port: int) -> str:
 
 class GrpcFrontEnd:
     """The gRPC server for ``settings`` (host, grpc_port, max_body_bytes, api_key) on
-    ``endpoint``. `start` in the serving loop, `stop` at shutdown."""
+    ``endpoint``; ``stopping``: set once the server is asked to stop (see the module
+    docstring). `start` in the serving loop, `stop` at shutdown."""
 
-    def __init__(self, endpoint: KServeEndpoint, settings: Settings) -> None:
+    def __init__(self, endpoint: KServeEndpoint, settings: Settings, stopping: asyncio.Event) -> None:
         self.endpoint = endpoint
         self.address = _address(settings.host, settings.grpc_port)
         self.max_receive_bytes = settings.max_body_bytes
-        self.calls = Calls(endpoint.core.metrics, settings.api_key)
+        self.calls = Calls(endpoint.core.metrics, settings.api_key, stopping)
         self._server: Optional[grpc.aio.Server] = None
-        self._servicer: Optional[InferenceServicer] = None
 
     async def start(self, version: str) -> None:
         """Listen and serve (``version``: the server's, for ServerMetadata). OSError when
@@ -52,8 +58,8 @@ class GrpcFrontEnd:
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
         ])
-        self._servicer = InferenceServicer(self.endpoint, self.calls, version)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, server)
+        servicer = InferenceServicer(self.endpoint, self.calls, version)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
         try:
             server.add_insecure_port(self.address)
         except RuntimeError as e:
@@ -64,9 +70,9 @@ class GrpcFrontEnd:
 
     async def stop(self) -> None:
         """Drain and stop (see the module docstring); a no-op when not started."""
-        if self._server is None or self._servicer is None:
+        if self._server is None:
             return
-        self._servicer.drain()
+        self.calls.stopping.set()
         await self._server.stop(GRACE_S)
         await self.calls.drain()
         self._server = None

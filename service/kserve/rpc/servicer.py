@@ -3,27 +3,26 @@
 Every method is a thin front end: decode the message (`codec`, `metadata`), call the
 endpoint or the shared memory registry, encode the answer; `Calls` checks the key, maps
 errors to status codes and counts. Health: ServerLive, ServerReady, ModelReady (false for
-another model, as Triton answers). Metadata: ServerMetadata, ModelMetadata, ModelConfig,
-RepositoryIndex. Inference: ModelInfer, ModelStreamInfer (`stream`). Shared memory:
-System/CudaSharedMemory Register, Status, Unregister (one registry with HTTP and
-``POST /prefill``). Statistics, repository load/unload, trace and log settings answer
-UNIMPLEMENTED.
+another model, as Triton answers; both false once the server is stopping, `Calls.ready`).
+Metadata: ServerMetadata, ModelMetadata, ModelConfig, RepositoryIndex. Inference:
+ModelInfer, ModelStreamInfer (`stream`). Shared memory: System/CudaSharedMemory Register,
+Status, Unregister (one registry with HTTP and ``POST /prefill``; region names checked by
+`protocol.region_name`, as over HTTP). Statistics, repository load/unload, trace and log
+settings answer UNIMPLEMENTED.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from ...errors import InvalidRequest
 from ...shm.registry import CUDA, SYSTEM
 from ...wire.schema import parse_model
 from ..endpoint import KServeEndpoint
 from ..model import MODEL, VERSION, check_model
-from ..protocol import CudaShmRegister, SystemShmRegister
+from ..protocol import CudaShmRegister, SystemShmRegister, region_name
 from . import metadata
 from .calls import Calls
 from .codec import model_infer
@@ -32,12 +31,6 @@ from .status import Unimplemented, rpc_status
 from .stream import METHOD as STREAM, Request, StreamSession, serve_stream
 
 Context = grpc.aio.ServicerContext
-
-
-def _region_name(name: str) -> str:
-    if not name:
-        raise InvalidRequest("a shared memory region needs a name", field="name")
-    return name
 
 
 def _unimplemented(method: str) -> Callable[..., Any]:
@@ -57,11 +50,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.calls = calls
         self.version = version
         self.registry = endpoint.registry
-        self._draining = asyncio.Event()
 
-    def drain(self) -> None:
-        """Streams stop reading and end (UNAVAILABLE) once their requests are done."""
-        self._draining.set()
+    def _ready(self) -> bool:
+        """Whether readiness answers true: the kernels ready and the server not stopping."""
+        return self.calls.ready(self.endpoint.ready())
 
     # -- health and metadata ------------------------------------------------------------
 
@@ -72,13 +64,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
         async def body() -> pb.ServerReadyResponse:
-            return pb.ServerReadyResponse(ready=self.endpoint.ready())
+            return pb.ServerReadyResponse(ready=self._ready())
         return await self.calls.unary("ServerReady", request, context, body)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         async def body() -> pb.ModelReadyResponse:
             known = request.name == MODEL and request.version in ("", VERSION)
-            return pb.ModelReadyResponse(ready=known and self.endpoint.ready())
+            return pb.ModelReadyResponse(ready=known and self._ready())
         return await self.calls.unary("ModelReady", request, context, body)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
@@ -101,7 +93,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
                               context: Context) -> pb.RepositoryIndexResponse:
         async def body() -> pb.RepositoryIndexResponse:
-            state = "READY" if self.endpoint.ready() else "UNAVAILABLE"
+            state = "READY" if self._ready() else "UNAVAILABLE"
             models = [] if request.ready and state != "READY" else [
                 pb.RepositoryIndexResponse.ModelIndex(name=MODEL, version=VERSION, state=state)]
             return pb.RepositoryIndexResponse(models=models)
@@ -117,13 +109,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[Request], context: Context) -> None:
         start = time.monotonic()
         try:
-            self.calls.check_key(STREAM, context)
+            self.calls.admit(STREAM, context)
         except Exception as e:
             code, message = rpc_status(e)
             self.calls.count(STREAM, code, time.monotonic() - start)
             await context.abort(code, message)
         closed = await serve_stream(StreamSession(self.endpoint, self.calls, context), request_iterator,
-                                    self._draining.wait)
+                                    self.calls.stopping.wait)
         if not closed:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: reconnect to another "
                                                              "instance (every request answered so far was applied)")
@@ -139,9 +131,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
                                          context: Context) -> pb.SystemSharedMemoryRegisterResponse:
         async def body() -> pb.SystemSharedMemoryRegisterResponse:
+            name = region_name(request.name)
             doc = parse_model(SystemShmRegister, json.dumps(
                 {"key": request.key, "offset": request.offset, "byte_size": request.byte_size}), where="request")
-            self.registry.register_system(_region_name(request.name), doc.key, doc.offset, doc.byte_size)
+            self.registry.register_system(name, doc.key, doc.offset, doc.byte_size)
             return pb.SystemSharedMemoryRegisterResponse()
         return await self.calls.unary("SystemSharedMemoryRegister", request, context, body)
 
@@ -162,10 +155,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                        context: Context) -> pb.CudaSharedMemoryRegisterResponse:
         async def body() -> pb.CudaSharedMemoryRegisterResponse:
             self.registry.require_cuda()
+            name = region_name(request.name)
             doc = parse_model(CudaShmRegister, json.dumps(
                 {"raw_handle": {"b64": ""}, "device_id": request.device_id, "byte_size": request.byte_size}),
                 where="request")
-            self.registry.register_cuda(_region_name(request.name), request.raw_handle, doc.device_id, doc.byte_size)
+            self.registry.register_cuda(name, request.raw_handle, doc.device_id, doc.byte_size)
             return pb.CudaSharedMemoryRegisterResponse()
         return await self.calls.unary("CudaSharedMemoryRegister", request, context, body)
 

@@ -4,8 +4,8 @@ messages as the HTTP problem details (``detail``) and ``{"error": ...}`` bodies.
 400, 415, 422 -> INVALID_ARGUMENT; 401 -> UNAUTHENTICATED; 404 -> NOT_FOUND; 408 ->
 DEADLINE_EXCEEDED; 409 (state_lost) -> FAILED_PRECONDITION; 413 and 503 (pool full,
 persistence unavailable) -> RESOURCE_EXHAUSTED; not ready (warming) -> UNAVAILABLE.
-Methods not implemented: UNIMPLEMENTED. Anything else is a bug: INTERNAL, and the log has
-the traceback.
+Methods not implemented: UNIMPLEMENTED. A new call while the server stops: UNAVAILABLE
+(`ShuttingDown`). Anything else is a bug: INTERNAL, and the log has the traceback.
 
 A message travels in the ``grpc-message`` trailer, percent-encoded (up to 3 bytes a byte),
 and clients drop a call whose trailers pass their metadata limit (grpcio: 8 KiB) with a
@@ -43,6 +43,13 @@ class Unauthenticated(ServiceError):
         super().__init__(API_KEY_REQUIRED)
 
 
+class ShuttingDown(Exception):
+    """A new call (or stream) after the server was asked to stop."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down: reconnect to another instance")
+
+
 class Unimplemented(Exception):
     """A method of the service this server does not implement."""
 
@@ -70,6 +77,8 @@ def rpc_status(e: Exception) -> tuple[grpc.StatusCode, str]:
 def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, Unimplemented):
         return Code.UNIMPLEMENTED, str(e)
+    if isinstance(e, ShuttingDown):
+        return Code.UNAVAILABLE, str(e)
     if isinstance(e, NotReady):
         return Code.UNAVAILABLE, e.detail
     if isinstance(e, ServiceError):
