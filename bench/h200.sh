@@ -99,6 +99,9 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     transaction) run_step "$name" "$limit" python3 bench/transaction.py ;;
     # prefix cache: checkpoints every 1024 tokens at 8x4096 H32 (goal <= 5%), 48-layer restores (docs/PREFIX_CACHE.md)
     prefix-cache) run_step "$name" "$limit" python3 bench/prefix_cache.py ;;
+    # issue 21's restores alone (device and host tier, fresh rows and rows launches moved), and the pool's CUDA tests
+    prefix-restores) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --restores-only &&
+        python3 -m pytest -q tests/state_store/test_pool_cuda.py tests/state_store/test_moved_rows_lifecycle.py' ;;
     # the shared memory safety tests' GPU cases (pinned pages, a prepared prefill's graph hold, truncations)
     shm-gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/reliability/test_shm_safety.py ;;
     # issue 19: a prepared prefill's graph stage by stage (device time), beside the eager kernel call
@@ -121,6 +124,6 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # the same, checkpoints denser (every 256 and 128 tokens): where the segments' launches stop paying
     prefix-dense) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --where --reps 10 --every 256 &&
         python3 bench/prefix_cache.py --where --reps 10 --every 128' ;;
-    *) echo "unknown step $name (gpu-tests, kernel-paths, kernel-checks, service-tests, cuda-ipc-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-variants, cuda-ipc, transport, latency, latency-short, latency-wide-zero-copy, latency-zero-copy, latency-profile-decode, latency-profile, kernel-ab, transaction, prefix-cache, shm-gpu-tests, prepared-graph, extremes-sweep, prefix-cache-goal, decode-save-tests, prefix-where, prefix-dense)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, kernel-paths, kernel-checks, service-tests, cuda-ipc-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-variants, cuda-ipc, transport, latency, latency-short, latency-wide-zero-copy, latency-zero-copy, latency-profile-decode, latency-profile, kernel-ab, transaction, prefix-cache, shm-gpu-tests, prepared-graph, extremes-sweep, prefix-cache-goal, decode-save-tests, prefix-where, prefix-dense, prefix-restores)"; exit 2 ;;
     esac
 done

@@ -571,16 +571,14 @@ class StatePool:
 
     def _write_slot(self, row: int, state: torch.Tensor) -> None:
         """Copy ``state`` [L, HV, V, K] (pool dtype, any device) into slot row ``row``, complete
-        when this returns. From the pool's device one scatter; from the host into a GPU pool
-        one copy per layer, straight into its row (queued at once: they overlap the transfer,
-        where a device copy first would add a second pass over the state)."""
-        rows = self._map.rows_of_slot(row)
-        if state.device == self._storage.device:
-            self._storage.index_copy_(0, self._slot_index(rows), state)
-            return
-        for layer, r in enumerate(rows):
-            self._storage[r].copy_(state[layer], non_blocking=True)
-        if self._storage.is_cuda:
+        when this returns: one scatter into its rows on every layer, from the host after one
+        transfer to the pool's device (a transient [L, HV, V, K]: one copy per layer straight
+        into its row paid the copy engine's gap between transfers L times, 0.26 ms over the
+        PCIe time at 48 layers on the H200)."""
+        rows = self._slot_index(self._map.rows_of_slot(row))
+        on_host = state.device != self._storage.device
+        self._storage.index_copy_(0, rows, state.to(self._storage.device, non_blocking=True) if on_host else state)
+        if on_host and self._storage.is_cuda:
             torch.cuda.current_stream(self._storage.device).synchronize()  # the host state may change after
 
     def _take_rows(self, count: int) -> list[int]:
