@@ -42,6 +42,16 @@ is told it is gone, as before: in kda-serve only one that made slots asks, about
 over their ids (`service.http.abandon`), which a client that closed would never read; it
 frees them, its answer is dropped and the connection closed (`KDAHttpProtocol._after_fin`).
 
+Nor are pipelined requests left in the dark when the connection is lost (a reset, or a
+close with an answer left unread). uvicorn tells only the newest request, the last one
+queued, so the one running answered into nothing (and the slots it made stayed allocated,
+their ids never delivered): here every request not yet answered is told
+(`KDAHttpProtocol.connection_lost`), and those queued never run. While requests wait their
+turn reading is paused, so the event loop does not see a reset or FIN that has arrived; a
+request that asks, once its body is read, whether its client is still there is also told
+it is gone when the kernel already knows (`client_hung_up`), or when the connection is
+closing (its answer would go nowhere).
+
 Where uvicorn answers a request its HTTP parser refuses with a plain-text 400, this answers
 with an RFC 9457 problem (``bad-content-length`` for a malformed Content-Length or one
 framing the body twice, 413 ``payload-too-large`` for one beyond 64 bits, ``bad-request``
@@ -68,6 +78,7 @@ this module does not import or the hooks are gone.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from contextlib import suppress
 from typing import Any, Optional
@@ -90,6 +101,10 @@ PROGRESS_S = 0.1
 WARM_STATE_KEY = "kda_serve.warm_bodies"
 """Where the server's `WarmBuffers` lives in uvicorn's per-server lifespan state."""
 
+TCP_HUNG_UP = (7, 8)
+"""Linux's TCP states (``tcpi_state``, include/net/tcp_states.h) of a connection whose peer
+has ended it: CLOSE (reset) and CLOSE_WAIT (its FIN arrived)."""
+
 
 class _Refusal(Exception):
     """Raised from a parser callback to stop parsing: ``response`` (whole, bytes) is sent
@@ -108,6 +123,22 @@ def raw_problem(status: int, slug: str, detail: str, title: Optional[str] = None
                        headers={"Connection": "close", REQUEST_ID_HEADER: request_id})
     head = [STATUS_LINE[status]] + [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
     return b"".join(head) + b"\r\n" + response.body
+
+
+def client_hung_up(transport: asyncio.Transport) -> bool:
+    """Whether the kernel already knows that the client of ``transport`` (open, not
+    closing: its socket is still its own) has reset or closed its side, though the event
+    loop may not have read it yet: while pipelined requests wait their turn reading is
+    paused, and the loop does not watch the socket at all. Linux only (``TCP_INFO``);
+    False elsewhere, and for a connection that is not TCP."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return False
+    try:
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
+    except OSError:
+        return False
+    return state[0] in TCP_HUNG_UP
 
 
 def declared_length(headers: list[tuple[bytes, bytes]]) -> Optional[int]:
@@ -267,7 +298,24 @@ class KDAHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._cancel_timers()
+        self._disconnect_all()
         super().connection_lost(exc)
+
+    def _disconnect_all(self) -> None:
+        """Tell every request of the connection not yet answered that its client is gone:
+        uvicorn tells only the newest (``self.cycle``), which is a queued one when requests
+        are pipelined, so the one running would answer into nothing (and the slots it made
+        would stay allocated, their ids never delivered). The queued ones never run."""
+        for cycle in self._unanswered():
+            cycle.disconnected = True
+            cycle.message_event.set()
+
+    def _unanswered(self) -> list[RequestResponseCycle]:
+        """The requests begun on this connection whose answer is not complete: those started
+        (each owns a cork until its response completes) and those queued behind them."""
+        started = [cork.owner for cork in self._corks if cork.owner is not None]
+        queued = [cycle for cycle, _ in self.pipeline]
+        return [cycle for cycle in started + queued if not cycle.response_complete]
 
     def eof_received(self) -> bool:
         """The client's FIN (see the module docstring): nothing more is read. The connection
@@ -286,6 +334,13 @@ class KDAHttpProtocol(HttpToolsProtocol):
         closes (nothing behind it is run)."""
         cycle.disconnected = True
         self.transport.close()
+
+    def _hung_up(self) -> bool:
+        """Whether the client is known to be gone: its FIN read, the connection closing (an
+        answer goes nowhere), or its FIN or reset already in the kernel (`client_hung_up`)."""
+        if self._eof or self.transport.is_closing():
+            return True
+        return client_hung_up(self.transport)
 
     def _cancel_timers(self) -> None:
         for timer in (self._idle, self._header_deadline):
@@ -498,7 +553,9 @@ class KDAHttpProtocol(HttpToolsProtocol):
         ``cycle``'s body short; once its body is handed over (or when it has none), a
         ``receive`` after the FIN is told the client is gone (`_gone`), as a client that
         closed must be: only a request that made slots asks, to free them rather than send
-        their ids to nobody."""
+        their ids to nobody. So is one whose connection is closing, or whose client the
+        kernel knows has reset or closed the connection (`client_hung_up`) though the
+        event loop has not read it yet (reading is paused while pipelined requests wait)."""
         body_due = declares_body(cycle.scope["headers"])
 
         async def fin_aware_app(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
@@ -508,7 +565,7 @@ class KDAHttpProtocol(HttpToolsProtocol):
 
             async def fin_aware_receive() -> ASGIReceiveEvent:
                 nonlocal body_due
-                if self._eof and not body_due and not cycle.response_complete:
+                if not body_due and not cycle.response_complete and self._hung_up():
                     self._gone(cycle)
                     return {"type": "http.disconnect"}
                 message = await receive()
