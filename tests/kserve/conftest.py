@@ -28,6 +28,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     assert "Traceback" not in srv.log_text(), srv.log_text()
 
 
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A second server, its API key "sesame", gRPC on (one per module that asks for it)."""
+    srv = start_server([*GEOMETRY_ARGS, "--api-key", "sesame"], tmp_path_factory.mktemp("grpc-key") / "kda.log",
+                       grpc=True)
+    yield srv
+    assert srv.stop() == 0, srv.log_text()
+    assert "Traceback" not in srv.log_text(), srv.log_text()
+
+
 @pytest.fixture(scope="session")
 def client(server: Server) -> Iterator[tc.InferenceServerClient]:
     c = tc.InferenceServerClient(urlsplit(server.url).netloc, concurrency=8, network_timeout=120.0)

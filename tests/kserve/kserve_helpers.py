@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import tritonclient.grpc as gc
 import tritonclient.http as tc
+from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import np_to_triton_dtype
 from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
     GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, make_sequence, metric, pool_image, random_state, reference, rel, start_server, wait_for,
@@ -91,3 +92,16 @@ def response_slot(result: Any) -> Optional[str]:
     if isinstance(response, dict):
         return response.get("parameters", {}).get("slot")
     return response.parameters["slot"].string_param if "slot" in response.parameters else None
+
+
+def raw_request(tensors: dict[str, torch.Tensor], request_id: str = "", **parameters: pb.InferParameter
+                ) -> pb.ModelInferRequest:
+    """A ModelInferRequest by hand, its FP32 inputs as raw_input_contents (what tritonclient
+    cannot send: a uint64 sequence id, bytes that are no message, ...)."""
+    request = pb.ModelInferRequest(model_name="kda", id=request_id)
+    for name, t in tensors.items():
+        request.inputs.add(name=name, datatype="FP32", shape=list(t.shape))
+        request.raw_input_contents.append(t.numpy().tobytes())
+    for name, value in parameters.items():
+        request.parameters[name].CopyFrom(value)
+    return request

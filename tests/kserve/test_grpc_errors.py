@@ -14,8 +14,8 @@ import torch
 import tritonclient.grpc as gc
 import tritonclient.http as tc
 from kserve_helpers import (
-    GEOMETRY_ARGS, MAX_BODY_MB, H, HV, K, LAYERS, TOL, V, grpc_infer, grpc_inputs, infer, make_sequence, pool_image,
-    random_state, reference, rel, response_slot, result_tensor, seq_inputs, start_server, triton_inputs, wait_for,
+    MAX_BODY_MB, H, HV, K, LAYERS, TOL, V, grpc_infer, grpc_inputs, infer, make_sequence, pool_image,
+    random_state, reference, rel, response_slot, result_tensor, seq_inputs, triton_inputs, wait_for,
 )
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -352,14 +352,6 @@ def test_live_sequences_continue_where_they_were(server, grpc_client, world, gen
         o_ref, final_ref = reference([whole])
         assert rel(result_tensor(r, "o"), o_ref[-4:]) < TOL, sequence
         assert rel(result_tensor(r, "final_state"), final_ref[0]) < TOL, sequence
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory):
-    srv = start_server([*GEOMETRY_ARGS, "--api-key", "sesame"], tmp_path_factory.mktemp("grpc-key") / "kda.log",
-                       grpc=True)
-    yield srv
-    assert srv.stop() == 0, srv.log_text()
 
 
 def test_the_api_key_guards_every_call_but_the_health_probes(keyed_server, gen):

@@ -12,8 +12,8 @@ import pytest
 import torch
 import tritonclient.grpc as gc
 from kserve_helpers import (
-    HV, K, TOL, V, grpc_infer, grpc_inputs, infer, make_sequence, metric, reference, rel, response_slot, result_tensor,
-    seq_inputs,
+    HV, K, TOL, V, grpc_infer, grpc_inputs, infer, make_sequence, metric, raw_request, reference, rel, response_slot,
+    result_tensor, seq_inputs,
 )
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -34,16 +34,6 @@ def refusal(call: Callable[[], object]) -> InferenceServerException:
         call()
     return e.value
 
-
-def raw_request(tensors: dict[str, torch.Tensor], **parameters: pb.InferParameter) -> pb.ModelInferRequest:
-    """A ModelInferRequest by hand (what tritonclient cannot send: a uint64 sequence id, ...)."""
-    request = pb.ModelInferRequest(model_name="kda")
-    for name, t in tensors.items():
-        request.inputs.add(name=name, datatype="FP32", shape=list(t.shape))
-        request.raw_input_contents.append(t.numpy().tobytes())
-    for name, value in parameters.items():
-        request.parameters[name].CopyFrom(value)
-    return request
 
 
 def test_health_and_metadata_match_http(server, client, grpc_client):

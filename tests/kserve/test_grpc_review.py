@@ -17,8 +17,8 @@ import httpx
 import pytest
 import torch
 from kserve_helpers import (
-    GEOMETRY_ARGS, TOL, grpc_infer, make_sequence, pool_image, random_state, reference, rel, response_slot,
-    result_tensor, seq_inputs, start_server,
+    TOL, grpc_infer, make_sequence, pool_image, random_state, raw_request, reference, rel,
+    response_slot, result_tensor, seq_inputs,
 )
 from tritonclient.grpc import InferResult
 from tritonclient.grpc import service_pb2 as pb
@@ -41,17 +41,6 @@ GARBAGE = {"cut_varint": b"\x08", "length_past_end": b"\x0a\x7f\x41", "not_utf8"
 def free_slots(server) -> int:
     return httpx.get(f"{server.url}/info").json()["free_slots"]
 
-
-def raw_request(tensors: dict[str, torch.Tensor], request_id: str = "", **params: pb.InferParameter
-                ) -> pb.ModelInferRequest:
-    """A ModelInferRequest by hand, its inputs as raw_input_contents."""
-    request = pb.ModelInferRequest(model_name="kda", id=request_id)
-    for name, t in tensors.items():
-        request.inputs.add(name=name, datatype="FP32", shape=list(t.shape))
-        request.raw_input_contents.append(t.numpy().tobytes())
-    for name, value in params.items():
-        request.parameters[name].CopyFrom(value)
-    return request
 
 
 def seq_params(sequence: str, start: bool = False, end: bool = False) -> dict[str, pb.InferParameter]:
@@ -137,15 +126,6 @@ def test_a_stream_answers_a_message_that_does_not_parse_and_reads_on(server, cha
     o_ref, final_ref = reference([tuple(torch.cat([c[i] for c in chunks]) for i in range(5))])
     assert rel(o, o_ref) < TOL and rel(result_tensor(results["a2"], "final_state"), final_ref[0]) < TOL
     assert "DecodeError" not in server.log_text()
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory):
-    srv = start_server([*GEOMETRY_ARGS, "--api-key", "sesame"], tmp_path_factory.mktemp("grpc-review-key") / "kda.log",
-                       grpc=True)
-    yield srv
-    assert srv.stop() == 0, srv.log_text()
-    assert "Traceback" not in srv.log_text(), srv.log_text()
 
 
 def test_the_api_key_is_checked_before_the_message(keyed_server):
