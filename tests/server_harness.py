@@ -7,7 +7,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -16,6 +18,7 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
+import uvicorn
 
 from kernels import naive_recurrent_kda
 
@@ -33,6 +36,28 @@ def server_python_path() -> str:
     """A server process's PYTHONPATH: the repository first, then whatever the caller's path
     holds (e.g. wheels carried to the GPU machine, installed beside the image's packages)."""
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
+@contextmanager
+def uvicorn_in_thread(app: Callable, http: type, *, lifespan: str = "auto", timeout_keep_alive: int = 5
+                      ) -> Iterator[str]:
+    """``app`` served by uvicorn with the HTTP protocol class ``http`` on a free loopback
+    port, in a thread of this process: its URL while the block runs, stopped after."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=http, loop="auto",
+                                           lifespan=lifespan, log_level="warning",
+                                           timeout_keep_alive=timeout_keep_alive))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def free_port() -> int:

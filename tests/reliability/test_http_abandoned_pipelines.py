@@ -32,7 +32,6 @@ import signal
 import socket
 import struct
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -40,10 +39,9 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 import torch
-import uvicorn
 from reliability_helpers import GEOMETRY_ARGS, ST, connect, make_sequence, metric, start_server, wait_for
 
-from server_harness import free_port
+from server_harness import uvicorn_in_thread
 from service.http.protocol import KDAHttpConnection
 from service.wire.safetensors_codec import encode_safetensors
 
@@ -179,18 +177,9 @@ class Departures:
 @pytest.fixture
 def departures() -> Iterator[tuple[str, Departures]]:
     """(url, app): `Departures` behind uvicorn with `KDAHttpConnection`, in a thread."""
-    app, port = Departures(), free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=KDAHttpConnection,
-                                           loop="auto", lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(30)
+    app = Departures()
+    with uvicorn_in_thread(app, KDAHttpConnection, lifespan="off") as url:
+        yield url, app
 
 
 @pytest.mark.parametrize("how", ["reset", "close-unread"])

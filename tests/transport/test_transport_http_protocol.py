@@ -11,15 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
-import threading
 import time
 from typing import Any, Iterator
 
 import pytest
-import uvicorn
 from transport_helpers import read_response, request_head
 
-from server_harness import free_port
+from server_harness import uvicorn_in_thread
 from service.http.protocol import PROGRESS_S, KDAHttpConnection, declared_length
 from service.wire.buffers import MIN_BYTES, WarmBuffers
 
@@ -66,18 +64,8 @@ async def report_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     """`report_app` behind uvicorn with `KDAHttpConnection`, in a thread, keep-alive 1 s."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(report_app, host="127.0.0.1", port=port, http=KDAHttpConnection,
-                                           loop="auto", log_level="warning", timeout_keep_alive=1))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(30)
+    with uvicorn_in_thread(report_app, KDAHttpConnection, timeout_keep_alive=1) as url:
+        yield url
     HELD.clear()
 
 
