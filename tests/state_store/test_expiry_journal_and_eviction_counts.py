@@ -105,8 +105,6 @@ def test_a_sweep_journals_every_expired_slot_in_one_record(tmp_path):
 def test_an_expiry_that_cannot_be_journaled_does_not_happen(tmp_path, monkeypatch):
     """As for a free: the journal's fsync fails, so the slot is not freed (the look raises
     SnapshotError); once the journal can be written again, the next look expires it."""
-    import os
-
     path, clock = tmp_path / "pool.safetensors", FakeClock()
     pool, persistence = _restored(path, clock)
     (doomed,) = pool.alloc(1)
