@@ -53,7 +53,8 @@ def _fail(name: str, detail: str) -> InvalidRequest:
 
 
 def _type_name(value: ParameterValue) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string"}[type(value)]
+    """The JSON type of a parameter's value with its article: "a string", "an integer"."""
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[type(value)]
 
 
 def _sequence_id(value: ParameterValue) -> Optional[SequenceId]:
@@ -66,27 +67,27 @@ def _sequence_id(value: ParameterValue) -> Optional[SequenceId]:
             raise _fail("sequence_id", f"a string sequence_id has at most {SEQUENCE_ID_MAX_CHARS} characters, "
                                        f"got {len(value)}")
         return value or None
-    raise _fail("sequence_id", f"sequence_id must be a uint64 or a string, got a {_type_name(value)}")
+    raise _fail("sequence_id", f"sequence_id must be a uint64 or a string, got {_type_name(value)}")
 
 
 def _bool(params: Parameters, name: str) -> bool:
     value = params.get(name, False)
     if type(value) is not bool:
-        raise _fail(name, f"{name} must be a boolean, got a {_type_name(value)}")
+        raise _fail(name, f"{name} must be a boolean, got {_type_name(value)}")
     return value
 
 
 def _number(params: Parameters, name: str) -> Optional[float]:
     value = params.get(name)
     if value is not None and type(value) not in (int, float):
-        raise _fail(name, f"{name} must be a number, got a {_type_name(value)}")
+        raise _fail(name, f"{name} must be a number, got {_type_name(value)}")
     return None if value is None else float(value)
 
 
 def _int(params: Parameters, name: str) -> int:
     value = params[name]
     if type(value) is not int:
-        raise _fail(name, f"{name} must be an integer, got a {_type_name(value)}")
+        raise _fail(name, f"{name} must be an integer, got {_type_name(value)}")
     return value
 
 
@@ -110,7 +111,7 @@ def _slot(params: Parameters) -> Optional[str]:
 def _json_param(params: Parameters, name: str) -> object:
     value = params[name]
     if type(value) is not str:
-        raise _fail(name, f"{name} must be a JSON string, got a {_type_name(value)}")
+        raise _fail(name, f"{name} must be a JSON string, got {_type_name(value)}")
     try:
         return json.loads(value)
     except ValueError as e:

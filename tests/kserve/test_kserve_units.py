@@ -156,7 +156,7 @@ def test_request_parameters_are_strict():
         ({"sequence_start": True}, "needs a non-zero"),
         ({"sequence_id": 0, "sequence_end": True}, "needs a non-zero"),
         ({"layer": True}, "layer must be an integer"),
-        ({"use_qk_l2norm": 1}, "must be a boolean"),
+        ({"use_qk_l2norm": 1}, "use_qk_l2norm must be a boolean, got an integer"),
         ({"lower_bound": "-4"}, "must be a number"),
         ({"slot": ""}, "non-empty string"),
         ({"priority": 1}, "unknown request parameter(s) ['priority']"),
