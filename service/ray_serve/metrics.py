@@ -1,6 +1,8 @@
-"""One Prometheus page for a sharded deployment: the ingress's HTTP families (``kda_http_*``,
-from the single server's `MetricsMiddleware`) and every shard's pool, batch and kernel
-families with a ``shard`` label added."""
+"""One Prometheus page for a sharded deployment: the families the ingress counts itself (HTTP
+``kda_http_*`` from the single server's `MetricsMiddleware`, responses abandoned by their
+clients, prefix misses no shard saw) and every shard's pool, batch, kernel and prefix
+families with a ``shard`` label added (a family both count has both sets of samples: the
+ingress's without the label)."""
 from __future__ import annotations
 
 from typing import Iterator, Mapping
@@ -10,6 +12,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 HTTP_PREFIX = "kda_http"
+INGRESS_FAMILIES = (HTTP_PREFIX, "kda_responses_abandoned", "kda_prefix_misses")
+"""Families (by name prefix) the ingress's own `service.core.metrics.Metrics` counts."""
 
 
 class _Families:
@@ -23,11 +27,11 @@ class _Families:
 
 
 def merge_metrics(ingress: bytes, shards: Mapping[str, bytes]) -> bytes:
-    """The exposition of ``ingress``'s HTTP families and each shard's other families,
-    their samples labelled ``shard="<name>"``."""
+    """The exposition of ``ingress``'s own families (`INGRESS_FAMILIES`) and each shard's
+    families but the HTTP ones, their samples labelled ``shard="<name>"``."""
     families: dict[str, Metric] = {}
     for family in text_string_to_metric_families(ingress.decode("utf-8")):
-        if family.name.startswith(HTTP_PREFIX):
+        if family.name.startswith(INGRESS_FAMILIES):
             families[family.name] = family
     for shard, text in shards.items():
         for family in text_string_to_metric_families(text.decode("utf-8")):

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from service.config import Settings
-from service.errors import InvalidRequest, NotReady, ServiceError, UnknownPrefix
+from service.errors import InvalidRequest, NotReady, ServiceError, StateLost, UnknownPrefix
+from service.core.checkpoints import plan_checkpoints
 from service.core.gate_params import Gate, load_gate_params
 from service.core.inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from service.core.metrics import Metrics
@@ -53,6 +54,9 @@ from .payload import Array, ShardPrefill, ShardResult, ShardStatus, SlotCargo, T
 log = logging.getLogger("kda_serve.ray.router")
 STATUS_TIMEOUT_S = 5.0
 """How long /info, /shards, /health/ready and placement wait for a shard's figures."""
+RESTORE_ATTEMPTS = 3
+"""How often a restore looks for its entry again when the one it found was dropped before its
+bytes were read (then it is a miss, as on a single server that dropped it first)."""
 _SlotError = Union[UnknownSlot, SlotMoving, SlotGone]
 
 
@@ -163,12 +167,20 @@ class ShardedCore:
         return changed
 
     @staticmethod
-    def _public(error: Exception, names: Mapping[str, str]) -> Exception:
+    def _slot_named(error: BaseException) -> Optional[str]:
+        """The slot id ``error`` is about, if any (StateLost keeps it as ``slot``)."""
+        slot_id = error.slot if isinstance(error, StateLost) else getattr(error, "slot_id", None)
+        return slot_id if isinstance(slot_id, str) else None
+
+    @classmethod
+    def _public(cls, error: Exception, names: Mapping[str, str]) -> Exception:
         """``error`` about a current id, told about the id its client holds."""
-        slot_id = getattr(error, "slot_id", None)
-        public = names.get(slot_id) if isinstance(slot_id, str) else None
+        slot_id = cls._slot_named(error)
+        public = names.get(slot_id) if slot_id is not None else None
         if public is None or public == slot_id:
             return error
+        if isinstance(error, StateLost):
+            return StateLost(public)
         if isinstance(error, UnknownSlot):
             return UnknownSlot(public)
         if isinstance(error, SlotMoving):
@@ -350,17 +362,40 @@ class ShardedCore:
         for i, key in enumerate(prefix):
             if (why := key_problem(key)) is not None:
                 raise InvalidRequest(why, field=f"prefix[{i}]")
+        for _ in range(RESTORE_ATTEMPTS):
+            found = await self._longest_entry(prefix)
+            if found is None:
+                break
+            try:
+                return await self._restore(prefix, count, *found)
+            except UnknownPrefix:
+                continue  # dropped after the look and before its bytes were read: look again
+        slots = await self.alloc(count)
+        self.metrics.prefix_misses.inc()
+        return slots, PrefixMatch()
+
+    async def _longest_entry(self, prefix: Sequence[str]) -> Optional[tuple[str, PrefixMatch]]:
+        """The shard holding the longest complete entry among ``prefix`` and its match (most
+        tokens, the later key on a tie, as on one server); None when no shard has one."""
         peeks = {shard: m for shard, m in (await self._each_shard("prefix_peek", list(prefix))).items()
                  if isinstance(m, PrefixMatch) and m.matched}
         if not peeks:
-            slots = await self.alloc(count)
-            self.metrics.prefix_misses.inc()
-            return slots, PrefixMatch()
-        shard, match = max(peeks.items(), key=lambda item: (item[1].tokens, item[1].matched))
+            return None
+        return max(peeks.items(), key=lambda item: (item[1].tokens, item[1].matched))
+
+    async def _restore(self, prefix: Sequence[str], count: int, shard: str,
+                       match: PrefixMatch) -> tuple[list[str], PrefixMatch]:
+        """``count`` slots from ``match`` on ``shard``: restored there when it has room (by
+        the placement figures, and in fact), else its bytes restored where `alloc` would
+        place them. UnknownPrefix when the entry went before its bytes were read."""
         if (await self._free_slots()).get(shard, 0) >= count:
-            slots, got = await self.shards[shard].call("alloc_prefix", list(prefix), count)
-            self._placed(shard, count)
-            return slots, got
+            try:
+                slots, got = await self.shards[shard].call("alloc_prefix", list(prefix), count)
+            except PoolFull:
+                self._free_at = -float("inf")  # the figures were stale: the bytes go where there is room
+            else:
+                self._placed(shard, count)
+                return slots, got
         assert match.key is not None
         state, tokens = await self.shards[shard].call("prefix_state", match.key)
         cargo = SlotCargo(state, [tokens] * self.geometry.num_layers, False)
@@ -375,10 +410,16 @@ class ShardedCore:
         """The slot's state as the entry ``key`` on the slot's shard; an entry of that key on
         any other shard is dropped, so a key lives on one shard."""
         info: PrefixInfo = await self._on_slot(slot_id, "publish", key)
-        home = self._shard_of(self._current(slot_id))
-        others = [n for n in self.shards if n != home]
-        await asyncio.gather(*(self.shards[n].call("drop_prefix", key) for n in others), return_exceptions=True)
+        await self._drop_elsewhere({self._shard_of(self._current(slot_id)): [key]})
         return info
+
+    async def _drop_elsewhere(self, stored: Mapping[str, Sequence[str]]) -> None:
+        """After entries were stored (``stored``: shard -> keys), drop those keys' entries on
+        every other shard, so a key lives on one shard (a shard that fails is skipped: its
+        copy may linger until it is dropped or evicted)."""
+        calls = [self.shards[n].call("drop_prefix", key) for n in self.shards
+                 for home, keys in stored.items() if home != n for key in keys]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     async def prefix_info(self, key: str) -> PrefixInfo:
         """The entry ``key`` from the shard that holds it (UnknownPrefix when none does)."""
@@ -458,13 +499,18 @@ class ShardedCore:
             part.indices.append(i)
             part.slots.append(slot)
         if len(parts) == 1:
-            return await self._prefill_one(x, next(iter(parts.values())), names, deadline)
-        allocated = await self._prepare(parts, names, order, deadline)
-        try:
-            return await self._prefill_split(x, parts, names, order, allocated)
-        except BaseException:
-            await self._free_quietly(allocated)
-            raise
+            result = await self._prefill_one(x, next(iter(parts.values())), names, deadline)
+        else:
+            allocated = await self._prepare(x, parts, names, order, deadline)
+            try:
+                result = await self._prefill_split(x, parts, names, order, allocated)
+            except BaseException:
+                await self._free_quietly(allocated)
+                raise
+        if x.checkpoints:
+            marks = x.checkpoint_list()
+            await self._drop_elsewhere({p.shard: [m.key for i in p.indices for m in marks[i]] for p in parts.values()})
+        return result
 
     @staticmethod
     def _shard_request(x: PrefillInputs, part: _Part) -> ShardPrefill:
@@ -503,13 +549,13 @@ class ShardedCore:
         slots = [names.get(s, s) for s in result.slots]
         return PrefillResult(slots, list(x.lengths), o, final, list(result.allocated), result.kernel_s)
 
-    @staticmethod
-    def _first_error(errors: Sequence[BaseException], order: Mapping[str, int]) -> BaseException:
+    @classmethod
+    def _first_error(cls, errors: Sequence[BaseException], order: Mapping[str, int]) -> BaseException:
         """Of failures from several shards, the one the single server would have raised:
         slot errors in request order first, then the rest."""
         def rank(e: BaseException) -> tuple[int, int]:
-            slot_id = getattr(e, "slot_id", None)
-            return (0, order[slot_id]) if isinstance(slot_id, str) and slot_id in order else (1, 0)
+            slot_id = cls._slot_named(e)
+            return (0, order[slot_id]) if slot_id is not None and slot_id in order else (1, 0)
         return min(errors, key=rank)
 
     def _part_errors(self, parts: Sequence[_Part], replies: Sequence[Any],
@@ -523,15 +569,18 @@ class ShardedCore:
                 errors.append(reply)
         return errors
 
-    async def _prepare(self, parts: dict[str, _Part], names: dict[str, str], order: Mapping[str, int],
-                       deadline: float) -> list[str]:
+    async def _prepare(self, x: PrefillInputs, parts: dict[str, _Part], names: dict[str, str],
+                       order: Mapping[str, int], deadline: float) -> list[str]:
         """Before a split prefill runs anything: every named slot exists (404 in request
-        order), and the new slots are allocated (their ids fill the parts)."""
-        checks = [_Part(p.shard, [], [s for s in p.slots if s is not None]) for p in parts.values()]
+        order) and is not flagged lost (409), the new slots are allocated (their ids fill
+        the parts), and the checkpoints fit the slots' token counts (400, fields in request
+        order): what a shard would refuse is refused before any shard runs."""
+        checks = [_Part(p.shard, [i for i, s in zip(p.indices, p.slots) if s is not None],
+                        [s for s in p.slots if s is not None]) for p in parts.values()]
         checks = [c for c in checks if c.slots]
         allocs = [p for p in parts.values() if None in p.slots]
         replies = await asyncio.gather(
-            *(self.shards[c.shard].call("check", c.slots) for c in checks),
+            *(self.shards[c.shard].call("check_prefill", c.slots, x.params.layer) for c in checks),
             *(self.shards[p.shard].call("alloc", p.slots.count(None)) for p in allocs),
             return_exceptions=True,
         )
@@ -546,10 +595,25 @@ class ShardedCore:
                     list(names.values()), first, deadline):
                 raise _Reroute()
             raise self._public(first, names) if isinstance(first, Exception) else first
+        if x.checkpoints:
+            try:
+                plan_checkpoints(x, self._tokens_before(len(x.lengths), checks, replies[:len(checks)]))
+            except InvalidRequest:
+                await self._free_quietly(allocated)
+                raise
         for part, reply in zip(allocs, alloc_replies):
             fresh = iter(reply)
             part.slots = [s if s is not None else next(fresh) for s in part.slots]
         return allocated
+
+    @staticmethod
+    def _tokens_before(n: int, checks: Sequence[_Part], counts: Sequence[list[int]]) -> list[int]:
+        """Each sequence's slot's tokens in the layer (0 for a new slot), in request order."""
+        before = [0] * n
+        for check, tokens in zip(checks, counts):
+            for i, t in zip(check.indices, tokens):
+                before[i] = t
+        return before
 
     async def _prefill_split(self, x: PrefillInputs, parts: dict[str, _Part], names: dict[str, str],
                              order: Mapping[str, int], allocated: list[str]) -> PrefillResult:

@@ -29,7 +29,7 @@ import numpy as np
 
 from service.config import Settings
 from service.core.server import ServerCore
-from service.errors import ServiceError
+from service.errors import ServiceError, StateLost
 from state_store import PoolError, PrefixInfo, PrefixMatch, SlotInfo, UnknownSlot
 
 from .errors import ShardFault, SlotGone, SlotMoving
@@ -152,6 +152,10 @@ class ShardServer:
             if e.slot_id not in ids:
                 raise
             raise self._missing(ids[e.slot_id]) from None
+        except StateLost as e:  # the core names the pool's token: name the id the shard was asked about
+            if e.slot not in ids:
+                raise
+            raise StateLost(ids[e.slot]) from None
         finally:
             for token in ids:
                 self._busy[token] -= 1
@@ -201,10 +205,27 @@ class ShardServer:
     @_faults
     async def check(self, slot_ids: list[str]) -> None:
         """Raise (as a fault) for the first of ``slot_ids`` that cannot be used now."""
+        self._check(slot_ids)
+
+    def _check(self, slot_ids: list[str]) -> None:
         for slot_id in slot_ids:
             token = self._token(slot_id)
             if token in self._moved_out or not self.core.has_slot(token):
                 raise self._missing(slot_id)
+
+    @_faults
+    async def check_prefill(self, slot_ids: list[str], layer: int) -> list[int]:
+        """What `check` checks, and that none of ``slot_ids`` is flagged state_lost
+        (StateLost, 409): a split prefill's part that this shard would refuse. Returns each
+        slot's tokens in ``layer`` (for the ingress to plan the request's checkpoints)."""
+        self._check(slot_ids)
+        tokens = []
+        for slot_id in slot_ids:
+            info = await self.core.slot_info(self._token(slot_id))
+            if info.state_lost:
+                raise StateLost(slot_id)
+            tokens.append(info.tokens_per_layer[layer])
+        return tokens
 
     @_faults
     async def get_state(self, slot_id: str) -> Array:

@@ -1,0 +1,369 @@
+"""Review of the sharded deployment's contract, found by probing: a `ShardedCore` over two
+real `ShardServer`s in this process (`LocalLink` stands in for Ray: same faults, same
+chaining of one call's result into another) for races and states a cluster cannot be
+steered into, and the running application (`cluster`) for what only Serve can show."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, AsyncIterator, Callable, Optional
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("ray.serve")  # the ray extra; CI installs it
+
+from ray_helpers import HV, K, LAYERS, MAX_BODY_MB, V, Cluster, make_sequence, shard_of  # noqa: E402
+
+from kda_client.client import KDAClient  # noqa: E402
+from service.config import Settings  # noqa: E402
+from service.core.inputs import REQUIRED_TENSORS, Checkpoint, PrefillInputs, PrefillParams  # noqa: E402
+from service.errors import InvalidRequest, StateLost  # noqa: E402
+from service.ray_serve.directory import SlotDirectory  # noqa: E402
+from service.ray_serve.errors import ShardFault  # noqa: E402
+from service.ray_serve.links import ShardLink  # noqa: E402
+from service.ray_serve.router import ShardedCore  # noqa: E402
+from service.ray_serve.shard import ShardServer  # noqa: E402
+from state_store import PoolFull  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+SETTINGS = Settings(device="cpu", num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V,
+                    batch_window_ms=0.0, prefix_cache_mb=1.0)
+Hook = Callable[[str, tuple[Any, ...]], Any]
+
+
+# -- a ShardedCore over shards in this process ------------------------------------------------
+
+class LocalLink(ShardLink):
+    """`ShardLink` over a `ShardServer` in this process: a call is a task, an argument that
+    is another call's task is awaited first (as Ray resolves a response passed on), and
+    ``before`` (when set) runs ahead of every call with its method and arguments."""
+
+    def __init__(self, name: str, shard: ShardServer) -> None:
+        self.name = name
+        self.shard = shard
+        self.before: Optional[Hook] = None
+
+    def send(self, method: str, *args: Any) -> Any:
+        async def run() -> Any:
+            resolved = [await a if isinstance(a, asyncio.Future) else a for a in args]
+            if self.before is not None:
+                await self.before(method, tuple(resolved))
+            return await getattr(self.shard, method)(*resolved)
+        return asyncio.ensure_future(run())
+
+
+class LocalDirectory:
+    """`DirectoryLink`'s methods over a `SlotDirectory` in this process."""
+
+    def __init__(self) -> None:
+        self._table = SlotDirectory(None)
+
+    async def lookup(self, tokens: list[str]) -> dict[str, str]:
+        return self._table.lookup(tokens)
+
+    async def origins(self, tokens: list[str]) -> dict[str, str]:
+        return self._table.origins(tokens)
+
+    async def record(self, token: str, current: str) -> None:
+        self._table.record(token, current)
+
+    async def forget(self, token: str) -> None:
+        self._table.forget(token)
+
+    async def draining(self) -> list[str]:
+        return self._table.draining()
+
+    async def set_draining(self, shard: str, draining: bool) -> None:
+        self._table.set_draining(shard, draining)
+
+
+@dataclasses.dataclass
+class Local:
+    """A `ShardedCore` over shards ``a`` and ``b`` (links by name, for hooks and direct calls)."""
+
+    core: ShardedCore
+    links: dict[str, LocalLink]
+
+    def pool_token(self, slot_id: str) -> str:
+        return slot_id.split(".")[2]
+
+
+async def _local(status_max_age_s: float = 0.0) -> Local:
+    links = {}
+    for name in ("a", "b"):
+        shard = ShardServer(name, SETTINGS, None)
+        await shard.start()
+        links[name] = LocalLink(name, shard)
+    core = ShardedCore(SETTINGS, links, LocalDirectory(), move_wait_s=1.0,  # type: ignore[arg-type]
+                       status_max_age_s=status_max_age_s)
+    return Local(core, links)
+
+
+async def _close(local: Local) -> None:
+    for link in local.links.values():
+        await link.shard.close()
+
+
+def run_local(scenario: Callable[[Local], Any], status_max_age_s: float = 0.0) -> None:
+    """Run ``scenario(local)`` over a fresh `Local`, closed after."""
+    async def main() -> None:
+        local = await _local(status_max_age_s)
+        try:
+            await asyncio.wait_for(scenario(local), 120)
+        finally:
+            await _close(local)
+    asyncio.run(main())
+
+
+def _inputs(slots: list[Optional[str]], seqs: list[tuple[torch.Tensor, ...]], layer: int = 0,
+            checkpoints: Optional[list[list[Checkpoint]]] = None) -> PrefillInputs:
+    packed = [torch.cat([s[i] for s in seqs]) for i in range(5)]
+    return PrefillInputs.of(PrefillParams(layer=layer), slots, [s[0].shape[0] for s in seqs],
+                            dict(zip(REQUIRED_TENSORS, packed)), checkpoints=checkpoints)
+
+
+async def _on(local: Local, shard: str, count: int = 1) -> list[str]:
+    """``count`` new slots on ``shard`` (through the router's own shard link)."""
+    return await local.core.shards[shard].call("alloc", count)
+
+
+async def _fill(local: Local, slot: str, tokens: int, gen: torch.Generator, key: Optional[str] = None) -> None:
+    """Prefill ``tokens`` on every layer of ``slot``, checkpointing ``key`` at the end of each."""
+    for layer in range(LAYERS):
+        marks = [[Checkpoint(tokens, key)]] if key is not None else None
+        await local.core.prefill(_inputs([slot], [make_sequence(tokens, gen)], layer, marks))
+
+
+# -- the prefix cache: one entry per key, a restore never fails for a vanished entry ---------
+
+def test_a_checkpoint_replaces_the_keys_entry_on_every_shard() -> None:
+    """A single server's checkpoint replaces the entry of its key; sharded, an older entry
+    of the key on another shard must not outlive it (and win a restore with more tokens)."""
+    async def scenario(local: Local) -> None:
+        gen = torch.Generator().manual_seed(11)
+        (old,), (new,) = await _on(local, "a"), await _on(local, "b")
+        await _fill(local, old, 12, gen)
+        await local.core.publish(old, "k")  # the entry k: 12 tokens, on shard a
+        await _fill(local, new, 5, gen, key="k")  # k checkpointed anew on shard b: 5 tokens
+        slots, match = await local.core.alloc_prefix(["k"])
+        assert match.tokens == 5, match
+        assert torch.equal(await local.core.get_state(slots[0]), await local.core.get_state(new))
+        info = await local.core.prefix_info("k")
+        assert info.tokens == 5
+        assert isinstance(await local.links["a"].shard.prefix_info("k"), ShardFault)  # no k on shard a
+
+    run_local(scenario)
+
+
+def test_a_restore_racing_a_delete_is_a_miss_not_a_404() -> None:
+    """An entry deleted between the ingress's look at the shards and the read of its bytes
+    (a restore on another shard) leaves POST /slots with a prefix what the single server
+    answers: slots and no match, never 404 unknown-prefix (nor slots leaked)."""
+    async def scenario(local: Local) -> None:
+        gen = torch.Generator().manual_seed(12)
+        (slot,) = await _on(local, "a")
+        await _fill(local, slot, 7, gen)
+        await local.core.publish(slot, "gone")
+        await _on(local, "a", 3)  # shard a is full: a restore moves the entry's bytes
+
+        async def drop_first(method: str, args: tuple[Any, ...]) -> None:
+            if method == "prefix_state":
+                local.links["a"].before = None
+                await local.links["a"].shard.drop_prefix("gone")
+        local.links["a"].before = drop_first
+        used = (await local.core.info())["used_slots"]
+        slots, match = await local.core.alloc_prefix(["gone"])
+        assert (match.matched, match.tokens, len(slots)) == (0, 0, 1)
+        assert torch.count_nonzero(await local.core.get_state(slots[0])) == 0
+        assert (await local.core.info())["used_slots"] == used + 1
+
+    run_local(scenario)
+
+
+def test_a_restore_falls_back_when_the_entrys_shard_proves_full() -> None:
+    """Placement figures may be stale (another ingress replica allocated meanwhile): when the
+    entry's shard proves full, the restore moves the bytes to a shard with room rather than
+    answering 503 while the deployment has free slots."""
+    async def scenario(local: Local) -> None:
+        gen = torch.Generator().manual_seed(13)
+        (slot,) = await _on(local, "a")
+        await _fill(local, slot, 9, gen)
+        await local.core.publish(slot, "full")
+        await local.core.info()
+        await local.core._free_slots()  # figures read now: shard a has 3 free
+        await local.links["a"].shard.alloc(3)  # behind this replica's back
+        slots, match = await local.core.alloc_prefix(["full"])
+        assert match.tokens == 9 and shard_of(slots[0]) == "b"
+        assert torch.equal(await local.core.get_state(slots[0]), await local.core.get_state(slot))
+
+    run_local(scenario, status_max_age_s=60.0)
+
+
+# -- a split prefill is all or nothing; errors name the client's ids --------------------------
+
+def test_a_split_prefill_with_a_lost_slot_changes_nothing() -> None:
+    """A prefill over two shards naming a slot flagged state_lost is 409 naming that slot
+    (the id its client holds), and the other shard's slot has not advanced."""
+    async def scenario(local: Local) -> None:
+        gen = torch.Generator().manual_seed(14)
+        (good,), (lost,) = await _on(local, "a"), await _on(local, "b")
+        local.links["b"].shard.core.pool.mark_lost([local.pool_token(lost)])
+        before = await local.core.get_state(good)
+        seqs = [make_sequence(4, gen), make_sequence(3, gen)]
+        with pytest.raises(StateLost) as e:
+            await local.core.prefill(_inputs([good, lost], seqs))
+        assert e.value.slot == lost and lost in e.value.detail
+        assert torch.equal(await local.core.get_state(good), before)
+        assert (await local.core.slot_info(good)).tokens_per_layer == [0] * LAYERS
+
+    run_local(scenario)
+
+
+def test_a_split_prefill_with_a_bad_checkpoint_changes_nothing() -> None:
+    """A checkpoint offset that does not fit its slot is 400 naming the field by the
+    request's sequence index (not the index within one shard's part), before any shard runs."""
+    async def scenario(local: Local) -> None:
+        gen = torch.Generator().manual_seed(16)
+        (first,), (second,) = await _on(local, "a"), await _on(local, "b")
+        await _fill(local, second, 2, gen)
+        before = await local.core.get_state(first)
+        seqs = [make_sequence(4, gen), make_sequence(4, gen)]
+        marks = [[], [Checkpoint(4, "early")]]  # slot `second` holds 2 tokens: 4 is inside no chunk grid point
+        with pytest.raises(InvalidRequest) as e:
+            await local.core.prefill(_inputs([first, second], seqs, checkpoints=marks))
+        assert e.value.field == "sequences[1].checkpoints[0].offset", e.value.field
+        assert torch.equal(await local.core.get_state(first), before)
+        assert (await local.core.slot_info(first)).tokens_per_layer == [0] * LAYERS
+        assert (await local.core.info())["used_slots"] == 2
+
+    run_local(scenario)
+
+
+def test_errors_about_a_lost_slot_name_the_clients_id() -> None:
+    """On one shard too: the 409 names the slot id the client sent, not the pool's token."""
+    async def scenario(local: Local) -> None:
+        gen = torch.Generator().manual_seed(15)
+        (lost,) = await _on(local, "a")
+        local.links["a"].shard.core.pool.mark_lost([local.pool_token(lost)])
+        with pytest.raises(StateLost) as e:
+            await local.core.prefill(_inputs([lost], [make_sequence(4, gen)]))
+        assert e.value.slot == lost, e.value.slot
+        with pytest.raises(StateLost) as e:
+            await local.core.publish(lost, "never")
+        assert e.value.slot == lost, e.value.slot
+
+    run_local(scenario)
+
+
+# -- /metrics counts what the ingress itself counts --------------------------------------------
+
+def test_metrics_keep_the_ingress_counters() -> None:
+    """Prefix misses (counted by the ingress: no shard ran a restore) and responses abandoned
+    by their clients (counted by the ingress's routes) appear on /metrics."""
+    async def scenario(local: Local) -> None:
+        await local.core.alloc_prefix(["nowhere"])
+        local.core.metrics.abandoned.inc()
+        text = (await local.core.render_metrics()).decode()
+        assert "kda_prefix_misses_total 1.0" in text, text
+        assert "kda_responses_abandoned_total 1.0" in text
+
+    run_local(scenario)
+
+
+# -- through the running application --------------------------------------------------------
+
+def _forgeries(a: str, b: str) -> list[str]:
+    """Ids no client was given, each quoted for a path: ``b``'s shard and incarnation on
+    ``a``'s token, a shard that does not exist, a very long one, non-ASCII ones, one with an
+    encoded "/" before a route's own suffix."""
+    shard, incarnation, token = a.split(".")
+    other = b.rsplit(".", 1)[0]
+    return [f"{other}.{token}", f"nowhere-9.{incarnation}.{token}", "x" * 4000,
+            httpx.URL(f"/{shard}.{incarnation}.{token}\u00e9").raw_path.decode()[1:], "%C3%A9",
+            f"{a}%2Fstate", f"{a}%2f", f"{a}.{token}"]
+
+
+SLOT_ROUTES = [("GET", "/slots/{}", None), ("DELETE", "/slots/{}", None), ("POST", "/slots/{}/fork", None),
+               ("GET", "/slots/{}/state", None), ("POST", "/slots/{}/publish", {"key": "forged"}),
+               ("POST", "/slots/{}/move", {})]
+
+
+def test_forged_slot_ids_are_404_on_every_slot_route(cluster: Cluster, client: KDAClient,
+                                                     gen: torch.Generator) -> None:
+    """A garbled or forged id is 404 (problem+json naming it) on every slot route, and
+    nothing changes: the slot whose parts it borrows keeps its state, no slot is made."""
+    a, b = client.alloc(1)[0], client.alloc(1)[0]  # one at a time: the emptiest shard each
+    assert shard_of(a) != shard_of(b)
+    state = torch.randn(LAYERS, HV, V, K, generator=gen)
+    client.put_state(a, state)
+    used = client.info()["used_slots"]
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        for forged in _forgeries(a, b):
+            for method, path, body in SLOT_ROUTES:
+                r = http.request(method, path.format(forged), json=body)
+                assert r.status_code == 404, (method, path, forged[:80], r.status_code, r.text[:300])
+                assert r.headers["content-type"] == "application/problem+json"
+    assert client.info()["used_slots"] == used
+    assert torch.equal(client.get_state(a), state)
+    with pytest.raises(Exception):
+        client.prefix_info("forged")
+    for s in (a, b):
+        client.free(s)
+
+
+def test_a_shards_503_keeps_its_problem_and_retry_after(cluster: Cluster, client: KDAClient) -> None:
+    """A fork on a full shard is the shard's PoolFull: 503 with Retry-After and the problem's
+    members, through the ingress as from a single server."""
+    free = {r["shard"]: r["free_slots"] for r in httpx.get(f"{cluster.url}/shards").json()["shards"]}
+    mine = client.alloc(sum(free.values()))
+    r = httpx.post(f"{cluster.url}/slots/{mine[0]}/fork", timeout=60)
+    assert r.status_code == 503 and r.headers["content-type"] == "application/problem+json", r.text
+    assert r.headers.get("retry-after", "").isdigit() and r.json()["type"].endswith(":pool-full"), r.headers
+    assert (r.json()["requested"], r.json()["free"]) == (1, 0)
+    r = httpx.post(f"{cluster.url}/slots", json={"count": 1})
+    assert r.status_code == 503 and r.headers.get("retry-after", "").isdigit()
+    for s in mine:
+        client.free(s)
+
+
+def test_bodies_at_the_size_limit(cluster: Cluster, client: KDAClient, gen: torch.Generator) -> None:
+    """A body of exactly --max-body-mb passes the ingress (and Serve's proxy) whole; one byte
+    more is 413 and changes nothing."""
+    from service.wire.state import encode_state_json
+
+    slot = client.alloc(1)[0]
+    state = torch.randn(LAYERS, HV, V, K, generator=gen)
+    doc = bytes(encode_state_json(state))
+    limit = MAX_BODY_MB * 2**20
+    body = doc + b" " * (limit - len(doc))
+    headers = {"content-type": "application/json"}
+    r = httpx.put(f"{cluster.url}/slots/{slot}/state", content=body, headers=headers, timeout=60)
+    assert r.status_code == 204, r.text
+    assert torch.equal(client.get_state(slot), state)
+    r = httpx.put(f"{cluster.url}/slots/{slot}/state", content=b" " + body, headers=headers, timeout=60)
+    assert r.status_code == 413 and r.headers["content-type"] == "application/problem+json"
+    assert torch.equal(client.get_state(slot), state)
+    client.free(slot)
+
+
+def test_metrics_and_probes_through_the_ingress(cluster: Cluster, client: KDAClient) -> None:
+    """/metrics counts a prefix miss made through the ingress; the probes answer."""
+    def misses() -> float:
+        text = httpx.get(f"{cluster.url}/metrics", timeout=60).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kda_prefix_misses_total"))
+    assert httpx.get(f"{cluster.url}/health/live").json() == {"status": "live"}
+    assert httpx.get(f"{cluster.url}/health/ready").status_code == 200
+    before = misses()
+    got = [client.alloc(prefix=["review-miss"]) for _ in range(4)]  # two ingress replicas: each counts
+    assert all(g.matched == 0 for g in got)
+    for _ in range(10):  # each page is one replica's count: over a few pages both are seen
+        if misses() >= before + 2:
+            break
+    else:
+        raise AssertionError(f"prefix misses stayed at {misses()} (from {before})")
+    for g in got:
+        client.free(g.slots[0])
