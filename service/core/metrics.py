@@ -81,16 +81,17 @@ class Metrics:
                               "released)", registry=r)
         self.tokens = Counter("kda_prefill_tokens", "Tokens prefilled", registry=r)
         self.sequences = Counter("kda_prefill_sequences", "Sequences prefilled", registry=r)
-        self.batch_requests = Histogram("kda_batch_requests", "Requests merged into one kernel launch",
-                                        buckets=_COUNT_BUCKETS, registry=r)
+        self.batch_requests = Histogram("kda_batch_requests", "Requests merged into one kernel launch (a prepared "
+                                        "run: 1)", buckets=_COUNT_BUCKETS, registry=r)
         self.batch_sequences = Histogram("kda_batch_sequences", "Sequences in one kernel launch",
                                          buckets=_COUNT_BUCKETS, registry=r)
         self.batch_tokens = Histogram("kda_batch_tokens", "Tokens in one kernel launch",
                                       buckets=_TOKEN_BUCKETS, registry=r)
         self.queue_seconds = Histogram("kda_queue_seconds", "Time a prefill waited in the batcher before its launch",
                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.kernel_seconds = Histogram("kda_kernel_seconds", "Time of one launch: inputs to the device, kernel, "
-                                        "outputs to the host", buckets=_LATENCY_BUCKETS, registry=r)
+        self.kernel_seconds = Histogram("kda_kernel_seconds", "Time of one launch of the batcher (prefills; not "
+                                        "prepared runs): inputs to the device, kernel, outputs to the host",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
         self.expired = Counter("kda_slots_expired", "Slots freed for idling past --slot-ttl-s", registry=r)
         self.abandoned = Counter("kda_responses_abandoned", "Responses whose client left before receiving them; "
                                  "the slots they created were freed", registry=r)
@@ -130,6 +131,14 @@ class Metrics:
             self.prefix_entries.labels(tier).set_function(lambda tier=tier: stats()[tier].entries)
             self.prefix_bytes.labels(tier).set_function(lambda tier=tier: stats()[tier].bytes)
             self.prefix_evictions.labels(tier)  # present at 0 before the first eviction
+
+    def prepared_launch(self, sequences: int, tokens: int) -> None:
+        """One launch of a prepared run of ``sequences`` sequences and ``tokens`` tokens: a
+        launch of one request in ``kda_batch_requests``, ``kda_batch_sequences`` and
+        ``kda_batch_tokens``, as the batcher counts its launches (refused or not)."""
+        self.batch_requests.observe(1)
+        self.batch_sequences.observe(sequences)
+        self.batch_tokens.observe(tokens)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -538,9 +538,13 @@ class ServerCore:
             raise RuntimeError(f"no {len(read)} spare pool rows free for a prepared run: another launch kept them")
         t2 = time.perf_counter()
         mark_lost = partial(self.pool.mark_lost, prepared.slots)
-        o, finals, launched, transaction = prepared.launch(read, moved, mark_lost)
-        t3 = time.perf_counter()
         inputs = prepared.valid.inputs
+        try:
+            o, finals, launched, transaction = prepared.launch(read, moved, mark_lost)
+        except BaseException:  # a refused or failed launch is a launch, as the batcher counts its own
+            self.metrics.prepared_launch(len(inputs.lengths), prepared.tokens)
+            raise
+        t3 = time.perf_counter()
         result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], t3 - t0)
         try:
             prepared.deliver(result)  # the slots advance even when the outputs cannot be delivered
@@ -552,6 +556,7 @@ class ServerCore:
             self.pool.record_group_tokens(prepared.group, layer, prepared.counts)
             self.metrics.tokens.inc(prepared.tokens)
             self.metrics.sequences.inc(len(inputs.lengths))
+            self.metrics.prepared_launch(len(inputs.lengths), prepared.tokens)  # after the reply, off its path
         return run
 
     async def release_prepared(self, prepared: PreparedPrefill) -> None:

@@ -34,6 +34,7 @@ from typing import Awaitable, Callable, Optional
 from ..core.server import ServerCore
 from ..core.worker import off_loop
 from ..errors import API_KEY_REQUIRED, ServiceError
+from ..http.abandon import Abandonment
 from ..shm.prefill import host_bytes, input_refs, parse_shm_request, read_request, region_names, write_result
 from ..shm.prepared import ShmPrepared, prepare_shm
 from ..shm.registry import ShmRegistry
@@ -48,6 +49,7 @@ Render = Callable[[Exception], Awaitable[tuple[int, bytes]]]
 
 _OP_NAMES = {int(op): op.name.lower() for op in Op}
 """Each op's name in the metrics (``unknown`` for any other byte)."""
+ABANDONED = 499  # the status a request whose client left before its reply counts with (nginx's, as over HTTP)
 
 MAX_PREPARED = 256
 """Prepared prefills one connection may hold at once (a model's layers times its shapes)."""
@@ -84,6 +86,8 @@ class FramedServer:
         self.key = None if api_key is None else api_key.encode("utf-8")
         self.timeout_s = timeout_s
         self.buffers = WarmBuffers()  # host buffers POSIX shared memory inputs are copied out into
+        # slots made for a client that left before its reply: freed, counted in kda_responses_abandoned
+        self.abandonment = Abandonment(core.free, core.metrics.abandoned, missing=core.slot_missing, shield=False)
         self._server: Optional[asyncio.base_events.Server] = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -157,12 +161,17 @@ class FramedServer:
                 if not reply.sent:
                     reply.send(status, timing, body)
                 await writer.drain()
-            except ConnectionError:
-                for slot_id in created:  # the reply cannot be delivered: nor may the slots made for it
-                    await self.core.free(slot_id)
+            except ConnectionError:  # the reply cannot be delivered: nor may the slots made for it
+                if created:
+                    await self.abandonment.release(created)
+                self._count(name, ABANDONED, reply.started)
                 raise
-            self.core.metrics.framed_requests.labels(name, str(reply.status)).inc()
-            self.core.metrics.framed_latency.labels(name).observe(time.perf_counter() - reply.started)
+            self._count(name, reply.status, reply.started)
+
+    def _count(self, op: str, status: int, started: float) -> None:
+        """``kda_framed_requests{op, status}`` and the request's latency since ``started``."""
+        self.core.metrics.framed_requests.labels(op, str(status)).inc()
+        self.core.metrics.framed_latency.labels(op).observe(time.perf_counter() - started)
 
     async def _reply(self, writer: asyncio.StreamWriter, op: str, status: int, body: bytes) -> None:
         """A reply outside the request loop (a frame refused unread)."""
