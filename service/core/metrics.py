@@ -99,7 +99,8 @@ class Metrics:
         self.snapshot_failures = Counter("kda_snapshot_failures", "Pool snapshots that could not be written",
                                          registry=r)
         self.snapshot_generation = Gauge("kda_snapshot_generation", "Generation of the latest snapshot written "
-                                         "or restored (0: none)", registry=r)
+                                         "or restored (0: none); also one whose file was renamed in before "
+                                         "the snapshot failed (it may be the file on disk)", registry=r)
         self.free_slots = Gauge("kda_free_slots", "Free slots in the pool", registry=r)
         self.free_slots.set_function(free_slots)
         self.in_flight = Gauge("kda_http_requests_in_flight", "HTTP requests received and not yet answered in full",

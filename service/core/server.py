@@ -238,6 +238,9 @@ class ServerCore:
             generation = await self.worker.run(persistence.snapshot)
         except SnapshotError:
             self.metrics.snapshot_failures.inc()
+            # a file renamed in before the failure (not durable, its prefix cache's file failed)
+            # moved the generation, under which later changes are journaled: say so
+            self.metrics.snapshot_generation.set(persistence.generation)
             raise
         self.metrics.snapshots.inc()
         self.metrics.snapshot_generation.set(generation)

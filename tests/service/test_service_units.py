@@ -517,3 +517,33 @@ def test_share_bytes_finds_views_of_one_region_that_overlap() -> None:
     assert share_bytes(strided, q) and share_bytes(strided, o)
     assert not share_bytes(region[0:0], q)
     assert not share_bytes(torch.zeros(256, dtype=torch.uint8), q)
+
+
+def test_a_snapshot_renamed_in_but_not_durable_moves_the_generation_gauge(tmp_path, monkeypatch):
+    """The pool's file was renamed in, then the directory's fsync failed (SnapshotNotDurable):
+    the disk may hold the new generation, under which later changes are journaled, so
+    ``kda_snapshot_generation`` says that generation, and the failure is counted."""
+    import state_store.snapshot as snapshot_module
+    from state_store.errors import SnapshotNotDurable
+
+    def failing_fsync(directory: str) -> None:
+        raise OSError("injected: the directory's fsync failed")
+
+    async def main() -> None:
+        core = ServerCore(Settings(device="cpu", backend="torch", num_layers=LAYERS, num_slots=2, num_heads=HV,
+                                   head_dim=K, head_v_dim=V, snapshot_path=str(tmp_path / "pool.snap"),
+                                   snapshot_interval_s=0))
+        await core.start()
+        try:
+            sample = core.metrics.registry.get_sample_value
+            assert await core.checkpoint(force=True) == 1 and sample("kda_snapshot_generation") == 1
+            monkeypatch.setattr(snapshot_module, "fsync_directory", failing_fsync)
+            with pytest.raises(SnapshotNotDurable):
+                await core.checkpoint(force=True)
+            assert core.persistence.generation == 2
+            assert sample("kda_snapshot_generation") == 2 and sample("kda_snapshot_failures_total") == 1
+        finally:
+            monkeypatch.undo()
+            await core.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
