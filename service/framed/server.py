@@ -31,10 +31,10 @@ import stat
 import time
 from typing import Awaitable, Callable, Optional
 
+from ..core.abandoned import release_abandoned
 from ..core.server import ServerCore
 from ..core.worker import off_loop
 from ..errors import API_KEY_REQUIRED, ServiceError
-from ..http.abandon import Abandonment
 from ..shm.prefill import host_bytes, input_refs, parse_shm_request, read_request, region_names, write_result
 from ..shm.prepared import ShmPrepared, prepare_shm
 from ..shm.registry import ShmRegistry
@@ -86,8 +86,6 @@ class FramedServer:
         self.key = None if api_key is None else api_key.encode("utf-8")
         self.timeout_s = timeout_s
         self.buffers = WarmBuffers()  # host buffers POSIX shared memory inputs are copied out into
-        # slots made for a client that left before its reply: freed, counted in kda_responses_abandoned
-        self.abandonment = Abandonment(core.free, core.metrics.abandoned, missing=core.slot_missing, shield=False)
         self._server: Optional[asyncio.base_events.Server] = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -162,8 +160,9 @@ class FramedServer:
                     reply.send(status, timing, body)
                 await writer.drain()
             except ConnectionError:  # the reply cannot be delivered: nor may the slots made for it
-                if created:
-                    await self.abandonment.release(created)
+                if created:  # freed, counted in kda_responses_abandoned
+                    await release_abandoned(self.core.free, self.core.metrics.abandoned, self.core.slot_missing,
+                                            created)
                 self._count(name, ABANDONED, reply.started)
                 raise
             self._count(name, reply.status, reply.started)

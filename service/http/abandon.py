@@ -9,8 +9,6 @@ lets the work that makes slots finish and frees what it made.
 from __future__ import annotations
 
 import asyncio
-import logging
-from contextlib import suppress
 from typing import Awaitable, Callable, Optional, Sequence, TypeVar
 
 from prometheus_client import Counter
@@ -19,7 +17,8 @@ from starlette.responses import Response
 
 from state_store import UnknownSlot
 
-log = logging.getLogger("kda_serve.abandon")
+from ..core.abandoned import release_abandoned
+
 T = TypeVar("T")
 
 
@@ -40,11 +39,7 @@ class Abandonment:
 
     async def release(self, created: Sequence[str]) -> None:
         """Free ``created`` (those already gone are skipped) and count the abandonment."""
-        for slot_id in created:
-            with suppress(*self._missing):
-                await self._free(slot_id)
-        self._counter.inc()
-        log.info("client gone before its response; freed the %d slot(s) made for it", len(created))
+        await release_abandoned(self._free, self._counter, self._missing, created)
 
     async def check(self, request: Request, created: Sequence[str]) -> Optional[Response]:
         """A 499 after freeing ``created`` when ``request``'s client has left; None while
