@@ -294,12 +294,20 @@ class ShardedCore:
                             place: Callable[[dict[str, int]], Awaitable[Sequence[object]]]) -> list[str]:
         """The slots ``place(plan)`` makes on a placement plan of ``count`` (its replies: a
         slot id, a list of them, or a failure each), all or none. The plan comes from cached
-        figures (`_free_slots`), so a shard can prove fuller than they said: when every
-        failure is PoolFull, what was made is freed and the figures are read anew for one
-        more plan, before PoolFull reaches the caller."""
+        figures (`_free_slots`), which may be stale either way: when they leave no room
+        (slots freed since, through another replica), or every failure is PoolFull (what was
+        made is then freed), they are read anew for one more plan before PoolFull reaches
+        the caller."""
         fresh = False
         while True:
-            replies = await place(await self._plan(count))
+            try:
+                plan = await self._plan(count)
+            except PoolFull:
+                if fresh:
+                    raise
+                fresh, self._free_at = True, float("-inf")  # the figures were stale: read them anew
+                continue
+            replies = await place(plan)
             ids = [r for reply in replies for r in (reply if isinstance(reply, list) else [reply]) if isinstance(r, str)]
             failures = [r.fault.error() if isinstance(r, TakeFailed) else r for r in replies
                         if isinstance(r, (BaseException, TakeFailed))]

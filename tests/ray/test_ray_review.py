@@ -202,6 +202,21 @@ def test_a_restore_falls_back_when_the_entrys_shard_proves_full() -> None:
     run_local(scenario, status_max_age_s=60.0)
 
 
+def test_an_alloc_reads_stale_figures_anew_before_refusing() -> None:
+    """Placement figures that say every shard is full while slots were freed since (through
+    another ingress replica, or with the figures not yet aged out) are read anew before an
+    allocation is refused: a pool with free slots never answers 503 (seen in CI: a test
+    right after one that filled the pool got PoolFull)."""
+    async def scenario(local: Local) -> None:
+        taken = {name: await link.shard.alloc(SETTINGS.num_slots) for name, link in local.links.items()}
+        await local.core._free_slots()  # figures read now: no room anywhere
+        await local.links["b"].shard.free(taken["b"][0])  # behind this replica's back
+        (slot,) = await local.core.alloc(1)
+        assert shard_of(slot) == "b"
+
+    run_local(scenario, status_max_age_s=60.0)
+
+
 # -- a split prefill is all or nothing; errors name the client's ids --------------------------
 
 def test_a_split_prefill_with_a_lost_slot_changes_nothing() -> None:
