@@ -5,10 +5,11 @@ prebuilt problem (`kernels.run_problem`) skips the validation and problem buildi
 prints, per case (H32, K = V = 128, bf16, the serving gate, ``cu_seqlens_cpu`` given, indices
 on the device: the path that reads nothing back):
 
-- p50 host microseconds of `build_problem` alone, of `run_problem` until it returns (the
-  launches enqueued, no synchronization) and of `chunk_kda` until it returns;
+- p50 host microseconds of `build_problem` alone, and, taking turns, of `run_problem` on the
+  prebuilt problem, of `build_problem` then `run_problem`, and of `chunk_kda`, each until
+  it returns (the launches enqueued, no synchronization);
 - p50 wall milliseconds of each path waited for alone (as `bench/latency.py` times them);
-- a cProfile of `chunk_kda` calls (the functions with the most own time).
+- a cProfile of the prebuilt path's and of `chunk_kda`'s calls, by cumulative time.
 
     python3 bench/host_path.py [--cases 1x4096,256x1] [--calls 300] [--json FILE]
 
@@ -96,7 +97,25 @@ def waited_ms(fn: Callable[[], object], calls: int, sync: Callable[[], None]) ->
     return statistics.median(times) * 1e3
 
 
-def profile(fn: Callable[[], object], calls: int, sync: Callable[[], None], rows: int = 22) -> str:
+def interleaved_host_us(paths: dict[str, Callable[[], object]], calls: int, sync: Callable[[], None],
+                        rounds: int = 5) -> dict[str, float]:
+    """`host_us` of each path, the paths taking turns over ``rounds`` rounds (a drift of the
+    machine's speed falls on all alike); the p50 of all its calls, by path."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            for _ in range(max(calls // rounds, 1)):
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    sync()
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+def profile(fn: Callable[[], object], calls: int, sync: Callable[[], None], rows: int = 30) -> str:
+    """A cProfile of ``calls`` calls of ``fn``, each waited for: the functions by cumulative
+    time (where a call's time goes, stage by stage)."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -104,7 +123,7 @@ def profile(fn: Callable[[], object], calls: int, sync: Callable[[], None], rows
         sync()
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(rows)
     return out.getvalue()
 
 
@@ -127,13 +146,15 @@ def main() -> None:
             prebuilt = lambda: kernels.run_problem(problem, "triton")  # noqa: E731
             for fn in (prebuilt, lambda: public_call(a)):  # compile and cache the launch tables
                 fn()
-            record["run_problem_host_us"] = host_us(prebuilt, args.calls, sync)
-            record["chunk_kda_host_us"] = host_us(lambda: public_call(a), args.calls, sync)
+            hosts = interleaved_host_us({"run_problem": prebuilt, "build_then_run": lambda: kernels.run_problem(
+                build(a), "triton"), "chunk_kda": lambda: public_call(a)}, args.calls, sync)
+            record.update({f"{name}_host_us": us for name, us in hosts.items()})
             record["prebuilt_waited_ms"] = waited_ms(prebuilt, args.calls, sync)
             record["chunk_kda_waited_ms"] = waited_ms(lambda: public_call(a), args.calls, sync)
             record["gap_waited_us"] = (record["chunk_kda_waited_ms"] - record["prebuilt_waited_ms"]) * 1e3
-            print(f"== {name}: cProfile of {args.calls} chunk_kda calls, each waited for")
-            print(profile(lambda: public_call(a), args.calls, sync))
+            for label, fn in (("run_problem on the prebuilt problem", prebuilt), ("chunk_kda", lambda: public_call(a))):
+                print(f"== {name}: cProfile of {args.calls} calls of {label}, each waited for")
+                print(profile(fn, args.calls, sync))
         results["cases"][name] = record
         print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items()), flush=True)
     if args.json:
