@@ -30,13 +30,14 @@ python3 -c "import service.cli" || { echo "the server does not import: a wheel i
 # Steps run in the order given; `name:seconds` caps one step's time (default below), so
 # several steps fit one 10-minute call.
 # tritonclient (the KServe tests' client) is a test dependency the image lacks and .srvwhl does
-# not carry (its wheel and grpcio's are large): without it, the files that import it are left
-# out, said aloud, rather than stopping the whole collection
-kserve_ignores() {
-    python3 -c "import tritonclient.grpc" 2>/dev/null && return
+# not carry (its wheel and grpcio's are large): without it, tests/kserve (named as a path, pytest
+# would load its conftest despite an --ignore) and the other files that import it are left out,
+# said aloud, rather than stopping the whole collection
+kserve_tests() {
+    python3 -c "import tritonclient.grpc" 2>/dev/null && { echo tests/kserve; return; }
     local files; files=$(grep -rlE "^(import|from) tritonclient" tests --include="*.py" | grep -v "^tests/kserve/")
     echo "(tritonclient missing: tests/kserve and $(echo $files) left out)" >&2
-    echo --ignore=tests/kserve $(printf -- "--ignore=%s " $files)
+    printf -- "--ignore=%s " $files
 }
 run_step() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
@@ -47,7 +48,7 @@ run_step() {  # name, time limit (s), command...
 for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     name=${spec%%:*}; limit=${spec#*:}; [[ $limit == "$spec" ]] && limit=540
     case $name in
-    gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store tests/reliability tests/kserve tests/client --ignore=tests/reliability/test_fuzz.py $(kserve_ignores) ;;
+    gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/triton tests/kernels tests/transport tests/service tests/state_store tests/reliability tests/client --ignore=tests/reliability/test_fuzz.py $(kserve_tests) ;;
     # the kernel paths' interpreter tests, compiled: on CUDA their `device` fixture is the GPU
     kernel-paths) run_step "$name" "$limit" python3 -m pytest -q tests/triton/test_triton_nonfinite.py tests/triton/test_triton_checkpoints.py tests/triton/test_triton_state_stages.py tests/triton/test_triton_vectors.py tests/triton/test_triton_extremes.py tests/triton/test_triton_intra_bounded.py ;;
     # the service's input checks, the kernels' input checks and non-finite flags, o into a given tensor, compiled
