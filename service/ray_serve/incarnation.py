@@ -8,11 +8,13 @@ created after it are gone. This module tells those gone ids from freed ones: a s
 ids carry the incarnation that issued them, and the incarnation record says which
 incarnations ended in a crash. An id of such an incarnation that the pool lacks is 410
 Gone (its state may have died with the process), never a zeroed state; an id the pool
-lacks from the unbroken chain of clean stops since is 404 (it was freed).
+lacks from the unbroken chain of clean stops since is 404 (it was freed), and so is one
+of an incarnation the shard never had (another shard's, a forged one: never issued here).
 
 Incarnation numbers are milliseconds of wall time at start, kept increasing across a
-shard's record, so a shard with no state directory (nothing survives its process) still
-tells an earlier life's ids, all lost, from its own. With a state directory,
+shard's record (which lists them too), so a shard with no state directory (nothing
+survives its process, no list either) still tells an earlier number's ids, all presumed
+lost, from its own and later ones. With a state directory,
 ``{name}.lock`` (an exclusive flock held for the process's life) also makes a successor
 wait until its predecessor has written its last snapshot: Serve may start the new
 replica while the old one is still stopping. The kernel drops the lock when a process
@@ -32,10 +34,14 @@ from typing import Callable, Optional
 class Incarnation:
     """``number``: this process's incarnation; ids issued by incarnations in
     (``lost_through``, ``number``] belong to the unbroken chain of clean stops that led
-    here (absent ones were freed); any other absent id may have died with a process."""
+    here (absent ones were freed). ``earlier``: the shard's earlier incarnations (None: not
+    recorded, so any earlier number may have been one). An absent id of an earlier one
+    outside the chain may have died with a process; of any other number, it was never
+    issued here."""
 
     number: int
     lost_through: int
+    earlier: Optional[frozenset[int]] = None
 
     @classmethod
     def fresh(cls, clock: Callable[[], float] = time.time) -> "Incarnation":
@@ -45,8 +51,10 @@ class Incarnation:
 
     def lost(self, issued: int) -> bool:
         """Whether a slot issued by incarnation ``issued`` that the pool lacks died with a
-        process (410) rather than having been freed (404)."""
-        return not self.lost_through < issued <= self.number
+        process (410) rather than having been freed or never issued here (404)."""
+        if issued > self.lost_through:
+            return False
+        return self.earlier is None or issued in self.earlier
 
 
 class ShardFiles:
@@ -67,14 +75,16 @@ class ShardFiles:
     def open(self, timeout_s: float) -> Incarnation:
         """Take the lock (waiting up to ``timeout_s`` for a predecessor that is still
         stopping), then start a new incarnation: it keeps the record's ``lost_through``
-        when the previous one stopped cleanly, else every earlier id may be lost. The new
-        record, marked unclean until `close`, is on disk before this returns."""
+        when the previous one stopped cleanly, else every earlier id may be lost, and lists
+        the earlier incarnations (a record from before they were listed gives only its
+        own). The new record, marked unclean until `close`, is on disk before this returns."""
         os.makedirs(self._state_dir, exist_ok=True)
         self._lock(timeout_s)
         previous, clean = self._read()
         number = max(int(self._clock() * 1000), previous.number + 1 if previous else 0)
         lost_through = previous.lost_through if previous is not None and clean else number - 1
-        self._incarnation = Incarnation(number, lost_through)
+        earlier = frozenset() if previous is None else frozenset(previous.earlier or ()) | {previous.number}
+        self._incarnation = Incarnation(number, lost_through, earlier)
         self._write(self._incarnation, clean=False)
         return self._incarnation
 
@@ -109,16 +119,18 @@ class ShardFiles:
         try:
             with open(self._record_path, encoding="utf-8") as f:
                 doc = json.load(f)
-            return Incarnation(int(doc["number"]), int(doc["lost_through"])), doc["clean"] is True
+            earlier = frozenset(int(n) for n in doc.get("earlier", ()))
+            return Incarnation(int(doc["number"]), int(doc["lost_through"]), earlier), doc["clean"] is True
         except FileNotFoundError:
             return None, False
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"shard {self._name!r}: {self._record_path} is not an incarnation record: {e}") from None
 
     def _write(self, incarnation: Incarnation, clean: bool) -> None:
         tmp = self._record_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"number": incarnation.number, "lost_through": incarnation.lost_through, "clean": clean}, f)
+            json.dump({"number": incarnation.number, "lost_through": incarnation.lost_through,
+                       "earlier": sorted(incarnation.earlier or ()), "clean": clean}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._record_path)

@@ -278,12 +278,21 @@ class ShardedCore:
 
     # -- slots -------------------------------------------------------------------------
 
-    async def alloc(self, count: int = 1) -> list[str]:
-        """``count`` new slots, all or none, on the emptiest shards."""
+    async def _check_count(self, count: int) -> None:
+        """The single server's check of a new slot count against its pool: InvalidRequest
+        (400, field ``count``) unless 1 <= ``count`` <= the slots of the shards that answer."""
         statuses = await self.statuses()
         capacity = sum(s.capacity for s in statuses.values() if isinstance(s, ShardStatus))
         if not 1 <= count <= capacity:
             raise InvalidRequest(f"count must be in 1..{capacity} (the pool's slots), got {count}", field="count")
+
+    async def alloc(self, count: int = 1) -> list[str]:
+        """``count`` new slots, all or none, on the emptiest shards."""
+        await self._check_count(count)
+        return await self._new_slots(count)
+
+    async def _new_slots(self, count: int) -> list[str]:
+        """`alloc` of a checked ``count``."""
         async def place(plan: dict[str, int]) -> list[Union[list[str], BaseException]]:
             return await asyncio.gather(*(self.shards[s].call("alloc", n) for s, n in plan.items()),
                                         return_exceptions=True)
@@ -366,7 +375,9 @@ class ShardedCore:
         """``count`` new slots from the longest complete entry among ``prefix`` on any shard:
         on the entry's shard when it has room for them all, else its bytes are read from
         there (`ShardServer.prefix_state`) and restored into slots placed as `alloc` places
-        them. Zero state when nothing matches (a shard that does not answer has no match)."""
+        them. Zero state when nothing matches (a shard that does not answer has no match).
+        The count is checked first, against the whole pool, as on a single server."""
+        await self._check_count(count)
         for i, key in enumerate(prefix):
             if (why := key_problem(key)) is not None:
                 raise InvalidRequest(why, field=f"prefix[{i}]")
@@ -378,7 +389,7 @@ class ShardedCore:
                 return await self._restore(prefix, count, *found)
             except UnknownPrefix:
                 continue  # dropped after the look and before its bytes were read: look again
-        slots = await self.alloc(count)
+        slots = await self._new_slots(count)
         self.metrics.prefix_misses.inc()
         return slots, PrefixMatch()
 
@@ -423,11 +434,11 @@ class ShardedCore:
 
     async def _drop_elsewhere(self, stored: Mapping[str, Sequence[str]]) -> None:
         """After entries were stored (``stored``: shard -> keys), drop those keys' entries on
-        every other shard, so a key lives on one shard (a shard that fails is skipped: its
-        copy may linger until it is dropped or evicted)."""
-        calls = [self.shards[n].call("drop_prefix", key) for n in self.shards
-                 for home, keys in stored.items() if home != n for key in keys]
-        await asyncio.gather(*calls, return_exceptions=True)
+        every other shard, one call per shard, so a key lives on one shard (a shard that
+        fails is skipped: its copy may linger until it is dropped or evicted)."""
+        drops = {n: [key for home, keys in stored.items() if home != n for key in keys] for n in self.shards}
+        await asyncio.gather(*(self.shards[n].call("drop_prefixes", keys) for n, keys in drops.items() if keys),
+                             return_exceptions=True)
 
     async def prefix_info(self, key: str) -> PrefixInfo:
         """The entry ``key`` from the shard that holds it (UnknownPrefix when none does)."""

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 
@@ -289,6 +289,11 @@ class ShardServer:
     @_faults
     async def drop_prefix(self, key: str) -> bool:
         return await self.core.drop_prefix(key)
+
+    @_faults
+    async def drop_prefixes(self, keys: Sequence[str]) -> int:
+        """Remove the entries ``keys`` (each once, however often named); how many there were."""
+        return sum([await self.core.drop_prefix(key) for key in dict.fromkeys(keys)])
 
     # -- moves -------------------------------------------------------------------------
 

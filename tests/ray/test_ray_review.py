@@ -217,6 +217,36 @@ def test_an_alloc_reads_stale_figures_anew_before_refusing() -> None:
     run_local(scenario, status_max_age_s=60.0)
 
 
+def test_stored_keys_are_dropped_elsewhere_in_one_call_per_shard() -> None:
+    """A prefill storing several checkpoints (and a publish) drops their keys on every other
+    shard in one call per shard, not one per key; an older entry of such a key there is gone."""
+    async def scenario(local: Local) -> None:
+        gen = torch.Generator().manual_seed(17)
+        (old,) = await _on(local, "b")
+        await _fill(local, old, 6, gen)
+        await local.core.publish(old, "k1")  # an older entry of k1, on shard b
+        first, second = await _on(local, "a", 2)
+        (third,) = await _on(local, "b")
+        calls: list[tuple[str, str]] = []
+        for name, link in local.links.items():
+            async def record(method: str, args: tuple[Any, ...], name: str = name) -> None:
+                calls.append((name, method))
+            link.before = record
+        seqs = [make_sequence(128, gen), make_sequence(5, gen), make_sequence(7, gen)]
+        marks = [[Checkpoint(64, "k1"), Checkpoint(128, "k2")], [Checkpoint(5, "k3")], [Checkpoint(7, "k4")]]
+        await local.core.prefill(_inputs([first, second, third], seqs, checkpoints=marks))
+        for shard in ("a", "b"):
+            assert [m for s, m in calls if s == shard] == ["check_prefill", "prefill", "drop_prefixes"], calls
+        assert isinstance(await local.links["b"].shard.prefix_info("k1"), ShardFault)  # the older k1 is gone
+        assert (await local.core.prefix_info("k1")).tokens == 64
+        calls.clear()
+        await local.core.publish(old, "k2")
+        assert calls == [("b", "publish"), ("a", "drop_prefixes")], calls
+        assert isinstance(await local.links["a"].shard.prefix_info("k2"), ShardFault)
+
+    run_local(scenario)
+
+
 # -- a split prefill is all or nothing; errors name the client's ids --------------------------
 
 def test_a_split_prefill_with_a_lost_slot_changes_nothing() -> None:
@@ -327,6 +357,45 @@ def test_forged_slot_ids_are_404_on_every_slot_route(cluster: Cluster, client: K
         client.prefix_info("forged")
     for s in (a, b):
         client.free(s)
+
+
+def test_ids_of_no_life_of_their_shard_are_404_not_410(cluster: Cluster, client: KDAClient) -> None:
+    """An id naming a shard with an incarnation that shard never had (the other shard's, 0,
+    one still to come) was never issued: 404 on every slot route, not the 410 of a slot lost
+    with a process; nothing changes."""
+    a, b = client.alloc(1)[0], client.alloc(1)[0]  # one at a time: the emptiest shard each
+    assert shard_of(a) != shard_of(b)
+    _, incarnation, token = a.split(".")
+    used = client.info()["used_slots"]
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        for forged in (f"{shard_of(b)}.{incarnation}.{token}", f"{shard_of(b)}.0.{token}",
+                       f"{shard_of(b)}.{'z' * 13}.{token}"):
+            for method, path, body in SLOT_ROUTES:
+                r = http.request(method, path.format(forged), json=body)
+                assert r.status_code == 404, (method, path, forged, r.status_code, r.text[:300])
+                assert r.headers["content-type"] == "application/problem+json"
+    assert client.info()["used_slots"] == used
+    for s in (a, b):
+        client.free(s)
+
+
+def test_a_prefix_alloc_over_the_pools_slots_is_400(cluster: Cluster, client: KDAClient,
+                                                    gen: torch.Generator) -> None:
+    """POST /slots with a prefix and a count above the whole pool's slots is the single
+    server's 400 naming ``count`` (not 503), whether an entry matches or not; nothing is
+    allocated."""
+    slot = client.alloc(1)[0]
+    for layer in range(LAYERS):
+        client.prefill(layer, [(slot, *make_sequence(4, gen))])
+    client.publish(slot, "review-capacity")
+    info = client.info()
+    for prefix in (["review-capacity"], ["review-nowhere"]):
+        r = httpx.post(f"{cluster.url}/slots", json={"count": info["num_slots"] + 1, "prefix": prefix}, timeout=60)
+        assert r.status_code == 400 and r.headers["content-type"] == "application/problem+json", r.text
+        assert r.json()["field"] == "count", r.json()
+    assert client.info()["used_slots"] == info["used_slots"]
+    assert client.drop_prefix("review-capacity") is True
+    client.free(slot)
 
 
 def test_a_shards_503_keeps_its_problem_and_retry_after(cluster: Cluster, client: KDAClient) -> None:

@@ -52,10 +52,11 @@ def test_ids_round_trip_and_refuse_other_forms() -> None:
 
 
 def test_incarnation_lost_window() -> None:
-    chain = Incarnation(number=100, lost_through=40)
-    assert [chain.lost(n) for n in (39, 40, 41, 100, 101)] == [True, True, False, False, True]
-    fresh = Incarnation.fresh(clock=lambda: 5.0)
-    assert fresh == Incarnation(5000, 4999) and fresh.lost(4999) and not fresh.lost(5000)
+    chain = Incarnation(number=100, lost_through=40, earlier=frozenset({7, 39, 40, 60}))
+    seen = [chain.lost(n) for n in (0, 7, 38, 39, 40, 41, 60, 100, 101)]
+    assert seen == [False, True, False, True, True, False, False, False, False]  # only its own lives are lost
+    fresh = Incarnation.fresh(clock=lambda: 5.0)  # no record: any earlier number may be a life, none later
+    assert fresh == Incarnation(5000, 4999) and fresh.lost(4999) and not fresh.lost(5000) and not fresh.lost(5001)
 
 
 def _crash_after_open(state_dir: Path, name: str) -> int:
@@ -75,16 +76,17 @@ def test_incarnation_record_clean_and_crashed(tmp_path: Path) -> None:
     clock = iter([1.0, 1.0, 3.0, 2.0]).__next__  # the third start's clock runs behind
     files = ShardFiles(str(tmp_path), "s", clock=clock)
     first = files.open(1)
-    assert first == Incarnation(1000, 999)
+    assert first == Incarnation(1000, 999, frozenset())
     files.close()
     second = ShardFiles(str(tmp_path), "s", clock=clock).open(1)  # after a clean stop: the chain goes on
-    assert second == Incarnation(1001, 999)
+    assert second == Incarnation(1001, 999, frozenset({1000}))
     # (second never closes: the lock is this process's; a crashed process below)
     crashed = _crash_after_open(tmp_path / "c", "s")
     after = ShardFiles(str(tmp_path / "c"), "s").open(1)
     assert after.number > crashed and after.lost_through == after.number - 1 and after.lost(crashed)
+    assert not after.lost(crashed - 1) and not after.lost(0)  # never a life of this shard: never issued here
     record = json.loads((tmp_path / "c" / "s.incarnation.json").read_text())
-    assert record["clean"] is False
+    assert record["clean"] is False and record["earlier"] == [crashed]
 
 
 def test_a_successor_waits_for_the_lock(tmp_path: Path) -> None:
