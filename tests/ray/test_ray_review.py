@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, Callable, Optional
 
 import httpx
 import pytest
@@ -25,7 +25,6 @@ from service.ray_serve.errors import ShardFault  # noqa: E402
 from service.ray_serve.links import ShardLink  # noqa: E402
 from service.ray_serve.router import ShardedCore  # noqa: E402
 from service.ray_serve.shard import ShardServer  # noqa: E402
-from state_store import PoolFull  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
