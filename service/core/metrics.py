@@ -24,6 +24,9 @@ _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+UNMATCHED_ROUTE = "unmatched"
+"""The route label of an HTTP request no route matched, or that none saw (`Metrics.refused_request`)."""
+
 
 def build_info(backend: str, device: torch.device) -> dict[str, str]:
     """The labels of ``kda_build_info``: kda-serve's version, the triton version installed
@@ -54,16 +57,18 @@ class _PoolGauges(Collector):
 
 
 class Metrics:
-    """The server's metrics: HTTP requests and errors by route and status, requests in
-    flight, gRPC requests by method and status, framed socket requests by op and status,
-    prefill tokens, launch sizes, time queued before a launch and time in the kernel, free
-    slots, expired slots, abandoned responses, snapshots, the prefix cache's hits, misses,
-    hit tokens, evictions, entries and bytes per tier, and the process's collectors. A core
-    with a pool adds its gauges and build information (`add_pool`)."""
+    """The server's metrics: HTTP requests and errors by route and status (those the HTTP
+    protocol refused before any route included), requests in flight, gRPC requests by
+    method and status, framed socket requests by op and status, prefill tokens, launch
+    sizes, time queued before a launch and time in the kernel, free slots, expired slots,
+    abandoned responses, snapshots, the prefix cache's hits, misses, hit tokens, evictions,
+    entries and bytes per tier, and the process's collectors. A core with a pool adds its
+    gauges and build information (`add_pool`)."""
 
     def __init__(self, free_slots: Callable[[], float]) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kda_http_requests", "HTTP requests by route, method and status",
+        self.requests = Counter("kda_http_requests", "HTTP requests by route, method and status (route "
+                                "unmatched: none matched, or the HTTP protocol refused the request before routing)",
                                 ["route", "method", "status"], registry=r)
         self.errors = Counter("kda_http_errors", "HTTP responses with status >= 400, by route and status",
                               ["route", "method", "status"], registry=r)
@@ -89,8 +94,8 @@ class Metrics:
                                       buckets=_TOKEN_BUCKETS, registry=r)
         self.queue_seconds = Histogram("kda_queue_seconds", "Time a prefill waited in the batcher before its launch",
                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.kernel_seconds = Histogram("kda_kernel_seconds", "Time of one launch of the batcher (prefills; not "
-                                        "prepared runs): inputs to the device, kernel, outputs to the host",
+        self.kernel_seconds = Histogram("kda_kernel_seconds", "Time of one kernel launch (of the batcher, or a "
+                                        "prepared run): inputs to the device, kernel, outputs to the host",
                                         buckets=_LATENCY_BUCKETS, registry=r)
         self.expired = Counter("kda_slots_expired", "Slots freed for idling past --slot-ttl-s", registry=r)
         self.abandoned = Counter("kda_responses_abandoned", "Responses whose client left before receiving them; "
@@ -133,13 +138,23 @@ class Metrics:
             self.prefix_bytes.labels(tier).set_function(lambda tier=tier: stats()[tier].bytes)
             self.prefix_evictions.labels(tier)  # present at 0 before the first eviction
 
-    def prepared_launch(self, sequences: int, tokens: int) -> None:
-        """One launch of a prepared run of ``sequences`` sequences and ``tokens`` tokens: a
-        launch of one request in ``kda_batch_requests``, ``kda_batch_sequences`` and
-        ``kda_batch_tokens``, as the batcher counts its launches (refused or not)."""
+    def prepared_launch(self, sequences: int, tokens: int, seconds: float) -> None:
+        """One launch of a prepared run of ``sequences`` sequences and ``tokens`` tokens that
+        took ``seconds``: a launch of one request in ``kda_batch_requests``,
+        ``kda_batch_sequences``, ``kda_batch_tokens`` and ``kda_kernel_seconds``, as the
+        batcher counts its launches (refused or not)."""
         self.batch_requests.observe(1)
         self.batch_sequences.observe(sequences)
         self.batch_tokens.observe(tokens)
+        self.kernel_seconds.observe(seconds)
+
+    def refused_request(self, status: int, method: str) -> None:
+        """An HTTP request the protocol answered ``status`` before any route saw it (it could
+        not be parsed, or went past a connection limit), counted in ``kda_http_requests`` and
+        ``kda_http_errors`` under the route `UNMATCHED_ROUTE`; ``method``: its request
+        line's, ``unknown`` when the protocol did not read that far."""
+        self.requests.labels(UNMATCHED_ROUTE, method, str(status)).inc()
+        self.errors.labels(UNMATCHED_ROUTE, method, str(status)).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -545,13 +545,15 @@ class ServerCore:
         try:
             o, finals, launched, transaction = prepared.launch(read, moved, mark_lost)
         except BaseException:  # a refused or failed launch is a launch, as the batcher counts its own
-            self.metrics.prepared_launch(len(inputs.lengths), prepared.tokens)
+            self.metrics.prepared_launch(len(inputs.lengths), prepared.tokens, time.perf_counter() - t0)
             raise
         t3 = time.perf_counter()
         result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], t3 - t0)
+        delivered = t3  # once the outputs are in place (the launch is timed from its refill to then)
         try:
             prepared.deliver(result)  # the slots advance even when the outputs cannot be delivered
-            run = PreparedRun(result, (t1 - t0, t2 - t1, *launched, time.perf_counter() - t3))
+            delivered = time.perf_counter()
+            run = PreparedRun(result, (t1 - t0, t2 - t1, *launched, delivered - t3))
             if answer is not None:
                 answer(run)
         finally:  # the run stands: its slots move onto their new rows and count its tokens, whatever the reply
@@ -559,7 +561,8 @@ class ServerCore:
             self.pool.record_group_tokens(prepared.group, layer, prepared.counts)
             self.metrics.tokens.inc(prepared.tokens)
             self.metrics.sequences.inc(len(inputs.lengths))
-            self.metrics.prepared_launch(len(inputs.lengths), prepared.tokens)  # after the reply, off its path
+            # after the reply, off its path
+            self.metrics.prepared_launch(len(inputs.lengths), prepared.tokens, delivered - t0)
         return run
 
     async def release_prepared(self, prepared: PreparedPrefill) -> None:
@@ -907,15 +910,15 @@ class ServerCore:
 
     async def prefix_state(self, key: str) -> tuple[torch.Tensor, int]:
         """The complete entry ``key``'s state [L, HV, V, K] (a host copy) and tokens, for a
-        restore elsewhere (another shard); a use. UnknownPrefix (404) when there is none."""
+        restore elsewhere (another shard); a use of the entry (its recency), not a prefix
+        hit: it restores no slot (the caller that restores the bytes counts the hit).
+        UnknownPrefix (404) when there is none."""
         def read() -> Optional[tuple[torch.Tensor, int]]:
             with self.prefix_cache.restoring([key]) as held:
                 return None if held.state is None else (held.state.cpu().clone(), held.match.tokens)
         found = await self.worker.run(read) if key_problem(key) is None else None
         if found is None:
             raise UnknownPrefix(key)
-        self.metrics.prefix_hits.inc()
-        self.metrics.prefix_hit_tokens.inc(found[1])
         return found
 
     async def publish(self, slot_id: str, key: str) -> PrefixInfo:

@@ -37,7 +37,7 @@ from ..core.server import ServerCore
 from ..framed import FramedServer
 from ..kserve import ProtocolErrors, kserve_router
 from ..shm.registry import ShmRegistry
-from .limits import LIMITS_STATE_KEY, ConnectionLimits
+from .limits import LIMITS_STATE_KEY, REFUSED_STATE_KEY, ConnectionLimits
 from .metrics_port import MetricsServer
 from .problem_details import render_problem
 from .rest_app import Lifespan, create_rest_app
@@ -82,8 +82,9 @@ async def _expire_regions(registry: ShmRegistry) -> None:
 def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Lifespan:
     """Start the core, warm and self-test the kernels in the background, expire leased
     regions, sweep idle slots when a ttl is set, serve the framed socket when one is set
-    (`service.framed`), and hand `KDAHttpProtocol` the connection limits (uvicorn's lifespan
-    state); at shutdown stop those and close the regions and the core (its last snapshot)."""
+    (`service.framed`), and hand `KDAHttpProtocol` the connection limits and the count of
+    the requests it refuses (uvicorn's lifespan state); at shutdown stop those and close the
+    regions and the core (its last snapshot)."""
     limits = ConnectionLimits(header_timeout_s=settings.header_timeout_s, max_header_bytes=settings.max_header_bytes,
                               first_request_timeout_s=settings.first_request_timeout_s)
 
@@ -101,7 +102,8 @@ def _lifespan(core: ServerCore, registry: ShmRegistry, settings: Settings) -> Li
             period = min(max(settings.slot_ttl_s / 4, 0.05), 10.0)
             tasks.append(asyncio.create_task(_sweep_forever(core, period), name="kda-sweep"))
         try:
-            yield {LIMITS_STATE_KEY: limits}  # uvicorn's per-server state: KDAHttpProtocol reads it
+            # uvicorn's per-server state: KDAHttpProtocol reads it
+            yield {LIMITS_STATE_KEY: limits, REFUSED_STATE_KEY: core.metrics.refused_request}
         finally:
             for task in tasks:
                 task.cancel()

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..core.metrics import Metrics
+from ..core.metrics import UNMATCHED_ROUTE, Metrics
 from ..errors import API_KEY_REQUIRED
 from .problem_details import PAYLOAD_TOO_LARGE, problem
 
@@ -69,7 +69,7 @@ def route_label(scope: Scope) -> str:
     if route is None:
         app = scope.get("app")
         route = next((r for r in getattr(app, "routes", ()) if r.matches(scope)[0] == Match.FULL), None)
-    return getattr(route, "path", "unmatched")
+    return getattr(route, "path", UNMATCHED_ROUTE)
 
 
 class MetricsMiddleware:

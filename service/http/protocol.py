@@ -55,7 +55,8 @@ closing (its answer would go nowhere).
 Where uvicorn answers a request its HTTP parser refuses with a plain-text 400, this answers
 with an RFC 9457 problem (``bad-content-length`` for a malformed Content-Length or one
 framing the body twice, 413 ``payload-too-large`` for one beyond 64 bits, ``bad-request``
-otherwise), and closes the connection, as uvicorn does.
+otherwise, also for a request target the parser let through and uvicorn's URL parser
+refuses, which uvicorn answers not at all), and closes the connection, as uvicorn does.
 
 Connections are bounded where uvicorn leaves them open (`ConnectionLimits`, from the
 server's settings through uvicorn's per-server ``app_state``, `LIMITS_STATE_KEY`): a new
@@ -65,7 +66,9 @@ request's line and headers must arrive within ``header_timeout_s`` of their firs
 after) and hold at most ``max_header_bytes`` (431, counted as they arrive, so a client
 cannot make the server hold a 48 MiB header). A request asking to ``Upgrade`` (WebSocket,
 h2c) is answered 400 ``upgrade-not-supported``: the server speaks HTTP/1.1 only. Each of
-these answers is problem+json and closes the connection.
+these answers is problem+json and closes the connection. A request refused before the app
+saw it is counted through the app's `CountRefused` (uvicorn's per-server ``app_state``,
+`REFUSED_STATE_KEY`): the app counts those it runs.
 
     uvicorn.run(app, http=KDAHttpConnection)
 
@@ -89,7 +92,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from .limits import LIMITS_STATE_KEY, ConnectionLimits
+from .limits import LIMITS_STATE_KEY, REFUSED_STATE_KEY, ConnectionLimits, CountRefused
 from .problem_details import PAYLOAD_TOO_LARGE, problem
 from .request_id import REQUEST_ID_HEADER, new_request_id
 from ..wire.buffers import WarmBuffers
@@ -107,11 +110,12 @@ has ended it: CLOSE (reset) and CLOSE_WAIT (its FIN arrived)."""
 
 
 class _Refusal(Exception):
-    """Raised from a parser callback to stop parsing: ``response`` (whole, bytes) is sent
-    and the connection closed."""
+    """Raised from a parser callback to stop parsing: ``response`` (whole, bytes, its
+    status ``status``) is sent and the connection closed."""
 
-    def __init__(self, response: bytes) -> None:
+    def __init__(self, status: int, response: bytes) -> None:
         super().__init__("request refused")
+        self.status = status
         self.response = response
 
 
@@ -280,7 +284,8 @@ class KDAHttpProtocol(HttpToolsProtocol):
         self._whole: Optional[_Collect] = None  # the body being collected whole, if any
         self._woken = 0.0  # when its reader was last woken (time.monotonic)
         self.limits: ConnectionLimits = app_state.get(LIMITS_STATE_KEY) or ConnectionLimits()
-        self._in_headers = False  # a request has begun and its headers are not complete
+        self._count_refused: Optional[CountRefused] = app_state.get(REFUSED_STATE_KEY)
+        self._in_headers = False  # a request has begun and its headers are not yet handed to the app
         self._header_bytes = 0  # bytes of those headers seen so far (at least)
         self._messages = 0  # requests begun on this connection
         self._idle: Optional[asyncio.TimerHandle] = None  # closes a connection that starts no request
@@ -357,23 +362,35 @@ class KDAHttpProtocol(HttpToolsProtocol):
     def _headers_too_slow(self) -> None:
         self._header_deadline = None
         if self._in_headers and not self.transport.is_closing():
-            self._refuse(raw_problem(408, "request-timeout", f"the request's headers did not arrive within "
-                                     f"{self.limits.header_timeout_s:g} s of their first byte (--header-timeout-s)"))
+            self._refuse(408, raw_problem(408, "request-timeout", f"the request's headers did not arrive within "
+                                          f"{self.limits.header_timeout_s:g} s of their first byte "
+                                          "(--header-timeout-s)"))
 
-    def _refuse(self, response: bytes) -> None:
-        """Answer a request that cannot be read with ``response`` and close the connection:
-        at once when it is the request whose body is being read (its own handler sees the
-        client gone), else (a request that follows others on the connection) once the
-        requests before it are answered, in order (pipelining); nothing more is read
-        meanwhile."""
+    def _refuse(self, status: int, response: bytes) -> None:
+        """Answer a request that cannot be read with ``response`` (its status ``status``) and
+        close the connection: at once when it is the request whose body is being read (its
+        own handler sees the client gone), else (a request that follows others on the
+        connection) once the requests before it are answered, in order (pipelining);
+        nothing more is read meanwhile. Counted (`CountRefused`) when the app never sees
+        the request (`_unseen`): the app counts the requests it runs."""
         self._cancel_timers()
         self.logger.warning("refused a request: %s", response.split(b"\r\n", 1)[0].decode("latin-1"))
+        if self._count_refused is not None and self._unseen():
+            # the parser has read the method once it read any of the target that follows it
+            self._count_refused(status, self.parser.get_method().decode("ascii") if self.url else "unknown")
         if not (self.cycle is not None and self.cycle.more_body) and self._answering():
             self._refusal = response
             self.flow.pause_reading()
             return
         self.transport.write(response)
         self.transport.close()
+
+    def _unseen(self) -> bool:
+        """Whether the request being read, now refused, never reaches the app: its request
+        line or headers unfinished (or refused in `on_headers_complete`), or its body
+        unfinished while it waits its turn behind others (the refusal closes the
+        connection: nothing queued runs)."""
+        return self._in_headers or any(cycle is self.cycle for cycle, _ in self.pipeline)
 
     def _answering(self) -> bool:
         """Whether a request begun before now is still to be answered (running or queued)."""
@@ -390,9 +407,9 @@ class KDAHttpProtocol(HttpToolsProtocol):
         # a chunked body's trailer field: counted against the header limit, then dropped (nothing reads trailers)
         self._trailer_bytes += len(name) + len(value) + 4
         if self._trailer_bytes > self.limits.max_header_bytes:
-            raise _Refusal(raw_problem(431, "request-header-fields-too-large", f"the chunked body's trailer fields "
-                                       f"hold {self._trailer_bytes} bytes or more, over the "
-                                       f"{self.limits.max_header_bytes}-byte limit (--max-header-kb)"))
+            raise _Refusal(431, raw_problem(431, "request-header-fields-too-large", f"the chunked body's trailer "
+                                            f"fields hold {self._trailer_bytes} bytes or more, over the "
+                                            f"{self.limits.max_header_bytes}-byte limit (--max-header-kb)"))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -405,25 +422,25 @@ class KDAHttpProtocol(HttpToolsProtocol):
         self._header_deadline = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
 
     def on_headers_complete(self) -> None:
-        self._in_headers = False
         if self._header_deadline is not None:
             self._header_deadline.cancel()
             self._header_deadline = None
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         if size > self.limits.max_header_bytes:
-            raise _Refusal(self._header_size_problem(size))
+            raise _Refusal(431, self._header_size_problem(size))
         if self.parser.should_upgrade():
             upgrade = dict(self.headers).get(b"upgrade", b"").decode("latin-1")
-            raise _Refusal(raw_problem(400, "upgrade-not-supported", f"this server speaks HTTP/1.1 only: it does not "
-                                       f"upgrade the connection (Upgrade: {upgrade[:64]!r}); send the request "
-                                       "without Upgrade", title="Upgrade not supported"))
+            raise _Refusal(400, raw_problem(400, "upgrade-not-supported", f"this server speaks HTTP/1.1 only: it "
+                                            f"does not upgrade the connection (Upgrade: {upgrade[:64]!r}); send the "
+                                            "request without Upgrade", title="Upgrade not supported"))
         version = self.parser.get_http_version()
         if version == "1.0":
             self.expect_100_continue = False  # RFC 9110 10.1.1: an HTTP/1.0 request's expectation is ignored
         elif (hosts := sum(1 for name, _ in self.headers if name == b"host")) != 1:
-            raise _Refusal(raw_problem(400, "bad-request", f"an HTTP/{version} request needs exactly one Host "
-                                       f"header (RFC 9112 3.2), got {hosts}"))
-        super().on_headers_complete()
+            raise _Refusal(400, raw_problem(400, "bad-request", f"an HTTP/{version} request needs exactly one Host "
+                                            f"header (RFC 9112 3.2), got {hosts}"))
+        super().on_headers_complete()  # the request is the app's from here (raising: refused, `data_received`)
+        self._in_headers = False
 
     def on_response_complete(self) -> None:
         for cork in self._corks:  # the whole response out now, before anything may close the connection
@@ -469,22 +486,25 @@ class KDAHttpProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
-            if not isinstance(e.__context__, _Refusal):
+            refusal = e.__context__
+            if isinstance(refusal, httptools.HttpParserInvalidURLError):  # llhttp took it, uvicorn's parse_url not
+                refusal = _Refusal(400, raw_problem(400, "bad-request", "the request target is not a valid URL"))
+            if not isinstance(refusal, _Refusal):
                 raise
-            self._refuse(e.__context__.response)
+            self._refuse(refusal.status, refusal.response)
             return
         except httptools.HttpParserUpgrade:  # refused in on_headers_complete: not reached
-            self._refuse(raw_problem(400, "upgrade-not-supported", "this server does not upgrade connections"))
+            self._refuse(400, raw_problem(400, "upgrade-not-supported", "this server does not upgrade connections"))
             return
         except httptools.HttpParserError as e:
             status, response = parser_problem(e)
             self.logger.warning("Invalid HTTP request received (%s): %d", e, status)
-            self._refuse(response)
+            self._refuse(status, response)
             return
         if self._in_headers and self._messages == counted:  # still the same headers: all of data was theirs
             self._header_bytes += len(data)  # (a request that began inside data is counted from the next read)
             if self._header_bytes > self.limits.max_header_bytes:
-                self._refuse(self._header_size_problem(self._header_bytes))
+                self._refuse(431, self._header_size_problem(self._header_bytes))
 
     def body_target(self) -> Optional[memoryview]:
         """Where the next read may land directly (`KDAHttpConnection`): the rest of the

@@ -77,7 +77,7 @@ def fallback_warning(reason: str) -> str:
     """The log line for serving on the stock protocol."""
     return (f"serving with uvicorn's stock httptools protocol ({reason}): request bodies are not read whole into "
             "reused buffers, the header, idle and size limits (--header-timeout-s, --max-header-kb, "
-            "--first-request-timeout-s) are not enforced, and HTTP framing errors are plain text; "
+            "--first-request-timeout-s) are not enforced, and HTTP framing errors are plain text and uncounted; "
             "install a uvicorn within pyproject.toml's range to restore them")
 
 

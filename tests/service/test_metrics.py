@@ -1,6 +1,7 @@
 """The Prometheus page of a real server: build information, the pool's gauges (read through
 the core), requests in flight, the process's collectors, route labels of the docs routes,
-and ``--metrics-port`` (the page without the API key, as Triton's 8002)."""
+requests the HTTP protocol refuses before any route, and ``--metrics-port`` (the page
+without the API key, as Triton's 8002)."""
 from __future__ import annotations
 
 import socket
@@ -10,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 from server_harness import GEOMETRY_ARGS, ROOT, SLOTS, Server, free_port, kill_9, make_sequence, metric, start_server
 
@@ -91,6 +93,41 @@ def test_docs_routes_have_their_own_route_labels(server: Server) -> None:
             metric(before, "kda_http_requests_total", **labels) + 1, path
     lost = {"route": "unmatched", "method": "GET", "status": "404"}
     assert metric(after, "kda_http_requests_total", **lost) == metric(before, "kda_http_requests_total", **lost) + 1
+
+
+REFUSED = [  # what a client sends, the status it gets, the method label it is counted under
+    pytest.param(b"NOT A REQUEST\r\n\r\n", "400", "unknown", id="malformed request line"),
+    pytest.param(b"FROB /info HTTP/1.1\r\nHost: x\r\n\r\n", "400", "unknown", id="unknown method"),
+    pytest.param(b"GET /info HTTP/1.1\r\n\r\n", "400", "GET", id="no Host header"),
+    pytest.param(b"GET http://[::1 HTTP/1.1\r\nHost: x\r\n\r\n", "400", "GET", id="unparsable target"),
+    pytest.param(b"GET /info HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (65 << 10) + b"\r\n\r\n", "431", "GET",
+                 id="headers over the limit"),
+    pytest.param(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n"  # runs; the request queued behind it never does
+                 b"POST /prefill HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "400", "POST",
+                 id="bad chunk size of a pipelined request"),
+]
+
+
+@pytest.mark.parametrize(("sent", "status", "method"), REFUSED)
+def test_a_request_the_protocol_refuses_is_counted_and_the_server_serves_on(
+        server: Server, sent: bytes, status: str, method: str) -> None:
+    """A request the HTTP protocol answers before any route sees it (unparsable, or over a
+    connection limit) counts once in ``kda_http_requests_total`` and
+    ``kda_http_errors_total`` under the route ``unmatched``, its method ``unknown`` when
+    its request line was not read that far; the server serves on."""
+    labels = {"route": "unmatched", "method": method, "status": status}
+    before = _page(server.url)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(sent)
+        answer = b""
+        while chunk := s.recv(65536):  # the server closes the connection after its answer
+            answer += chunk
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:300]
+    after = _page(server.url)
+    for family in ("kda_http_requests_total", "kda_http_errors_total"):
+        assert metric(after, family, **labels) == metric(before, family, **labels) + 1, (family, after)
+    assert httpx.get(f"{server.url}/health/live").status_code == 200
 
 
 def test_the_metrics_port_serves_the_page_without_the_key(tmp_path: Path) -> None:

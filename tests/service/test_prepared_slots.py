@@ -2,14 +2,16 @@
 the pool no longer vouches for them (`StatePool.group_live`: a slot freed or lost, or one
 idle past the ttl, which expires lazily without moving the generation), so such a run is
 refused before it launches; the front end's answer given once the run stands, before the
-token counts when the run is on the event loop (the reply leaves while the server counts)."""
+token counts when the run is on the event loop (the reply leaves while the server counts);
+each run timed in ``kda_kernel_seconds``."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
-from server_harness import HV, K, LAYERS, V, make_sequence
+from server_harness import HV, K, LAYERS, V, make_sequence, metric
 
 from service.config import Settings
 from service.core.inputs import PrefillInputs, PrefillParams
@@ -91,6 +93,42 @@ def test_the_answer_comes_once_per_run_that_stands(inline: bool, gen: torch.Gene
             with pytest.raises(InvalidRequest):
                 await core.run_prepared(prepared, answer)
             assert len(seen) == 3 and core.pool.slot_info(slots[0]).tokens_per_layer[LAYER] == 3
+            await core.release_prepared(prepared)
+        finally:
+            await core.close()
+
+    asyncio.run(main())
+
+
+async def _kernel_seconds(core: ServerCore) -> tuple[float, float]:
+    """``kda_kernel_seconds``' count and sum on the core's page."""
+    page = (await core.render_metrics()).decode()
+    return metric(page, "kda_kernel_seconds_count"), metric(page, "kda_kernel_seconds_sum")
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["on the event loop", "on the device thread"])
+def test_each_prepared_run_is_timed_in_kda_kernel_seconds(inline: bool, gen: torch.Generator) -> None:
+    """A run that stands and one refused (a NaN input: 400) each count once in
+    ``kda_kernel_seconds``, as the batcher times its launches refused or not, their
+    seconds within the time `run_prepared` took."""
+    async def main() -> None:
+        core = ServerCore(_settings(inline_launch_tokens=None if inline else 0))
+        await core.start()
+        try:
+            assert (await core.warmup()).passed
+            slots = await core.alloc(2)
+            inputs = _inputs(slots, gen)
+            prepared = await core.prepare(inputs, lambda: None, lambda result: None)
+            count, seconds = await _kernel_seconds(core)
+            started = time.perf_counter()
+            await core.run_prepared(prepared)
+            inputs.q[0, 0, 0] = float("nan")
+            with pytest.raises(InvalidRequest):
+                await core.run_prepared(prepared)
+            took = time.perf_counter() - started
+            after_count, after_seconds = await _kernel_seconds(core)
+            assert after_count == count + 2
+            assert 0 < after_seconds - seconds <= took
             await core.release_prepared(prepared)
         finally:
             await core.close()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from server_harness import H, HV, K, LAYERS, ROOT, SLOTS, TOL, V, make_sequence, reference, rel
+from server_harness import H, HV, K, LAYERS, ROOT, SLOTS, TOL, V, make_sequence, metric, reference, rel
 
 from service.http.app import create_app
 from service.core.batcher import Batcher
@@ -443,6 +443,36 @@ def test_server_core_queries_and_restore_slot(gen):
             with pytest.raises(ValueError):  # a count for a layer the pool lacks
                 await core.restore_slot(state, [0, 0, 5], False)
             assert core.stats().used == 2  # nothing was left behind
+        finally:
+            await core.close()
+
+    asyncio.run(main())
+
+
+def test_reading_an_entrys_bytes_counts_no_prefix_hit_a_restore_does(gen):
+    """`ServerCore.prefix_state` hands an entry's bytes to another Ray Serve shard and
+    restores no slot: ``kda_prefix_hits_total`` and ``kda_prefix_hit_tokens_total`` stay as
+    they were. A restore into slots (`alloc_prefix`, POST /slots with a prefix) counts one
+    hit and the entry's tokens for each slot restored."""
+    settings = Settings(num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V, batch_window_ms=0)
+    state = torch.randn(LAYERS, HV, V, K, generator=gen)
+
+    async def hits(core: ServerCore) -> tuple[float, float]:
+        page = (await core.render_metrics()).decode()
+        return metric(page, "kda_prefix_hits_total"), metric(page, "kda_prefix_hit_tokens_total")
+
+    async def main():
+        core = ServerCore(settings)
+        await core.start()
+        try:
+            await core.publish(await core.restore_slot(state, [6] * LAYERS, False), "k")
+            assert await hits(core) == (0, 0)
+            entry, tokens = await core.prefix_state("k")
+            assert tokens == 6 and torch.equal(entry, state)
+            assert await hits(core) == (0, 0)
+            slots, match = await core.alloc_prefix(["k"], count=2)
+            assert match.tokens == 6 and len(slots) == 2
+            assert await hits(core) == (1, 12)
         finally:
             await core.close()
 
