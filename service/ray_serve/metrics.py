@@ -1,6 +1,7 @@
 """One Prometheus page for a sharded deployment: the families the ingress counts itself (HTTP
 ``kda_http_*`` from the single server's `MetricsMiddleware`, responses abandoned by their
-clients, prefix misses no shard saw) and every shard's pool, batch, kernel and prefix
+clients, prefix misses no shard saw, prefix hits and hit tokens of restores whose bytes moved
+between shards) and every shard's pool, batch, kernel and prefix
 families with a ``shard`` label added (a family both count has both sets of samples: the
 ingress's without the label)."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 HTTP_PREFIX = "kda_http"
-INGRESS_FAMILIES = (HTTP_PREFIX, "kda_responses_abandoned", "kda_prefix_misses")
+INGRESS_FAMILIES = (HTTP_PREFIX, "kda_responses_abandoned", "kda_prefix_misses", "kda_prefix_hit")
 """Families (by name prefix) the ingress's own `service.core.metrics.Metrics` counts."""
 
 

@@ -423,7 +423,10 @@ class ShardedCore:
             return await asyncio.gather(*(self.shards[s].call("put", cargo) for s, n in plan.items() for _ in range(n)),
                                         return_exceptions=True)
 
-        return await self._placed_slots(count, place), PrefixMatch(match.matched, match.key, tokens)
+        slots = await self._placed_slots(count, place)
+        self.metrics.prefix_hits.inc()  # the shard that lent the bytes counted no hit (`ServerCore.prefix_state`)
+        self.metrics.prefix_hit_tokens.inc(tokens * count)
+        return slots, PrefixMatch(match.matched, match.key, tokens)
 
     async def publish(self, slot_id: str, key: str) -> PrefixInfo:
         """The slot's state as the entry ``key`` on the slot's shard; an entry of that key on

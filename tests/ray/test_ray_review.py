@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("ray.serve")  # the ray extra; CI installs it
 
@@ -199,6 +200,30 @@ def test_a_restore_falls_back_when_the_entrys_shard_proves_full() -> None:
         assert torch.equal(await local.core.get_state(slots[0]), await local.core.get_state(slot))
 
     run_local(scenario, status_max_age_s=60.0)
+
+
+def _total(text: str, sample: str) -> float:
+    """The sum of ``sample``'s values over all its label sets in a Prometheus page."""
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == sample)
+
+
+def test_a_restore_whose_bytes_move_counts_one_hit_and_its_tokens() -> None:
+    """A restore served by moving an entry's bytes to another shard is a prefix hit of
+    tokens x count, counted once by the ingress (the lending shard counts none), as a
+    single server counts a restore."""
+    async def scenario(local: Local) -> None:
+        gen = torch.Generator().manual_seed(19)
+        (slot,) = await _on(local, "a")
+        await _fill(local, slot, 11, gen)
+        await local.core.publish(slot, "moved")
+        await local.links["a"].shard.alloc(SETTINGS.num_slots - 1)  # shard a full: the bytes must move
+        slots, match = await local.core.alloc_prefix(["moved"], 2)
+        assert match.tokens == 11 and {shard_of(s) for s in slots} == {"b"}
+        text = (await local.core.render_metrics()).decode()
+        assert _total(text, "kda_prefix_hits_total") == 1.0  # over the ingress and both shards
+        assert _total(text, "kda_prefix_hit_tokens_total") == 22.0
+
+    run_local(scenario)
 
 
 def test_an_alloc_reads_stale_figures_anew_before_refusing() -> None:
