@@ -221,8 +221,8 @@ class StatePool:
         """Allocate ``count`` slots with zero state on every layer, all or none."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"count must be a positive integer, got {count!r}")
-        rows = self._take_rows(count)
-        self._storage.index_fill_(0, self._slot_index([r for row in rows for r in self._map.rows_of_slot(row)]), 0)
+        rows = self._filled_rows(count, lambda rows: self._storage.index_fill_(
+            0, self._slot_index([r for row in rows for r in self._map.rows_of_slot(row)]), 0))
         return [self._issue(row, 0) for row in rows]
 
     @_locked
@@ -239,18 +239,15 @@ class StatePool:
             raise ValueError(f"tokens_per_layer must be {self._geometry.num_layers} non-negative counts, got {tokens}")
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"count must be a positive integer, got {count!r}")
-        rows = self._take_rows(count)
-        try:
+
+        def fill(rows: list[int]) -> None:
             self._write_slot(rows[0], state)
             if rows[1:]:  # from the pool's own copy (one transfer from a host state)
                 first = self._storage.index_select(0, self._slot_index(self._map.rows_of_slot(rows[0])))
                 for row in rows[1:]:
                     self._storage.index_copy_(0, self._slot_index(self._map.rows_of_slot(row)), first)
-        except BaseException:
-            for row in rows:
-                heapq.heappush(self._free_rows, row)
-            raise
-        return [self._issue(row, tokens) for row in rows]
+
+        return [self._issue(row, tokens) for row in self._filled_rows(count, fill)]
 
     @_locked
     def free(self, slot_id: str) -> None:
@@ -262,10 +259,15 @@ class StatePool:
     @_locked
     def fork(self, slot_id: str) -> str:
         """A new slot holding a copy of ``slot_id``'s state on every layer (and its token
-        counts): prefix reuse. The two are independent afterwards."""
-        source = self._touch(slot_id)
-        row = self._take_rows(1)[0]
-        self._write_slot(row, self._read_slot(source.row))
+        counts): prefix reuse. The two are independent afterwards. A fork refused (PoolFull)
+        or whose copy fails changes nothing, not even the source's last use."""
+        source = self._resolve(slot_id)
+        last_used, source.last_used = source.last_used, self._clock()  # not idle while rows are found
+        try:
+            row, = self._filled_rows(1, lambda rows: self._write_slot(rows[0], self._read_slot(source.row)))
+        except BaseException:
+            source.last_used = last_used
+            raise
         return self._issue(row, self._tokens[source.row], source.state_lost)
 
     @_locked
@@ -332,8 +334,7 @@ class StatePool:
         state, tokens = transfer.decode(data, self._geometry)
         tokens = tokens if tokens is not None else [0] * self._geometry.num_layers
         if slot_id is None:
-            row = self._take_rows(1)[0]
-            self._write_slot(row, state)
+            row, = self._filled_rows(1, lambda rows: self._write_slot(rows[0], state))
             return self._issue(row, tokens)
         slot = self._touch(slot_id)
         self._write_slot(slot.row, state)
@@ -588,6 +589,20 @@ class StatePool:
         if count > len(self._free_rows):
             raise PoolFull(count, len(self._free_rows))
         return [heapq.heappop(self._free_rows) for _ in range(count)]
+
+    def _filled_rows(self, count: int, fill: Callable[[list[int]], object]) -> list[int]:
+        """``count`` free rows (`_take_rows`) once ``fill(rows)`` has written their state on
+        every layer, before any id maps them. When ``fill`` raises (a device copy out of
+        memory), the rows go back to the free list unissued and the error propagates: a row's
+        old contents never show, since every allocation writes all of a row first."""
+        rows = self._take_rows(count)
+        try:
+            fill(rows)
+        except BaseException:
+            for row in rows:
+                heapq.heappush(self._free_rows, row)
+            raise
+        return rows
 
     def _issue(self, row: int, tokens_per_layer: Union[int, Sequence[int], np.ndarray], state_lost: bool = False) -> str:
         """Map a new id to ``row`` (whose state the caller has set), counting

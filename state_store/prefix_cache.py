@@ -279,7 +279,9 @@ class PrefixCache:
 
     def commit(self, target: CheckpointTarget, written: Optional[torch.Tensor] = None) -> None:
         """Store ``target`` once its launch succeeded: its layer becomes stored (a new entry
-        enters the cache, replacing the key's entry at another offset). A target placed
+        enters the cache, replacing the key's entry at another offset; when the key gained
+        an entry at the same offset since the placement, the layer is (re)written in that
+        one instead, as `store_layer` does, and the new entry is let go). A target placed
         nowhere stores ``written`` [HV, V, K], the state the launch wrote elsewhere, as
         `store_layer` does; so does one whose entry changed since it was placed."""
         with self._lock:
@@ -295,6 +297,10 @@ class PrefixCache:
             assert entry is not None
             if target.new:
                 self._pending -= entry.nbytes
+                old = self._entries.get(target.key)
+                if old is not None and old.tokens == target.tokens:  # arrived meanwhile: (re)write its layer
+                    self.store_layer(target.key, target.tokens, target.layer, target.state)
+                    return
                 self._remove(target.key)
                 self._entries[target.key] = entry  # its room was made when it was placed
             elif self._entries.get(target.key) is not entry or entry.tier != DEVICE:
