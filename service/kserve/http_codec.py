@@ -25,24 +25,29 @@ from .codec import (
     check_parameters, input_dtype, shm_description, shm_ref, uint_parameter,
 )
 from .datatypes import datatype_name
-from .model import OUTPUTS
+from .model import OUTPUTS, VERSION
 from .options import parse_options
-from .protocol import InferenceRequest, RequestInput, RequestOutput
+from .protocol import NAME_MAX, InferenceRequest, RequestInput, RequestOutput
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+LENGTH_DIGITS_MAX = 32  # digits of a header length: far more than any body's, far fewer than int() refuses
 SOURCES = Sources(numbers="data", raw="binary_data_size")
 _INPUT_PARAMETERS = ("binary_data_size", *SHM_PARAMETERS)
 _OUTPUT_PARAMETERS = ("binary_data", *SHM_PARAMETERS)
 
 
 def header_end(body_length: int, header_length: Optional[str]) -> int:
-    """Where the JSON ends: ``Inference-Header-Content-Length``, or the whole body."""
+    """Where the JSON ends: ``Inference-Header-Content-Length``, or the whole body. The
+    header is ASCII digits (str.isdigit alone takes superscripts, which int() refuses) of
+    at most `LENGTH_DIGITS_MAX` (int() refuses thousands of them); MalformedBody otherwise."""
     if header_length is None:
         return body_length
-    if not header_length.strip().isdigit() or int(header_length) > body_length:
-        raise MalformedBody(f"{HEADER_LENGTH} {header_length!r} is not a byte count within the body's "
+    digits = header_length.strip()
+    if (not (digits.isascii() and digits.isdigit()) or len(digits) > LENGTH_DIGITS_MAX
+            or int(digits) > body_length):
+        raise MalformedBody(f"{HEADER_LENGTH} {header_length[:64]!r} is not a byte count within the body's "
                             f"{body_length} bytes", field=HEADER_LENGTH)
-    return int(header_length)
+    return int(digits)
 
 
 def _input_spec(x: RequestInput, body: bytearray, offset: int) -> InputSpec:
@@ -72,12 +77,28 @@ def _output_spec(x: RequestOutput, binary_default: bool) -> OutputSpec:
     return OutputSpec(x.name, binary and shm is None, shm)
 
 
-def parse_request(body: bytearray, json_end: int) -> ParsedRequest:
+def _check_echo(doc: InferenceRequest, model: str, version: Optional[str]) -> None:
+    """That the body's ``model_name`` and ``model_version`` (optional echoes; "" for the
+    version: any), where given, name the model of the URL (``version`` None: `VERSION`,
+    the one it serves); InvalidRequest (400) naming the member otherwise."""
+    for member, said, url in (("model_name", doc.model_name, model),
+                              ("model_version", doc.model_version or None, version or VERSION)):
+        if said is not None and said != url:
+            raise bad(member, f"the body's {member} {said[:NAME_MAX]!r} contradicts the URL, which names "
+                              f"{url!r}; leave it out or give the URL's")
+
+
+def parse_request(body: bytearray, json_end: int, model: Optional[str] = None,
+                  version: Optional[str] = None) -> ParsedRequest:
     """Read the JSON part of ``body`` (its first ``json_end`` bytes) and check it: schema
     (422), parameters, input names, datatypes, byte counts, data sources and requested
-    outputs (400); the binary part must hold exactly the bytes the inputs announce."""
+    outputs (400); the binary part must hold exactly the bytes the inputs announce. With
+    ``model`` (the URL's, and its ``version``), the body's ``model_name`` and
+    ``model_version`` must agree with them (400)."""
     raw = body if json_end == len(body) else bytes(memoryview(body)[:json_end])
     doc = parse_model(InferenceRequest, raw, where="request")
+    if model is not None:
+        _check_echo(doc, model, version)
     options = parse_options(doc.parameters)
     check_input_names([x.name for x in doc.inputs])
     inputs, offset = [], json_end

@@ -8,7 +8,8 @@ protocol says; which names are allowed, and their types, is `service.kserve.opti
 A shared memory region's name (a URL segment over HTTP, a string field over gRPC) goes
 through `region_name` on both front ends: 1 to `REGION_NAME_MAX` characters, as ``POST
 /shm/regions`` and ``POST /prefill``'s references to regions take (`service.shm`), so a
-region registered through the KServe extensions can always be named there too.
+region registered through the KServe extensions can always be named there too (the
+registry refuses a "/" in any name: no per-name route could address it).
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class RequestOutput(BaseModel):
 
 class InferenceRequest(BaseModel):
     """``$inference_request``. ``model_name`` / ``model_version`` are tolerated in the body
-    (some clients echo them); the URL decides the model."""
+    (some clients echo them); the URL decides the model, and a body naming another is
+    refused (`service.kserve.http_codec.parse_request`)."""
 
     model_config = _STRICT
     id: Optional[Annotated[str, Field(max_length=NAME_MAX)]] = None

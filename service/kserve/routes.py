@@ -147,7 +147,7 @@ def _infer(router: APIRouter, endpoint: KServeEndpoint) -> None:
                                        field="Content-Encoding")
         body = await read_body(request)
         json_end = header_end(len(body), request.headers.get(HEADER_LENGTH))
-        parsed = await off_loop(parse_request, body, json_end, nbytes=json_end)
+        parsed = await off_loop(parse_request, body, json_end, model, version, nbytes=json_end)
         reply = await endpoint.infer(model, version, parsed)
         content, json_length = await off_loop(encode_response, parsed, MODEL, VERSION, reply.tensors,
                                              reply.parameters, nbytes=reply.nbytes)

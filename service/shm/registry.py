@@ -3,11 +3,13 @@ tensors this way (the KServe v2 system and CUDA shared memory extensions, and ``
 /prefill`` with `service.shm.prefill`): system (POSIX) and CUDA regions share one
 namespace of region names.
 
-A request names a region, an offset and a byte size for each tensor it passes this way;
-every such reference is bounds-checked against the region here. Inputs are copied out of
-a region once (on a CPU server into host memory; on a GPU server into its GPU memory, from
-a system region by DMA, the mapping being page-locked on first use), so nothing the
-kernels see can change or vanish under them; outputs are copied in after the launch.
+A region's name holds no "/" (the per-name routes, a status or an unregister, take it as
+one URL segment). A request names a region, an offset and a byte size for each tensor it
+passes this way; every such reference is bounds-checked against the region here. Inputs
+are copied out of a region once (on a CPU server into host memory; on a GPU server into
+its GPU memory, from a system region by DMA, the mapping being page-locked on first use),
+so nothing the kernels see can change or vanish under them; outputs are copied in after
+the launch.
 
 A request holds a `lease` on the regions it names from decoding to its response, so an
 unregister arriving meanwhile takes the name away at once but unmaps the memory only
@@ -497,6 +499,12 @@ class ShmRegistry:
             raise InvalidRequest(self.cuda_reason)
 
     def _free_name(self, name: str) -> None:
+        """That ``name`` can name a new region: not taken, and no "/" in it (an encoded slash
+        names no route, `service.http.encoded_slash`, so no per-name route, status or
+        unregister, could reach it); InvalidRequest (400) naming the field otherwise."""
+        if "/" in name:
+            raise InvalidRequest(f"name: a shared memory region's name cannot hold '/' (no URL could name it), "
+                                 f"got {name!r}", field="name")
         if name in self._regions:
             raise InvalidRequest(f"shared memory region {name!r} is already registered ({self._regions[name].kind}); "
                                  "unregister it first", field="name")
