@@ -310,11 +310,11 @@ class StatePool:
         """Copy ``state`` [L, HV, V, K] (pool dtype, any device) into the slot.
 
         Shape and dtype are checked first (GeometryMismatch). Token counts are left alone.
+        A copy that fails changes nothing when it failed before writing the slot's rows,
+        else flags the slot lost (`_overwrite`).
         """
         self._check_state(state)
-        slot = self._touch(slot_id)
-        self._write_slot(slot.row, state)
-        slot.state_lost = False
+        self._overwrite(slot_id, state)
 
     @_locked
     def export(self, slot_id: str) -> bytes:
@@ -328,7 +328,8 @@ class StatePool:
         """Load an `export` into a new slot (``slot_id`` None) or over a live slot; returns
         the slot id. Everything is checked first: on any error nothing changes
         (UnknownSlot, GeometryMismatch, SnapshotError for bytes that are not an export,
-        PoolFull)."""
+        PoolFull). A copy over a live slot that fails once it may have written some of the
+        slot's rows flags the slot lost, its token counts left alone (`_overwrite`)."""
         if slot_id is not None:
             self._resolve(slot_id)
         state, tokens = transfer.decode(data, self._geometry)
@@ -336,10 +337,7 @@ class StatePool:
         if slot_id is None:
             row, = self._filled_rows(1, lambda rows: self._write_slot(rows[0], state))
             return self._issue(row, tokens)
-        slot = self._touch(slot_id)
-        self._write_slot(slot.row, state)
-        self._tokens[slot.row] = tokens
-        slot.state_lost = False
+        self._tokens[self._overwrite(slot_id, state).row] = tokens
         return slot_id
 
     @_locked
@@ -463,7 +461,10 @@ class StatePool:
     def restore(self, path: snapshot.PathLike) -> snapshot.Stamp:
         """Replace the pool's contents and id map with a snapshot's, verified in full first:
         on any error (SnapshotError, GeometryMismatch) the pool is left as it was. Returns
-        the snapshot's stamp (when it was taken, its generation).
+        the snapshot's stamp (when it was taken, its generation). Only a copy into the
+        storage that fails midway (on the device) leaves it partly overwritten: then every
+        live slot keeps its id, flagged lost, and the error propagates (a later restore may
+        succeed).
 
         Each slot keeps the idle time it had when the snapshot was taken; time between
         snapshot and restore does not count towards its ttl.
@@ -479,7 +480,13 @@ class StatePool:
         infos, saved_at = read.slots, read.stamp.saved_at
         self._map.reset()
         L, S = self._geometry.num_layers, self._geometry.num_slots
-        self._storage[:L * S].view(self._geometry.shape).copy_(read.pool)
+        try:
+            self._storage[:L * S].view(self._geometry.shape).copy_(read.pool)
+        except BaseException:
+            for slot in self._slots.values():
+                slot.state_lost = True
+            self._generation += 1
+            raise
         now = self._clock()
         self._slots = {
             info.slot_id: _Slot(
@@ -570,17 +577,44 @@ class StatePool:
         """A copy of slot row ``row``'s state on every layer, [L, HV, V, K], on the pool's device."""
         return self._storage.index_select(0, self._slot_index(self._map.rows_of_slot(row)))
 
-    def _write_slot(self, row: int, state: torch.Tensor) -> None:
+    def _write_slot(self, row: int, state: torch.Tensor,
+                    on_scatter_failure: Optional[Callable[[], None]] = None) -> None:
         """Copy ``state`` [L, HV, V, K] (pool dtype, any device) into slot row ``row``, complete
         when this returns: one scatter into its rows on every layer, from the host after one
         transfer to the pool's device (a transient [L, HV, V, K]: one copy per layer straight
         into its row paid the copy engine's gap between transfers L times, 0.26 ms over the
-        PCIe time at 48 layers on the H200)."""
+        PCIe time at 48 layers on the H200). What can fail before the scatter (the index's
+        upload, the transfer) fails before any row is written; when the scatter, or the wait
+        for it, raises, some of the rows may hold the new state and others the old, and
+        ``on_scatter_failure()`` (when given) runs before the error propagates."""
         rows = self._slot_index(self._map.rows_of_slot(row))
         on_host = state.device != self._storage.device
-        self._storage.index_copy_(0, rows, state.to(self._storage.device, non_blocking=True) if on_host else state)
-        if on_host and self._storage.is_cuda:
-            torch.cuda.current_stream(self._storage.device).synchronize()  # the host state may change after
+        source = state.to(self._storage.device, non_blocking=True) if on_host else state
+        try:
+            self._storage.index_copy_(0, rows, source)
+            if on_host and self._storage.is_cuda:
+                torch.cuda.current_stream(self._storage.device).synchronize()  # the host state may change after
+        except BaseException:
+            if on_scatter_failure is not None:
+                on_scatter_failure()
+            raise
+
+    def _overwrite(self, slot_id: str, state: torch.Tensor) -> _Slot:
+        """Write ``state`` (checked) over the live slot ``slot_id`` (`_write_slot`) and mark it
+        used and sound; returns it. A copy that fails before the slot's rows are written
+        changes nothing (no use either); one that fails after may have written some of its
+        layers, so the slot is flagged lost (as `mark_lost` does) before the error propagates:
+        never served as whole until a write succeeds."""
+        slot = self._resolve(slot_id)
+
+        def flag_lost() -> None:
+            slot.state_lost = True
+            self._generation += 1
+
+        self._write_slot(slot.row, state, flag_lost)
+        slot.last_used = self._clock()
+        slot.state_lost = False
+        return slot
 
     def _take_rows(self, count: int) -> list[int]:
         """Pop ``count`` free rows (freeing idle slots if short), or raise PoolFull."""

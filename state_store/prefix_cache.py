@@ -189,33 +189,39 @@ class PrefixCache:
         """Store ``state`` [HV, V, K] (pool dtype, any device) as layer ``layer`` of the
         entry ``key`` at offset ``tokens``. An entry of ``key`` at another offset is
         replaced by a new one holding only this layer; at the same offset the layer is
-        (re)written. Raises ValueError for a bad key, layer, offset or state."""
+        (re)written. Raises ValueError for a bad key, layer, offset or state. A copy that
+        raises leaves a new entry out of the cache (the present one stays, `_writable`); one
+        into the present entry leaves the layer unstored (it may be partly written), so
+        the entry is not complete and never served until the layer is stored again."""
         g = self._geometry
         _check_key(key)
         if not 0 <= layer < g.num_layers:
             raise ValueError(f"layer {layer} out of range: the pool has {g.num_layers} layers")
         self._check_state(state, g.slot_shape[1:])
-        with self._lock:
-            entry = self._writable(key, _check_tokens(tokens))
-            if entry is None:
-                return
+
+        def fill(entry: Entry) -> None:
+            entry.have[layer] = False  # until the copy has succeeded
             entry.state[layer].copy_(state)
             entry.have[layer] = True
+
+        with self._lock:
+            self._writable(key, _check_tokens(tokens), fill)
 
     def publish(self, key: str, tokens: int, state: torch.Tensor) -> Optional[PrefixInfo]:
         """Store ``state`` [L, HV, V, K] (pool dtype, any device) as the complete entry
         ``key`` at offset ``tokens``, replacing any entry of that key. Returns its info, or
-        None when it fits in neither tier's budget (nothing is kept)."""
+        None when it fits in neither tier's budget (nothing is kept). A copy that raises
+        leaves the present entry of the key in place (`_writable`)."""
         _check_key(key)
         self._check_state(state, self._geometry.slot_shape)
-        with self._lock:
-            self._remove(key)
-            entry = self._writable(key, _check_tokens(tokens))
-            if entry is None:
-                return None
+
+        def fill(entry: Entry) -> None:
             entry.state.copy_(state)
             entry.have = [True] * self._geometry.num_layers
-            return self._info(entry)
+
+        with self._lock:
+            entry = self._writable(key, _check_tokens(tokens), fill, whole=True)
+            return None if entry is None else self._info(entry)
 
     # -- checkpoints written in place by a launch -----------------------------------------
 
@@ -318,16 +324,26 @@ class PrefixCache:
                     self._pending -= target.entry.nbytes
                 target.open = False
 
-    def _writable(self, key: str, tokens: int) -> Optional[Entry]:
-        """The entry to write ``key`` at ``tokens`` into, made the most recent: the present
-        one when it is at that offset on the device and not being restored, else a new one
-        (a copy of the present one's layers when at the same offset). None when an entry
-        cannot fit in either tier, or its memory cannot be had (the present one then stays)."""
+    def _writable(self, key: str, tokens: int, fill: Callable[[Entry], None], whole: bool = False) -> Optional[Entry]:
+        """Write ``key`` at ``tokens`` by ``fill(entry)`` and return the entry written, made
+        the most recent: the present one when it is at that offset on the device and not
+        being restored (unless ``whole``: a ``fill`` that writes every layer always gets a
+        new entry), else a new one (first a copy of the present one's layers when at the
+        same offset) that enters the cache, replacing the present one, only once ``fill``
+        has succeeded. None when a new entry cannot fit in either tier (the present one is
+        then dropped) or its memory cannot be had. When its memory cannot be had or a copy
+        into it raises (the error propagates), the present one stays, at its place in the
+        LRU order, as far as its tier's budget takes it (the room made for the new one stays
+        made)."""
         old = self._entries.get(key)
-        if old is not None and old.tokens == tokens and old.tier == DEVICE and not old.pins:
+        if not whole and old is not None and old.tokens == tokens and old.tier == DEVICE and not old.pins:
             self._touch(old)
+            fill(old)
             return old
+        later: list[str] = []  # the keys more recent than the present entry
         if old is not None:
+            keys = list(self._entries)
+            later = keys[keys.index(key) + 1:]
             self._remove(key)
         tier = next((t for t in TIERS if self._make_room(t, self.entry_bytes)), None)
         if tier is None:  # refused: it never entered a tier, so it is no eviction
@@ -335,15 +351,30 @@ class PrefixCache:
         try:
             state = self._new_tensor(tier)
         except torch.cuda.OutOfMemoryError:
-            if old is not None and self._make_room(old.tier, old.nbytes):  # within its tier's budget again
-                self._entries[key] = old
+            self._put_back(old, later)
             return None
         entry = Entry(key, tokens, state, [False] * self._geometry.num_layers, tier, self._clock())
-        if old is not None and old.tokens == tokens:
-            entry.state.copy_(old.state)
-            entry.have = list(old.have)
+        try:
+            if not whole and old is not None and old.tokens == tokens:
+                entry.state.copy_(old.state)
+                entry.have = list(old.have)
+            fill(entry)
+        except BaseException:
+            self._put_back(old, later)
+            raise
         self._entries[key] = entry
         return entry
+
+    def _put_back(self, old: Optional[Entry], later: list[str]) -> None:
+        """Hold ``old`` (when not None) again, taken out (`_remove`) when the keys ``later``
+        were the more recent ones, before those still held, as far as its tier's budget
+        takes it (room is made for it: see `_make_room`)."""
+        if old is None or not self._make_room(old.tier, old.nbytes):
+            return
+        self._entries[old.key] = old
+        for key in later:
+            if key in self._entries:
+                self._entries.move_to_end(key)
 
     def _new_tensor(self, tier: str) -> torch.Tensor:
         g = self._geometry
@@ -445,8 +476,9 @@ class PrefixCache:
             if entry is None or entry.tier != HOST or entry.pins or entry.nbytes > self._budget[DEVICE]:
                 return False
             host = entry.state
-            entry.state, entry.tier = self._new_tensor(DEVICE), DEVICE
-            entry.state.copy_(host)
+            device = self._new_tensor(DEVICE)
+            device.copy_(host)  # before the entry holds it: a copy that raises leaves the entry on the host
+            entry.state, entry.tier = device, DEVICE
             entry.pins += 1  # not the one to move back down
             try:
                 if self._make_room(DEVICE, 0):
