@@ -335,8 +335,30 @@ class ShardedCore:
             await self.directory.forget(token)
 
     async def fork(self, slot_id: str) -> str:
-        """A copy of the slot on the shard that holds it."""
-        return await self._on_slot(slot_id, "fork")
+        """A copy of the slot: on the shard that holds it when that has room (by the
+        placement figures, and in fact), else its state, token counts and lost flag are
+        read there (`ShardServer.copy_out`, ordered after the work already queued on the
+        slot) and put where `alloc` would place a slot. PoolFull (503) only when no shard
+        has room, as on a single server."""
+        if (await self._free_slots()).get(self._shard_of(self._current(slot_id)), 0) >= 1:
+            try:
+                child: str = await self._on_slot(slot_id, "fork")
+            except PoolFull:
+                self._free_at = -float("inf")  # the figures were stale: the copy goes where there is room
+            else:
+                self._placed(self._shard_of(child), 1)
+                return child
+        return await self._copy(slot_id)
+
+    async def _copy(self, slot_id: str) -> str:
+        """A fork of ``slot_id`` through the ingress: its cargo put on a shard with room."""
+        cargo: SlotCargo = await self._on_slot(slot_id, "copy_out")
+
+        async def place(plan: dict[str, int]) -> list[object]:
+            return await asyncio.gather(*(self.shards[s].call("put", cargo) for s in plan), return_exceptions=True)
+
+        (child,) = await self._placed_slots(1, place)
+        return child
 
     async def slot_info(self, slot_id: str) -> SlotInfo:
         """The slot's metadata from its shard, named by the id its client holds."""

@@ -11,7 +11,8 @@ for one a move has taken out and not yet landed.
 Moves use only `ServerCore`'s public operations (so its journal sees every change, and
 every change runs on its device thread): a `take` first turns new requests for the
 slot away (SlotMoving), waits until the requests already inside this shard for it are
-done, then reads its state and frees it; a `put` is `ServerCore.restore_slot`.
+done, then reads its state and frees it; a `put` is `ServerCore.restore_slot`. A `copy_out`
+reads what a `take` reads and leaves the slot in place: a fork onto another shard.
 
 Every public coroutine returns a `ShardFault` instead of raising an expected error.
 """
@@ -315,21 +316,36 @@ class ShardServer:
             async with self._quiet:
                 await self._quiet.wait_for(lambda: token not in self._busy)
             try:
-                state = await self.core.get_state(token)
-                info = await self.core.slot_info(token)
+                cargo = await self._cargo(token)
                 await self.core.free(token)
             except UnknownSlot:
                 raise UnknownSlot(slot_id) from None
         except BaseException:
             self._moved_out.discard(token)
             raise
+        return cargo
+
+    @_faults
+    async def copy_out(self, slot_id: str) -> SlotCargo:
+        """The slot's state, token counts and lost flag, the slot left in place: a fork
+        that `put` lands on another shard (the two are independent afterwards)."""
+        token, ids = self._one(slot_id)
+        async with self._using(ids):
+            return await self._cargo(token)
+
+    async def _cargo(self, token: str) -> SlotCargo:
+        """The slot's state after the work queued on it before this call, with the token
+        counts and lost flag of that same moment: the counts are read with no suspension
+        after the ordered state read, so no later prefill can run in between."""
+        state = await self.core.get_state(token)
+        info = await self.core.slot_info(token)
         return SlotCargo(Array.of(state), info.tokens_per_layer, info.state_lost)
 
     @_faults
     async def put(self, cargo: Union[SlotCargo, ShardFault]) -> Union[str, TakeFailed]:
-        """Place a taken slot in a new slot here, bit for bit, with its token counts; its
-        new id. A lost state is not copied: the new slot stays flagged lost. A fault from
-        the `take` chained into this call comes back as `TakeFailed`."""
+        """Place a taken (or copied out) slot in a new slot here, bit for bit, with its
+        token counts; its new id. A lost state is not copied: the new slot stays flagged
+        lost. A fault from the `take` chained into this call comes back as `TakeFailed`."""
         if isinstance(cargo, ShardFault):
             return TakeFailed(cargo)
         token = await self.core.restore_slot(cargo.state.tensor(), cargo.tokens_per_layer, cargo.state_lost)
