@@ -104,8 +104,8 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # issue 21's restores alone (device and host tier, fresh rows and rows launches moved), and the pool's CUDA tests
     prefix-restores) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --restores-only &&
         python3 -m pytest -q tests/state_store/test_pool_cuda.py tests/state_store/test_moved_rows_lifecycle.py' ;;
-    # issue 19: chunk_kda's host time beside the prebuilt problem's, with a cProfile of its calls
-    host-path) run_step "$name" "$limit" python3 bench/host_path.py --json "$OUT/host_path.json" ;;
+    # issue 19: chunk_kda's host time beside the prebuilt problem's, and whether small problems are host-bound
+    host-path) run_step "$name" "$limit" python3 bench/host_path.py --cases 1x4096,256x1,1x256,8x512 --json "$OUT/host_path.json" ;;
     # the shared memory safety tests' GPU cases (pinned pages, a prepared prefill's graph hold, truncations)
     shm-gpu-tests) run_step "$name" "$limit" python3 -m pytest -q -m gpu tests/reliability/test_shm_safety.py ;;
     # issue 19: a prepared prefill's graph stage by stage (device time), beside the eager kernel call

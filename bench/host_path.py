@@ -9,9 +9,12 @@ on the device: the path that reads nothing back):
   prebuilt problem, of `build_problem` then `run_problem`, and of `chunk_kda`, each until
   it returns (the launches enqueued, no synchronization);
 - p50 wall milliseconds of each path waited for alone (as `bench/latency.py` times them);
-- a cProfile of the prebuilt path's and of `chunk_kda`'s calls, by cumulative time.
+- the prebuilt problem's mean time per call back to back: when it is no more than the host
+  time above, the host, not the device, bounds the calls (small problems);
+- with ``--profile``, a cProfile of the prebuilt path's and of `chunk_kda`'s calls, by
+  cumulative time.
 
-    python3 bench/host_path.py [--cases 1x4096,256x1] [--calls 300] [--json FILE]
+    python3 bench/host_path.py [--cases 1x4096,256x1] [--calls 300] [--profile] [--json FILE]
 
 On a machine without CUDA it times `build_problem` alone on host tensors (the indices are
 then read and checked: not the GPU path's figure).
@@ -113,6 +116,17 @@ def interleaved_host_us(paths: dict[str, Callable[[], object]], calls: int, sync
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
+def back_to_back_ms(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
+    """Mean milliseconds per call of ``calls`` calls with one synchronization at the end:
+    the device's time when it is the slower side, else the host's (host-bound)."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
 def profile(fn: Callable[[], object], calls: int, sync: Callable[[], None], rows: int = 30) -> str:
     """A cProfile of ``calls`` calls of ``fn``, each waited for: the functions by cumulative
     time (where a call's time goes, stage by stage)."""
@@ -132,6 +146,7 @@ def main() -> None:
     parser.add_argument("--cases", default="1x4096,256x1")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of each path")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -152,7 +167,9 @@ def main() -> None:
             record["prebuilt_waited_ms"] = waited_ms(prebuilt, args.calls, sync)
             record["chunk_kda_waited_ms"] = waited_ms(lambda: public_call(a), args.calls, sync)
             record["gap_waited_us"] = (record["chunk_kda_waited_ms"] - record["prebuilt_waited_ms"]) * 1e3
-            for label, fn in (("run_problem on the prebuilt problem", prebuilt), ("chunk_kda", lambda: public_call(a))):
+            record["prebuilt_back_to_back_ms"] = back_to_back_ms(prebuilt, args.calls, sync)
+            profiled = {"run_problem on the prebuilt problem": prebuilt, "chunk_kda": lambda: public_call(a)}
+            for label, fn in profiled.items() if args.profile else ():
                 print(f"== {name}: cProfile of {args.calls} calls of {label}, each waited for")
                 print(profile(fn, args.calls, sync))
         results["cases"][name] = record
