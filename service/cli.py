@@ -11,8 +11,9 @@ port is bound (the gRPC port and the framed socket's path checked), the snapshot
 then uvicorn starts, and once it listens, ``kda-serve: listening on http://HOST:PORT (...)``
 is printed on stdout. The kernels warm up in the background after that (logged with their
 duration; ``/health/ready`` answers 200 once they passed their self-test). A start refused
-on the way (a pool larger than the device's memory, a bad gate file, a port in use, a framed
-socket that cannot be made, a snapshot that cannot be used, a bad setting) prints one line,
+on the way (a pool larger than the device's memory, a CUDA device that is not there or a
+backend that cannot run on the device, a bad gate file, a port in use, a framed socket that
+cannot be made, a snapshot that cannot be used, a bad setting) prints one line,
 ``kda-serve: <why>``, on stderr and exits 2, with no traceback. Logs go to stderr in one
 format (`service.logs`; ``--log-format json``).
 
@@ -140,6 +141,8 @@ async def _serve(settings: Settings, app: FastAPI, sock: socket.socket, config: 
 def run(settings: Settings) -> None:
     """Start and serve until stopped (SIGTERM: drain, snapshot, exit 0). StartRefused
     when the start is refused (see the module docstring)."""
+    if (why := settings.device_problem()) is not None:  # else: listening, its warm-up failing, never ready
+        raise StartRefused(why)
     try:
         app = create_app(settings)
     except (PoolError, ValueError, OSError) as e:  # too large a pool, a bad geometry, device or gate file, ...

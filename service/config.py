@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
 import os
 import re
 import typing
@@ -17,6 +19,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from kernels.backends import triton_available
 from kernels.problem import head_dims_error
 
 from .version import __version__
@@ -25,6 +28,7 @@ ENV_PREFIX = "KDA_"
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKEND_CHOICES = ("auto", "torch", "triton")
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 # A lone launch of at most this many tokens runs on the event loop when the device is idle:
 # on a GPU that is a few milliseconds of kernel at most, on the CPU about one.
 INLINE_LAUNCH_TOKENS_GPU = 16384
@@ -108,6 +112,11 @@ class Settings:
 
     def __post_init__(self) -> None:
         problems = []
+        if not self.host:
+            problems.append("host must not be empty (0.0.0.0 listens on every interface)")
+        for name in _float_fields():  # -inf and nan fail the range checks below
+            if getattr(self, name) == math.inf:
+                problems.append(f"{name} must be finite, got inf")
         for name in ("num_layers", "num_slots", "num_heads", "head_dim", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -120,11 +129,14 @@ class Settings:
         for name in ("grpc_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 problems.append(f"{name} must be in 0..65535, got {getattr(self, name)}")
+        problems.extend(_port_clashes(self))
         if self.framed_socket is not None and not 0 < len(os.fsencode(self.framed_socket)) < 108:
             problems.append(f"framed_socket must be a path of 1..107 bytes (a Unix socket's limit), "
                             f"got {self.framed_socket!r}")
         if not _DEVICE_RE.match(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            problems.append(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.log_format not in LOG_FORMATS:
             problems.append(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.backend not in BACKEND_CHOICES:
@@ -198,6 +210,36 @@ class Settings:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def device_problem(self) -> Optional[str]:
+        """Why this machine cannot serve on ``device`` with ``backend`` (a CUDA device it does
+        not have, ``triton`` where Triton cannot run), or None when it can."""
+        device = self.torch_device()
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                return f"--device {self.device}: no CUDA device is visible"
+            if (device.index or 0) >= count:
+                return f"--device {self.device}: only {count} CUDA device(s) are visible"
+        if self.backend == "triton" and not triton_available(device):
+            return (f"--backend triton cannot run on {device}: it needs triton and a CUDA device (or, on the CPU, "
+                    "TRITON_INTERPRET=1)")
+        return None
+
+
+@functools.cache
+def _float_fields() -> tuple[str, ...]:
+    """The names of Settings' float fields (Optional or not)."""
+    return tuple(name for name, kind in _field_types(Settings).items() if kind is float)
+
+
+def _port_clashes(settings: Settings) -> list[str]:
+    """Why two of the TCP endpoints (``port``, ``grpc_port``, ``metrics_port``) cannot both
+    listen: each pair set to the same non-zero port (0 is ephemeral, or off)."""
+    names = ("port", "grpc_port", "metrics_port")
+    return [f"{a} and {b} must differ, both are {getattr(settings, a)}"
+            for i, a in enumerate(names) for b in names[i + 1:]
+            if getattr(settings, a) and getattr(settings, a) == getattr(settings, b)]
 
 
 def env_name(name: str) -> str:

@@ -126,8 +126,8 @@ class StatePool:
         spares = num_slots if spare_rows is None else spare_rows
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise ValueError(f"spare_rows must be a non-negative integer or None, got {spare_rows!r}")
+        _check_fits(geometry, num_layers * num_slots + spares)  # before the row map's host arrays of that size
         self._map = RowMap(num_layers, num_slots, spares)
-        _check_fits(geometry, self._map.storage_rows)
         self._storage = torch.zeros((self._map.storage_rows, *geometry.shape[2:]), dtype=dtype,
                                     device=geometry.device)
         self._geometry = dataclasses.replace(geometry, device=self._storage.device)
