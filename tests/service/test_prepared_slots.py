@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from server_harness import HV, K, LAYERS, V, make_sequence, metric
 
 from service.config import Settings
 from service.core.inputs import PrefillInputs, PrefillParams
-from service.core.prepared import PreparedRun
+from service.core.prepared import PreparedPrefill, PreparedRun
 from service.core.server import ServerCore
 from service.errors import InvalidRequest
 from state_store import UnknownSlot
@@ -33,6 +35,22 @@ def _inputs(slots: list[str], gen: torch.Generator) -> PrefillInputs:
 def _settings(**overrides: object) -> Settings:
     return Settings(device="cpu", num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V,
                     **overrides)
+
+
+@asynccontextmanager
+async def _prepared_pair(inline: bool, gen: torch.Generator
+                         ) -> AsyncIterator[tuple[ServerCore, list[str], PrefillInputs, PreparedPrefill]]:
+    """A started core (its launches on the event loop when ``inline``, else on the device
+    thread) with two slots and a prepared decode step over them, closed after."""
+    core = ServerCore(_settings(inline_launch_tokens=None if inline else 0))
+    await core.start()
+    try:
+        assert (await core.warmup()).passed
+        slots = await core.alloc(2)
+        inputs = _inputs(slots, gen)
+        yield core, slots, inputs, await core.prepare(inputs, lambda: None, lambda result: None)
+    finally:
+        await core.close()
 
 
 def test_a_run_with_a_slot_idle_past_the_ttl_is_refused_before_it_launches(gen: torch.Generator) -> None:
@@ -66,13 +84,7 @@ def test_the_answer_comes_once_per_run_that_stands(inline: bool, gen: torch.Gene
     loop answers before its slots move onto their new rows and count its tokens, one on
     the device thread after; both are done when `run_prepared` returns either way."""
     async def main() -> None:
-        core = ServerCore(_settings(inline_launch_tokens=None if inline else 0))
-        await core.start()
-        try:
-            assert (await core.warmup()).passed
-            slots = await core.alloc(2)
-            inputs = _inputs(slots, gen)
-            prepared = await core.prepare(inputs, lambda: None, lambda result: None)
+        async with _prepared_pair(inline, gen) as (core, slots, inputs, prepared):
             seen: list[tuple[PreparedRun, int, list[int]]] = []
 
             def storage_rows() -> list[int]:
@@ -94,8 +106,6 @@ def test_the_answer_comes_once_per_run_that_stands(inline: bool, gen: torch.Gene
                 await core.run_prepared(prepared, answer)
             assert len(seen) == 3 and core.pool.slot_info(slots[0]).tokens_per_layer[LAYER] == 3
             await core.release_prepared(prepared)
-        finally:
-            await core.close()
 
     asyncio.run(main())
 
@@ -112,13 +122,7 @@ def test_each_prepared_run_is_timed_in_kda_kernel_seconds(inline: bool, gen: tor
     ``kda_kernel_seconds``, as the batcher times its launches refused or not, their
     seconds within the time `run_prepared` took."""
     async def main() -> None:
-        core = ServerCore(_settings(inline_launch_tokens=None if inline else 0))
-        await core.start()
-        try:
-            assert (await core.warmup()).passed
-            slots = await core.alloc(2)
-            inputs = _inputs(slots, gen)
-            prepared = await core.prepare(inputs, lambda: None, lambda result: None)
+        async with _prepared_pair(inline, gen) as (core, slots, inputs, prepared):
             count, seconds = await _kernel_seconds(core)
             started = time.perf_counter()
             await core.run_prepared(prepared)
@@ -130,7 +134,5 @@ def test_each_prepared_run_is_timed_in_kda_kernel_seconds(inline: bool, gen: tor
             assert after_count == count + 2
             assert 0 < after_seconds - seconds <= took
             await core.release_prepared(prepared)
-        finally:
-            await core.close()
 
     asyncio.run(main())

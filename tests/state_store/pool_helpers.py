@@ -46,6 +46,18 @@ def fill_random(pool: StatePool, seed: int = 0) -> None:
     pool.storage.copy_((torch.rand(pool.storage.shape, generator=gen) + 0.5).to(pool.geometry.dtype))
 
 
+def populated_pool(clock: FakeClock, seed: int) -> tuple[StatePool, list[str]]:
+    """A pool (ttl 100 s on ``clock``) with random data everywhere and three live slots
+    holding random states and token counts, all drawn from ``seed``."""
+    pool = make_pool(clock=clock, ttl=100.0)
+    fill_random(pool, seed=seed)
+    ids = pool.alloc(3)
+    for i, slot_id in enumerate(ids):
+        pool.write_state(slot_id, random_state(pool, 10 * seed + i))
+        pool.record_tokens(slot_id, i, 32 + i)
+    return pool, ids
+
+
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bit pattern, for exact comparison (-0.0 != 0.0, NaN == NaN)."""
     as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[tensor.dtype]

@@ -9,22 +9,11 @@ from typing import Callable
 
 import pytest
 import torch
-from pool_helpers import FakeClock, PoolImage, assert_bit_equal, fill_random, make_pool, random_state
+from pool_helpers import FakeClock, PoolImage, assert_bit_equal, make_pool, populated_pool, random_state
 
 from state_store import PrefixCache, StatePool
 
 SIMULATED = "CUDA out of memory (simulated)"
-
-
-def _populated(clock: FakeClock) -> tuple[StatePool, list[str]]:
-    """A pool with random data everywhere and three live slots holding random states and tokens."""
-    pool = make_pool(clock=clock, ttl=100.0)
-    fill_random(pool, seed=5)
-    ids = pool.alloc(3)
-    for seed, slot_id in enumerate(ids):
-        pool.write_state(slot_id, random_state(pool, 40 + seed))
-        pool.record_tokens(slot_id, seed, 32 + seed)
-    return pool, ids
 
 
 def _write_over(pool: StatePool, op: str, slot_id: str, seed: int) -> Callable[[], object]:
@@ -67,7 +56,7 @@ def _storage_copy_fails_midway(monkeypatch: pytest.MonkeyPatch, pool: StatePool,
 @pytest.mark.parametrize("op", ["write_state", "import_over"])
 def test_a_write_over_a_slot_failing_before_its_rows_are_touched_changes_nothing(op, monkeypatch):
     clock = FakeClock()
-    pool, ids = _populated(clock)
+    pool, ids = populated_pool(clock, 5)
     write = _write_over(pool, op, ids[1], seed=77)
     clock.advance(2.0)  # a failed write is no use of the slot either
     image = PoolImage.of(pool)
@@ -85,7 +74,7 @@ def test_a_write_over_a_slot_failing_before_its_rows_are_touched_changes_nothing
 @pytest.mark.parametrize("op", ["write_state", "import_over"])
 def test_a_write_over_a_slot_failing_midway_flags_it_lost(op, monkeypatch):
     clock = FakeClock()
-    pool, ids = _populated(clock)
+    pool, ids = populated_pool(clock, 5)
     clock.advance(4.0)
     before = {slot_id: pool.read_state(slot_id) for slot_id in ids}
     infos = {slot_id: pool.slot_info(slot_id) for slot_id in ids}
@@ -114,9 +103,9 @@ def test_a_write_over_a_slot_failing_midway_flags_it_lost(op, monkeypatch):
 
 def test_a_restore_whose_copy_fails_midway_flags_every_slot_lost(tmp_path, monkeypatch):
     clock = FakeClock()
-    source, _ = _populated(clock)
+    source, _ = populated_pool(clock, 5)
     source.snapshot(tmp_path / "s")
-    pool, ids = _populated(clock)
+    pool, ids = populated_pool(clock, 5)
     pool.free(ids[0])
     infos = {slot_id: pool.slot_info(slot_id) for slot_id in ids[1:]}
     free, generation = pool.stats().free, pool.generation

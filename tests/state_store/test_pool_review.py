@@ -3,25 +3,14 @@ that fails on the device) leaves the pool exactly as it was, its rows free again
 from __future__ import annotations
 
 import pytest
-from pool_helpers import FakeClock, PoolImage, fill_random, make_pool, random_state
+from pool_helpers import FakeClock, PoolImage, populated_pool
 
-from state_store import PoolFull, StatePool
-
-
-def _populated(clock: FakeClock) -> tuple[StatePool, list[str]]:
-    """A pool with random data everywhere and three live slots holding random states."""
-    pool = make_pool(clock=clock, ttl=100.0)
-    fill_random(pool, seed=3)
-    ids = pool.alloc(3)
-    for seed, slot_id in enumerate(ids):
-        pool.write_state(slot_id, random_state(pool, 20 + seed))
-        pool.record_tokens(slot_id, seed, 64)
-    return pool, ids
+from state_store import PoolFull
 
 
 def test_a_fork_refused_for_a_full_pool_leaves_the_source_untouched():
     clock = FakeClock()
-    pool, ids = _populated(clock)
+    pool, ids = populated_pool(clock, 3)
     pool.alloc(pool.stats().free)
     clock.advance(7.0)  # the refusal comes later than the source's last use
     image = PoolImage.of(pool)
@@ -33,7 +22,7 @@ def test_a_fork_refused_for_a_full_pool_leaves_the_source_untouched():
 @pytest.mark.parametrize("op", ["alloc", "fork", "import_new"])
 def test_an_allocation_whose_device_copy_fails_hands_its_row_back(op, monkeypatch):
     clock = FakeClock()
-    pool, ids = _populated(clock)
+    pool, ids = populated_pool(clock, 3)
     data = pool.export(ids[1])
     clock.advance(3.0)
     image = PoolImage.of(pool)
