@@ -47,21 +47,25 @@ class _Prepared:
     beta: torch.Tensor
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32: itself when it already is (no dispatch for a no-op conversion)."""
+    return x if x.dtype is torch.float32 else x.to(torch.float32)
+
+
 def prepare_inputs(p: PrefillProblem) -> _Prepared:
     """Apply the fused input transforms (docs/KDA.md) in fp32."""
-    f32 = torch.float32
-    q, k = p.q.to(f32), p.k.to(f32)
+    q, k = _f32(p.q), _f32(p.k)
     if p.use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * p.scale
     group = p.v.shape[1] // p.q.shape[1]
     if group > 1:
         q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
-    a_log = None if p.A_log is None else p.A_log.to(f32)
-    bias = None if p.dt_bias is None else p.dt_bias.to(f32)
-    g = log_decay(p.g.to(f32), a_log, bias, p.lower_bound)
-    beta = beta_transform(p.beta.to(f32), p.use_beta_sigmoid, p.allow_neg_eigval)
-    return _Prepared(q=q, k=k, v=p.v.to(f32), g=g, beta=beta)
+    a_log = None if p.A_log is None else _f32(p.A_log)
+    bias = None if p.dt_bias is None else _f32(p.dt_bias)
+    g = log_decay(_f32(p.g), a_log, bias, p.lower_bound)
+    beta = beta_transform(_f32(p.beta), p.use_beta_sigmoid, p.allow_neg_eigval)
+    return _Prepared(q=q, k=k, v=_f32(p.v), g=g, beta=beta)
 
 
 def _write_rows(p: PrefillProblem) -> torch.Tensor:
@@ -73,7 +77,7 @@ def _every_row(p: PrefillProblem) -> bool:
     """Whether every sequence of ``p`` reads and writes a pool row (no index -1 in the rows
     read nor in those written): the service's launches. Then the states are read and
     written without masks."""
-    return bool(((p.indices >= 0) & (_write_rows(p) >= 0)).all())
+    return min(p.indices.tolist() + _write_rows(p).tolist()) >= 0  # host ints: one read each, no kernels
 
 
 def _read_states(p: PrefillProblem, every_row: bool) -> torch.Tensor:
@@ -132,11 +136,12 @@ def recurrent_step(
     """
     q, k, v, g, beta = (x.q, x.k, x.v, x.g, x.beta) if tokens is None else (
         x.q[tokens], x.k[tokens], x.v[tokens], x.g[tokens], x.beta[tokens])
-    S = states * torch.exp(g)[..., None]
-    pred = (k[..., None, :] @ S).squeeze(-2)  # [M, HV, V]
-    delta = beta[..., None] * (v - pred)
-    S = S + k[..., :, None] * delta[..., None, :]
-    return (q[..., None, :] @ S).squeeze(-2), S
+    M, HV, K, V = states.shape
+    B = M * HV  # one batched product per (sequence, head): [B, K, V] states
+    S = states.reshape(B, K, V) * torch.exp(g).reshape(B, K, 1)
+    r = torch.baddbmm(v.reshape(B, 1, V), k.reshape(B, 1, K), S, alpha=-1)  # v - k S
+    S = torch.baddbmm(S, k.reshape(B, K, 1), r * beta.reshape(B, 1, 1))  # S + k (beta (v - k S))
+    return torch.bmm(q.reshape(B, 1, K), S).view(M, HV, V), S.view(M, HV, K, V)
 
 
 @dataclass
@@ -481,7 +486,7 @@ def _check_inputs(p: PrefillProblem) -> None:
     reads wait for the device, which this backend, the CPU's, accepts)."""
     log_decay = p.A_log is None and p.lower_bound is None  # g is the log decay: > 0 fails
     for t in (p.q, p.k, p.v, p.g, p.beta):
-        lo, hi = (x.item() for x in torch.aminmax(t))
+        lo, hi = map(float, torch.aminmax(t))
         if not (math.isfinite(lo) and math.isfinite(hi)) or (log_decay and t is p.g and hi > 0):
             p.input_checks.fill_(1)
             return
@@ -490,11 +495,13 @@ def _check_inputs(p: PrefillProblem) -> None:
 def _flag_nonfinite(p: PrefillProblem, o: torch.Tensor, finals: torch.Tensor) -> None:
     """``p.nonfinite[n]`` set for each sequence n whose final state (``finals`` [N, HV, K,
     V] in the pool's dtype) or whose tokens of ``o`` [T, HV, V] hold a NaN or Inf (all on
-    one device)."""
-    bad = _nan_rows(finals)  # [N]
-    if bad.shape[0] == 1:  # one sequence: all of o is its
-        p.nonfinite[:-1] |= (bad + (o * 0).sum()) != 0
+    one device). One sequence: two host scalars (0, or NaN for a NaN or Inf), as
+    `_check_inputs` reads its own."""
+    if finals.shape[0] == 1:  # one sequence: all of o is its
+        if not math.isfinite((finals * 0).sum().item() + (o * 0).sum().item()):
+            p.nonfinite[0] = 1
         return
+    bad = _nan_rows(finals)  # [N]
     tokens = _nan_rows(o)  # [T]
     if tokens.shape[0] == bad.shape[0]:  # one token per sequence (none is empty)
         bad = bad + tokens
