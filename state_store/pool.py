@@ -91,8 +91,8 @@ class StatePool:
     float32 or bfloat16, on ``device``, allocated once: R = num_layers * num_slots storage
     rows hold the slots' states (where each (layer, slot row) lives: a `RowMap`) and
     ``spare_rows`` more (default num_slots) let a launch write new states beside the old
-    ones and commit by moving the slots' rows (`take_spares`, `commit_rows`,
-    `return_spares`). `image` is the logical pool [L, S, HV, V, K].
+    ones and commit by moving the slots' rows (`take_spares` or `launch_rows`,
+    `commit_rows`, `return_spares`). `image` is the logical pool [L, S, HV, V, K].
 
     Slots idle (not used by rows, read_state, write_state, fork, export, import_,
     record_tokens) for more than ``ttl`` seconds of ``clock`` are freed: lazily, on access
@@ -194,6 +194,15 @@ class StatePool:
     def layer_rows(self, layer: int, rows: Rows) -> np.ndarray:
         """Storage rows of slot ``rows`` (`rows`) on ``layer``, in order (int64): the kernels' indices."""
         return self._map.rows_of_layer(self._layer_index(layer), rows)
+
+    @_locked
+    def launch_rows(self, layer: int, rows: Rows, spares: bool = True) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """A launch's rows under one lock: the storage rows of slot ``rows`` on ``layer``
+        (`layer_rows`) and, with ``spares``, as many spare rows for it to write its new
+        states to (`take_spares`: each goes back by `commit_rows` or `return_spares`), else
+        None (also when fewer are free: the launch then updates rows in place)."""
+        read = self._map.rows_of_layer(self._layer_index(layer), rows)
+        return read, self._map.take_spares(len(read)) if spares else None
 
     @_locked
     def take_spares(self, count: int) -> Optional[np.ndarray]:
@@ -387,7 +396,11 @@ class StatePool:
         (non-negative ints, one per slot, the caller's promise: a sequence or an int64
         array) added on ``layer`` to slot i, every slot marked used. Resolves nothing, so it
         raises nothing for a slot."""
-        self._tokens[group.index, self._layer_index(layer)] += counts  # rows distinct: one add each
+        layer = self._layer_index(layer)
+        if len(group.rows) == 1:  # a lone slot (a one-sequence launch): a scalar add, no ufunc set up
+            self._tokens[group.rows[0], layer] += counts[0]
+        else:  # rows distinct: one add each (half the time of a fancy index's `+=`)
+            np.add.at(self._tokens[:, layer], group.index, counts)
         now = self._clock()
         for slot in group._slots:
             slot.last_used = now

@@ -87,9 +87,10 @@ class RowMap:
         row no longer lives in its ``read`` row (the caller must keep the slots from other
         updates between reading and committing)."""
         where = self._where[layer]
-        rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) != len(read) or len(rows) != len(written) or not np.array_equal(where.take(rows), read):
+        # compared as bytes: no ufunc and reduction set up (a lone sequence's commit is all overhead)
+        if (len(rows) != len(read) or len(rows) != len(written)
+                or where.take(rows).tobytes() != np.asarray(read, dtype=np.int64).tobytes()):
             self.give_back(written)
             raise ValueError(f"slot rows of layer {layer} moved since they were read: nothing committed")
-        where[rows] = written
+        where.put(rows, written)  # (take and put read a list of rows as it is: no array made for it)
         self.give_back(read)

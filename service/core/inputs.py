@@ -8,6 +8,7 @@ kernels never see the wire. `PrefillResult` is what comes back, before it is enc
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Optional, Sequence
 
@@ -35,11 +36,13 @@ class PrefillParams:
 
     @property
     def launch_key(self) -> Hashable:
-        """What requests must share to run in one launch: every field but return_final_state."""
-        return dataclasses.replace(self, return_final_state=True)
+        """What requests must share to run in one launch: every field but return_final_state
+        (a tuple of their values: no second instance made per request)."""
+        return _launch_fields(self)
 
 
 PARAM_NAMES = tuple(f.name for f in dataclasses.fields(PrefillParams))
+_launch_fields = operator.attrgetter(*(name for name in PARAM_NAMES if name != "return_final_state"))
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from kernels.problem import packed_problem
 from state_store import PoolGeometry
 
 from .gate_params import Gate
-from .worker import one_cpu_thread
+from .worker import on_one_cpu_thread
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NARROW = (1, 67, 1, 130)  # two decode sequences, two chunked ones (1 chunk + 3, 2 chunks + 2 tokens)
@@ -342,21 +342,27 @@ def run_flag_case(dtype: torch.dtype, fixture: _Fixture, geometry: PoolGeometry,
     return result
 
 
+def _run_cases(geometry: PoolGeometry, backend: str, gates: Mapping[int, Gate],
+               fault: Optional[str]) -> list[PathResult]:
+    """`run_self_test`'s results: every case of `cases`, then the flag cases."""
+    fixtures: dict[tuple[str, str], _Fixture] = {}
+    results: list[PathResult] = []
+    for case in cases(geometry, backend, gates):
+        key = (case.gate, case.layout)
+        if key not in fixtures:
+            fixtures[key] = _fixture(case, geometry, seed=len(fixtures))
+        results += run_case(case, fixtures[key], geometry, backend, fault)
+    narrow = fixtures.get(("given", "narrow"))
+    if narrow is not None:
+        results += [run_flag_case(dtype, narrow, geometry, backend, fault) for dtype in INPUT_DTYPES]
+    return results
+
+
 def run_self_test(geometry: PoolGeometry, backend: str, gates: Mapping[int, Gate],
                   fault: Optional[str] = None) -> SelfTestReport:
     """Every case of `cases`, in order (on the device thread: it launches kernels); the report."""
     start = time.perf_counter()
-    fixtures: dict[tuple[str, str], _Fixture] = {}
-    results = []
-    with one_cpu_thread(geometry.device):
-        for case in cases(geometry, backend, gates):
-            key = (case.gate, case.layout)
-            if key not in fixtures:
-                fixtures[key] = _fixture(case, geometry, seed=len(fixtures))
-            results += run_case(case, fixtures[key], geometry, backend, fault)
-        narrow = fixtures.get(("given", "narrow"))
-        if narrow is not None:
-            results += [run_flag_case(dtype, narrow, geometry, backend, fault) for dtype in INPUT_DTYPES]
+    results = on_one_cpu_thread(geometry.device, _run_cases, geometry, backend, gates, fault)
     if fault is not None and fault.removeprefix(CHECK_FAULT) not in {r.path for r in results}:  # proves nothing
         results.append(PathResult(fault, error="--self-test-fault names no path of this server's self-test"))
     if geometry.device.type == "cuda":

@@ -29,7 +29,6 @@ the same points and restores consistent with it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -57,7 +56,7 @@ from .gate_params import DeviceGates, Gate, load_gate_params
 from .inputs import REQUIRED_TENSORS, PrefillInputs, PrefillResult
 from .metrics import Metrics, build_info
 from .self_test import SelfTestReport, run_self_test
-from .staging import PinnedStaging, host_ints_to
+from .staging import PinnedStaging, host_ints_pair_to, host_ints_to
 from .transaction import LaunchTransaction, MovedRows
 from .prepared import Answer, Deliver, DeviceIO, PreparedPrefill, PreparedRun, Refill
 from .validation import (ValidPrefill, changed_inputs_problem, first_value_problem, validate_form, validate_prefill,
@@ -458,7 +457,8 @@ class ServerCore:
                            if inputs.checkpoints else [])
                 job = _Job(valid, slots, created, planned)
                 result = await self.batcher.submit(valid.batch_key, valid.tokens, job)
-                return dataclasses.replace(result, validate_s=validate_s)
+                result.validate_s = validate_s  # this job's own result (`_job_results`): no copy
+                return result
         except BaseException:
             if created:
                 await self.worker.run(self._free_all, created)
@@ -535,10 +535,11 @@ class ServerCore:
         prepared.refill()
         t1 = time.perf_counter()
         layer = prepared.valid.inputs.params.layer
-        read = self.pool.layer_rows(layer, prepared.group.index)
-        moved = self.moved_rows(layer, prepared.group.index, read, prepared.written) if prepared.moves else None
-        if prepared.moves and moved is None:  # launches run one at a time, each giving its spare rows back
+        read, spares = self.pool.launch_rows(layer, prepared.group.index, spares=prepared.moves)
+        if prepared.moves and spares is None:  # launches run one at a time, each giving its spare rows back
             raise RuntimeError(f"no {len(read)} spare pool rows free for a prepared run: another launch kept them")
+        moved = (self._moved_rows(layer, prepared.group.index, read, spares, prepared.written)
+                 if spares is not None and prepared.written is not None else None)
         t2 = time.perf_counter()
         mark_lost = partial(self.pool.mark_lost, prepared.slots)
         inputs = prepared.valid.inputs
@@ -699,18 +700,21 @@ class ServerCore:
 
     def _open_transaction(self, jobs: list[_Job], layer: int, rows: list[int]) -> LaunchTransaction:
         """The launch's `LaunchTransaction` on the storage rows of slot ``rows`` of
-        ``layer``: writing to spare rows taken for it (`moved_rows`; else the rows copied),
+        ``layer``: writing to spare rows taken for it (`_moved_rows`; else the rows copied),
         with room for the kernels' input check."""
-        read = self.pool.layer_rows(layer, rows)
-        indices = host_ints_to(read, self.geometry.device)
-        moved = self.moved_rows(layer, rows, read)
+        read, spares = self.pool.launch_rows(layer, rows)  # one trip through the pool's lock
         try:
+            if spares is None:
+                indices, moved = host_ints_to(read, self.geometry.device), None
+            else:
+                indices, written = host_ints_pair_to(read, spares, self.geometry.device)
+                moved = self._moved_rows(layer, rows, read, spares, written)
             return LaunchTransaction(
                 self.pool.storage, indices, [(job.valid.inputs.lengths, job.valid.inputs.slots) for job in jobs],
                 checks_inputs=any(job.valid.kernel_checked for job in jobs), moved=moved)
         except BaseException:
-            if moved is not None:
-                moved.give_back(list(range(len(rows))))
+            if spares is not None:
+                self.pool.return_spares(spares)
             raise
 
     def _queue_and_settle(self, jobs: list[_Job], transaction: LaunchTransaction,
@@ -784,17 +788,12 @@ class ServerCore:
             t0, n0 = t1, n1
         return results
 
-    def moved_rows(self, layer: int, rows: Rows, read: np.ndarray,
-                   written: Optional[torch.Tensor] = None) -> Optional[MovedRows]:
-        """Spare rows for a launch on slot ``rows`` of ``layer`` (read from the storage rows
-        ``read``) to write its new states to, as a transaction's `MovedRows` (``written``:
-        the device buffer a prepared launch uploads them into itself, else a new copy), or
-        None when the pool has too few free."""
-        spares = self.pool.take_spares(len(rows))
-        if spares is None:
-            return None
-        if written is None:
-            written = host_ints_to(spares, self.geometry.device)
+    def _moved_rows(self, layer: int, rows: Rows, read: np.ndarray, spares: np.ndarray,
+                    written: torch.Tensor) -> MovedRows:
+        """The spare rows ``spares`` taken for a launch on slot ``rows`` of ``layer`` (read
+        from the storage rows ``read``) to write its new states to, as a transaction's
+        `MovedRows` (``written``: them on the device, or the buffer a prepared launch
+        uploads them into itself)."""
 
         def commit(positions: list[int]) -> None:
             if len(positions) == len(rows):  # every sequence stands: the rows as they are

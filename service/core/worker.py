@@ -10,25 +10,24 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
 _T = TypeVar("_T")
 
 
-@contextmanager
-def one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """On a CPU, the work inside on one intra-op thread: small launches of tiny ops, where
-    a second thread contends more than it helps (a 64-token launch at HV = 2, K = 16: 1.9
+def on_one_cpu_thread(device: torch.device, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)``, on a CPU on one intra-op thread: small launches of tiny ops, where a
+    second thread contends more than it helps (a 64-token launch at HV = 2, K = 16: 1.9
     against 3.4-4.3 ms inside a server on a loaded 2-core machine; the self-test 20x
-    slower). The calling thread's count (OpenMP's is per thread) is restored after."""
+    slower). The calling thread's count (OpenMP's is per thread) is restored after. A plain
+    call, not a context manager: a generator's context costs ~5 us of a lone small launch."""
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        yield
+        return fn(*args)
     finally:
         torch.set_num_threads(threads)
 
@@ -77,15 +76,14 @@ class DeviceWorker:
 
     def run_inline(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` on the calling thread (the event loop), the device current there
-        (on a CPU, one intra-op thread: `one_cpu_thread`); only while `idle` (ValueError
+        (on a CPU, one intra-op thread: `on_one_cpu_thread`); only while `idle` (ValueError
         otherwise): small launches skip two thread hops."""
         if not self.idle:
             raise ValueError("run_inline while the device thread has work")
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):
                 return fn(*args)
-        with one_cpu_thread(self._device):
-            return fn(*args)
+        return on_one_cpu_thread(self._device, fn, *args)
 
     def close(self) -> None:
         """Finish queued work and stop the thread."""
