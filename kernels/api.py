@@ -278,7 +278,6 @@ def _check_scale(scale: Optional[float]) -> None:
         raise ValueError(f"scale must be a finite number, got {value}")
 
 
-@torch.no_grad()
 def run_problem(
     problem: PrefillProblem, backend: Optional[str] = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -288,8 +287,14 @@ def run_problem(
     ``backend``: "torch", "triton" or None (the default for the inputs' device). Returns
     o [T, HV, V] in v's dtype and, with ``output_intermediate_states``, h [NT, HV, V, K]
     (fp32; [NT, HV, K, V] when not v-first); final states are written into the pool rows.
+    Runs under `torch.no_grad`, entered only when grad mode is on: a caller that keeps it
+    off (the service's launch threads) pays for no context (microseconds of a small launch).
     """
-    return resolve_backend(backend, problem.q.device)(problem)
+    run = resolve_backend(backend, problem.q.device)
+    if not torch.is_grad_enabled():
+        return run(problem)
+    with torch.no_grad():
+        return run(problem)
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from .problem import Backend
+from .torch_backend import run_torch
 
 BACKENDS = ("torch", "triton")
 
@@ -32,8 +33,6 @@ def resolve_backend(name: Optional[str], device: torch.device) -> Backend:
     """The backend callable for ``name`` (None = the default for ``device``)."""
     name = default_backend(device) if name is None else name
     if name == "torch":
-        from .torch_backend import run_torch
-
         return run_torch
     if name == "triton":
         if not triton_available(device):

@@ -52,6 +52,11 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype is torch.float32 else x.to(torch.float32)
 
 
+def _pool_typed(p: PrefillProblem, x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the pool's dtype: itself when it already is (an fp32 pool)."""
+    return x if x.dtype is p.pool.dtype else x.to(p.pool.dtype)
+
+
 def prepare_inputs(p: PrefillProblem) -> _Prepared:
     """Apply the fused input transforms (docs/KDA.md) in fp32."""
     q, k = _f32(p.q), _f32(p.k)
@@ -84,10 +89,10 @@ def _read_states(p: PrefillProblem, every_row: bool) -> torch.Tensor:
     """Initial states in math layout [N, HV, K, V] fp32; zeros where the index is -1."""
     idx = p.indices
     if every_row:
-        rows = p.pool.index_select(0, idx).to(torch.float32)
+        rows = _f32(p.pool.index_select(0, idx))
         return (rows.transpose(-1, -2) if p.state_v_first else rows).contiguous()
     live = idx >= 0
-    rows = p.pool.index_select(0, idx.clamp(min=0)).to(torch.float32)
+    rows = _f32(p.pool.index_select(0, idx.clamp(min=0)))
     if p.state_v_first:
         rows = rows.transpose(-1, -2)
     return torch.where(live[:, None, None, None], rows, torch.zeros_like(rows)).contiguous()
@@ -98,7 +103,7 @@ def _write_states(p: PrefillProblem, states: torch.Tensor, every_row: bool) -> N
     index -1 skipped)."""
     targets = _write_rows(p)
     if every_row:
-        p.pool.index_copy_(0, targets, (states.transpose(-1, -2) if p.state_v_first else states).to(p.pool.dtype))
+        p.pool.index_copy_(0, targets, _pool_typed(p, states.transpose(-1, -2) if p.state_v_first else states))
         return
     live = (targets >= 0).nonzero().flatten()
     if live.numel() == 0:
@@ -106,7 +111,7 @@ def _write_states(p: PrefillProblem, states: torch.Tensor, every_row: bool) -> N
     rows = states.index_select(0, live)
     if p.state_v_first:
         rows = rows.transpose(-1, -2)
-    p.pool.index_copy_(0, targets.index_select(0, live), rows.to(p.pool.dtype))
+    p.pool.index_copy_(0, targets.index_select(0, live), _pool_typed(p, rows))
 
 
 def _checkpoints_by_chunk(p: PrefillProblem) -> list[tuple[int, int, int]]:
@@ -164,24 +169,33 @@ class _ChunkLayout:
     chunk_index: Optional[torch.Tensor]
     pos_index: Optional[torch.Tensor]
 
-    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """Token rows [T, HV, D] into zero-padded, head-major chunks [NC, HV, C, D]."""
+    def to_chunks(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Token rows [T, HV, *D] (D: one dim or none) of tensors of one shape into
+        zero-padded, head-major chunks [NC * HV, C, *D] each, contiguous. One sequence: the
+        tensors stacked and chunked as one (a small launch pays per call, not per byte)."""
+        NC, C, m = self.num_chunks, CHUNK_SIZE, len(xs)
+        HV, D = xs[0].shape[1], xs[0].shape[2:]
         if self.chunk_index is None:
-            whole = self.token_index.start == 0 and self.token_index.stop == x.shape[0]
-            rows = x if whole else x[self.token_index]
-            pad = self.num_chunks * CHUNK_SIZE - rows.shape[0]
+            rows = torch.stack(xs) if m > 1 else xs[0].unsqueeze(0)  # [m, T, HV, *D]
+            if not (self.token_index.start == 0 and self.token_index.stop == rows.shape[1]):
+                rows = rows[:, self.token_index]
+            pad = NC * C - rows.shape[1]
             if pad:
-                rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
-            return rows.view(self.num_chunks, CHUNK_SIZE, *x.shape[1:]).transpose(1, 2).contiguous()
-        buf = x.new_zeros(self.num_chunks, x.shape[1], CHUNK_SIZE, *x.shape[2:])
-        buf[self.chunk_index, :, self.pos_index] = x[self.token_index]
-        return buf
+                rows = torch.cat([rows, rows.new_zeros(m, pad, HV, *D)], dim=1)
+            return rows.view(m, NC, C, HV, *D).transpose(2, 3).contiguous().view(m, NC * HV, C, *D).unbind()
+        chunks = []
+        for x in xs:
+            buf = x.new_zeros(NC, HV, C, *D)
+            buf[self.chunk_index, :, self.pos_index] = x[self.token_index]
+            chunks.append(buf.view(NC * HV, C, *D))
+        return tuple(chunks)
 
     def from_chunks(self, o: torch.Tensor) -> torch.Tensor:
         """Chunks [NC, HV, C, V] back to the rows [T', HV, V] of the tokens of ``token_index``."""
         if self.chunk_index is None:
             rows = o.transpose(1, 2).reshape(-1, *o.shape[1:2], *o.shape[3:])
-            return rows[: self.token_index.stop - self.token_index.start]
+            length = self.token_index.stop - self.token_index.start
+            return rows if length == rows.shape[0] else rows[:length]
         return o[self.chunk_index, :, self.pos_index]
 
 
@@ -227,6 +241,10 @@ class _ChunkTerms:
     aqk: torch.Tensor
     kd: torch.Tensor
     decay: torch.Tensor
+
+    def by_chunk(self, heads: int) -> _ChunkTerms:
+        """The terms of chunk-heads [NC * heads, ...] as [NC, heads, ...] (views)."""
+        return _ChunkTerms(*(getattr(self, f).unflatten(0, (-1, heads)) for f in _ChunkTerms.__dataclass_fields__))
 
 
 def _intra_group(
@@ -303,13 +321,12 @@ def _intra_group(
 def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> _ChunkTerms:
     """WY terms for every chunk-head, in cache-sized groups.
 
-    q, k, g: [NC, HV, C, K]; v: [NC, HV, C, V]; beta: [NC, HV, C]; returns terms shaped
-    [NC, HV, ...].
+    q, k, g: [NC * HV, C, K]; v: [NC * HV, C, V]; beta: [NC * HV, C] (chunk-major, as
+    `_ChunkLayout.to_chunks` gives them); returns terms shaped [NC * HV, ...].
     """
-    NC, HV, C, K = q.shape
+    total, C, K = q.shape
     V = v.shape[-1]
-    flat = [x.flatten(0, 1) for x in (q, k, v, g, beta)]
-    total = NC * HV
+    flat = (q, k, v, g, beta)
     out = _ChunkTerms(
         wq=q.new_empty(total, 2 * C, K), u=q.new_empty(total, C, V), aqk=q.new_empty(total, C, C),
         kd=q.new_empty(total, C, K), decay=q.new_empty(total, K),
@@ -322,21 +339,22 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         for a in range(0, total, step):
             part = _ChunkTerms(*(getattr(out, f)[a : a + step] for f in fields))
             _intra_group(*(x[a : a + step] for x in flat), out=part)
-    return _ChunkTerms(*(getattr(out, f).unflatten(0, (NC, HV)) for f in fields))
+    return out
 
 
 def _one_chunk(terms: _ChunkTerms, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_pass`'s state pass for a single chunk: (o [1, HV, C, V], the final state
-    [1, HV, K, V]) from its terms and initial state [1, HV, K, V], the same products as the
-    stepped pass without its slices and copies (``terms.u`` is completed in place)."""
-    _, HV, C2, K = terms.wq.shape
-    C, V = C2 // 2, states.shape[-1]
-    P = torch.bmm(terms.wq.view(HV, C2, K), states.view(HV, K, V)).view(1, HV, C2, V)  # w S0 and q exp(G) S0
-    u = terms.u.sub_(P[:, :, :C])
-    o = P[:, :, C:] + terms.aqk @ u
-    final = torch.baddbmm((terms.decay[..., None] * states).flatten(0, 1), terms.kd.transpose(-1, -2).flatten(0, 1),
-                          u.flatten(0, 1)).view_as(states)
-    return o, final
+    [1, HV, K, V]) from its terms ([HV, ...], `_intra_chunk`'s) and initial state [1, HV,
+    K, V], the same products as the stepped pass without its slices and copies
+    (``terms.u`` is completed in place)."""
+    _, HV, K, V = states.shape
+    C = terms.u.shape[1]
+    S0 = states.view(HV, K, V)
+    P = torch.bmm(terms.wq, S0)  # [HV, 2C, V]: w S0 and q exp(G) S0
+    u = terms.u.sub_(P[:, :C])
+    o = P[:, C:] + terms.aqk @ u
+    final = torch.baddbmm(terms.decay.unsqueeze(-1) * S0, terms.kd.transpose(-1, -2), u).view_as(states)
+    return o.unsqueeze(0), final
 
 
 def chunked_pass(
@@ -354,13 +372,17 @@ def chunked_pass(
     """
     C = CHUNK_SIZE
     layout = _chunk_layout(starts, lengths, x.q.device)
-    q, k, v, g = (layout.to_chunks(t) for t in (x.q, x.k, x.v, x.g))
-    beta = layout.to_chunks(x.beta[..., None]).squeeze(-1)
+    if x.v.shape == x.q.shape:  # K = V: the four chunked as one
+        q, k, v, g = layout.to_chunks(x.q, x.k, x.v, x.g)
+    else:
+        (q, k, g), (v,) = layout.to_chunks(x.q, x.k, x.g), layout.to_chunks(x.v)
+    (beta,) = layout.to_chunks(x.beta)
     terms = _intra_chunk(q, k, v, g, beta)
 
     if layout.num_chunks == 1 and not keep_intermediate and not after:
         o, finals = _one_chunk(terms, states)
         return layout.token_index, layout.from_chunks(o), finals, None, {}
+    terms = terms.by_chunk(states.shape[1])
     in_order = layout.order == sorted(layout.order)
     order = None if in_order else torch.tensor(layout.order, device=states.device)
     S = states.clone() if order is None else states.index_select(0, order)  # sorted by chunk count, descending
@@ -420,7 +442,7 @@ def run_torch(p: PrefillProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         h = (inter.transpose(-1, -2) if p.state_v_first else inter).contiguous()
     o = _output(p, o)
     if p.nonfinite is not None:
-        _flag_nonfinite(p, o, finals.to(p.pool.dtype))
+        _flag_nonfinite(p, o, _pool_typed(p, finals))
     return o, h
 
 
@@ -435,7 +457,8 @@ def _sequences_pass(p: PrefillProblem, x: _Prepared, states: torch.Tensor
     single = [n for n, length in enumerate(lengths) if length == 1]
     multi = [n for n, length in enumerate(lengths) if length > 1]
     finals = states.clone() if single else states  # every sequence chunked: replaced by chunked_pass's
-    o = torch.empty(x.v.shape, dtype=torch.float32, device=x.v.device)
+    # one sequence, chunked, holds every token: o is chunked_pass's own (no copy into a buffer)
+    o = torch.empty(x.v.shape, dtype=torch.float32, device=x.v.device) if single or len(multi) > 1 else None
     inter: list[Optional[torch.Tensor]] = [None] * len(lengths)
 
     if single:
@@ -457,7 +480,10 @@ def _sequences_pass(p: PrefillProblem, x: _Prepared, states: torch.Tensor
             x, [starts[n] for n in multi], [lengths[n] for n in multi], states if sel is None else states[sel],
             p.output_intermediate_states, after,
         )
-        o[tok] = o_tok
+        if o is None:
+            o = o_tok
+        else:
+            o[tok] = o_tok
         if sel is None:
             finals = f
         else:

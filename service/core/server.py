@@ -727,20 +727,21 @@ class ServerCore:
         device, storage = self.geometry.device, self.pool.storage
         first = jobs[0].valid
         x, gate = first.inputs.params, first.gate
-        staged = self._stage([[getattr(job.valid.inputs, name) for job in jobs] for name in REQUIRED_TENSORS])
-        q, k, v, g, beta = staged or [_packed([getattr(job.valid.inputs, name) for job in jobs], device)
-                                      for name in REQUIRED_TENSORS]
-        positions, starts = [], itertools.accumulate((job.valid.tokens for job in jobs[:-1]), initial=0)
-        for job, start_t in zip(jobs, starts):
-            positions.extend(start_t + pos for pos, _, _ in job.checkpoints)
+        groups = [[getattr(job.valid.inputs, name) for job in jobs] for name in REQUIRED_TENSORS]
+        q, k, v, g, beta = self._stage(groups) or [_packed(parts, device) for parts in groups]
+        positions: list[int] = []
+        if placed is not None:  # a job has checkpoints (`_launch`)
+            starts = itertools.accumulate((job.valid.tokens for job in jobs[:-1]), initial=0)
+            for job, start_t in zip(jobs, starts):
+                positions.extend(start_t + pos for pos, _, _ in job.checkpoints)
         A_log, dt_bias = self._device_gates.tensors(gate)
         # the checkpoints' targets, for the launch itself to write (kernels.checkpoints), placed when it asks
         provider = None if placed is None else partial(self._checkpoint_states, jobs, storage, placed)
         problem = packed_problem(  # every job was validated (`validate_prefill`): no second check
-            q, k, v, g, beta, bounds=[0, *itertools.accumulate(n for job in jobs for n in job.valid.inputs.lengths)],
-            pool=storage, indices=transaction.indices, scale=x.scale, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=gate.lower_bound, use_qk_l2norm=x.use_qk_l2norm, use_beta_sigmoid=x.use_beta_sigmoid,
-            allow_neg_eigval=x.allow_neg_eigval, checkpoint_tokens=tuple(positions), nonfinite=transaction.flags,
+            q, k, v, g, beta, bounds=transaction.bounds, pool=storage, indices=transaction.indices, scale=x.scale,
+            A_log=A_log, dt_bias=dt_bias, lower_bound=gate.lower_bound, use_qk_l2norm=x.use_qk_l2norm,
+            use_beta_sigmoid=x.use_beta_sigmoid, allow_neg_eigval=x.allow_neg_eigval,
+            checkpoint_tokens=tuple(positions), nonfinite=transaction.flags,
             checkpoint_provider=provider, input_checks=transaction.input_checks,
             write_indices=transaction.write_indices,
         )
@@ -771,6 +772,7 @@ class ServerCore:
         slice of o and the final states (on the device or the host, as it asked)."""
         results: list[Union[PrefillResult, BaseException]] = []
         t0, n0 = 0, 0
+        alone = len(jobs) == 1  # a lone job's slices are the launch's outputs whole: no slicing calls
         for j, job in enumerate(jobs):
             job_lengths = job.valid.inputs.lengths
             t1, n1 = t0 + sum(job_lengths), n0 + len(job_lengths)
@@ -782,9 +784,10 @@ class ServerCore:
                 self.metrics.sequences.inc(len(job_lengths))
                 o_all, final_all = ((launched.o, launched.finals) if job.valid.inputs.device_outputs
                                     else (launched.o_host, launched.finals_host))
-                final = final_all[n0:n1] if final_all is not None and job.valid.inputs.params.return_final_state else None
-                results.append(PrefillResult(job.slots, list(job_lengths), o_all[t0:t1], final, job.allocated,
-                                             kernel_s))
+                final = (final_all if alone else final_all[n0:n1]) if (
+                    final_all is not None and job.valid.inputs.params.return_final_state) else None
+                results.append(PrefillResult(job.slots, list(job_lengths), o_all if alone else o_all[t0:t1], final,
+                                             job.allocated, kernel_s))
             t0, n0 = t1, n1
         return results
 

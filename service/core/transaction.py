@@ -118,7 +118,7 @@ class LaunchTransaction:
         self._layer = layer
         self._indices = indices
         self._requests = requests
-        self._bounds = [0, *itertools.accumulate(n for lengths, _ in requests for n in lengths)]
+        self._bounds = (0, *itertools.accumulate(n for lengths, _ in requests for n in lengths))
         n = len(self._bounds) - 1
         self.moved = moved
         self._dropped: set[int] = set()  # moved: positions not to commit
@@ -133,6 +133,11 @@ class LaunchTransaction:
         self.flags = self._read[:n + 1]  # the launch's `nonfinite`
         self.input_checks = self._read[n + 1:] if checks_inputs else None  # its `input_checks`
         self._host_read: Optional[torch.Tensor] = None  # on a GPU: where `read` copies them (made at the first)
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """The host offsets [0, ..., T] of the launch's N sequences (the problem's ``bounds``)."""
+        return self._bounds
 
     @property
     def indices(self) -> torch.Tensor:
@@ -195,9 +200,11 @@ class LaunchTransaction:
         """After the kernels wrote o [T, HV, V], the rows and `flags` (read here, or
         given as `read` returned them): each request with a diverged sequence (`diverged`)
         rolled back, and its error, by request index."""
-        bad = set(self.diverged(o, flags))
         refused: dict[int, UpdateDiverged] = {}
-        if not bad:  # the common case: no walk over the requests' sequences
+        if flags is not None and not any(flags):  # the common case: nothing flagged, no walk over the sequences
+            return refused
+        bad = set(self.diverged(o, flags))
+        if not bad:
             return refused
         n0 = 0
         for j, (lengths, slots) in enumerate(self._requests):

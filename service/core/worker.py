@@ -21,20 +21,34 @@ def on_one_cpu_thread(device: torch.device, fn: Callable[..., _T], *args: Any) -
     """``fn(*args)``, on a CPU on one intra-op thread: small launches of tiny ops, where a
     second thread contends more than it helps (a 64-token launch at HV = 2, K = 16: 1.9
     against 3.4-4.3 ms inside a server on a loaded 2-core machine; the self-test 20x
-    slower). The calling thread's count (OpenMP's is per thread) is restored after. A plain
-    call, not a context manager: a generator's context costs ~5 us of a lone small launch."""
-    threads = torch.get_num_threads()
+    slower). With grad mode off, as on the device thread (`DeviceWorker`): the kernels'
+    entry then enters no `torch.no_grad` of its own. The calling thread's count (OpenMP's
+    is per thread) and grad mode are restored after. A plain call, not a context manager:
+    a generator's context costs ~5 us of a lone small launch."""
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
     if device.type == "cpu":
         torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
     try:
         return fn(*args)
     finally:
         torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
+
+
+def _device_thread_setup(device: torch.device) -> None:
+    """The device thread's start: grad mode off for good (nothing there needs autograd, and
+    the kernels' entry then enters no `torch.no_grad` per launch); on CUDA ``device``
+    made current."""
+    torch.set_grad_enabled(False)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class DeviceWorker:
-    """The thread for ``device``; on CUDA it makes that device current there, so kernels
-    that use the current device (Triton's launcher, streams) see the right one.
+    """The thread for ``device``, grad mode off there; on CUDA it makes that device current
+    there, so kernels that use the current device (Triton's launcher, streams) see the
+    right one.
 
     `run_inline` runs work on the caller's thread (the event loop) instead, only while the
     thread is idle: nothing submitted is queued or running, so the order stays the
@@ -42,8 +56,8 @@ class DeviceWorker:
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-device", initializer=initializer)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-device",
+                                            initializer=_device_thread_setup, initargs=(device,))
         # each counter is written by one thread only: submitted and cancelled by the loop, finished by the worker
         self._submitted = 0
         self._finished = 0
