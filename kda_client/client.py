@@ -207,12 +207,16 @@ def _server_timing(headers: Headers) -> dict[str, float]:
     """``Server-Timing: kernel;dur=1.5, encode;dur=0.2`` -> {"kernel": 1.5, "encode": 0.2}."""
     phases = {}
     for metric in headers.get("server-timing", "").split(","):
-        name, *params = (p.strip() for p in metric.split(";"))
+        name, *params = metric.split(";")
+        if not (name := name.strip()):
+            continue
         for param in params:
-            key, _, value = param.partition("=")
-            if name and key == "dur":
-                with suppress(ValueError):
+            key, _, value = param.strip().partition("=")
+            if key == "dur":
+                try:
                     phases[name] = float(value)
+                except ValueError:  # not a number: left out
+                    pass
     return phases
 
 

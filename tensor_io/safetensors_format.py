@@ -85,15 +85,14 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _is_uint(x: Any) -> bool:
-    return type(x) is int and x >= 0  # not bool, not float
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)  # made once: `json.loads` with a hook makes one per call
 
 
 def parse_json(text: Union[str, bytes], what: str) -> Any:
-    """``json.loads`` of ``text`` (bytes must be UTF-8) that raises ContainerError for
+    """The JSON value of ``text`` (bytes must be UTF-8); raises ContainerError for
     malformed (or absurdly nested) text or duplicate keys."""
     try:
-        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text, object_pairs_hook=_no_duplicates)
+        return _DECODER.decode(text.decode("utf-8") if isinstance(text, bytes) else text)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ContainerError(f"{what} is not valid JSON: {e}") from None
 
@@ -113,21 +112,20 @@ def header_length(prefix: Union[bytes, memoryview], size: int, max_header_bytes:
 
 def _entry(name: str, spec: Any, data_size: int, dtypes: Mapping[str, torch.dtype]) -> TensorEntry:
     """One header entry, every field checked."""
-    if not isinstance(spec, dict) or set(spec) != _SPEC_KEYS:
+    if not isinstance(spec, dict) or spec.keys() != _SPEC_KEYS:
         raise ContainerError(f"tensor {name!r} must be an object with exactly {sorted(_SPEC_KEYS)}, "
                              f"got {spec!r:.200}", name)
     code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if not isinstance(code, str) or code not in dtypes:
+    if not isinstance(code, str) or (dtype := dtypes.get(code)) is None:
         raise ContainerError(f"tensor {name!r} has dtype {code!r:.40}; supported: {sorted(dtypes)}", name)
     if (problem := shape_problem(shape)) is not None:
         raise ContainerError(f"tensor {name!r}: {problem}", name)
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+    begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
+    if type(begin) is not int or type(end) is not int or begin < 0 or end < 0:  # not bool, not float
         raise ContainerError(f"tensor {name!r} data_offsets must be [begin, end] non-negative ints, "
                              f"got {offsets!r:.200}", name)
-    begin, end = offsets
     if not begin <= end <= data_size:
         raise ContainerError(f"tensor {name!r} data_offsets {offsets} out of range for {data_size} data bytes", name)
-    dtype = dtypes[code]
     want = nbytes(shape, dtype)
     if want != end - begin:
         raise ContainerError(f"tensor {name!r}: shape {shape} of {code} needs {want} bytes, data_offsets span "
@@ -190,6 +188,8 @@ def _parts(name: str, value: TensorParts) -> tuple[list[torch.Tensor], list[int]
     if not parts:
         raise ValueError(f"{name}: no tensors to concatenate")
     first = parts[0]
+    if len(parts) == 1 and first.dim():  # one sequence: nothing to match
+        return parts, list(first.shape)
     for p in parts:
         if p.dim() == 0 or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]:
             raise ValueError(

@@ -9,7 +9,6 @@ JSON, shared memory and KServe documents' shapes are one pydantic type that call
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 MAX_RANK = 8
@@ -22,9 +21,16 @@ an empty one: ``[2^63, 0]``, ``[2^40, 2^40, 0]``, and for numpy anything past 2^
 def shape_problem(shape: Any) -> Optional[str]:
     """Why ``shape`` can be no tensor's (not a list of at most `MAX_RANK` non-negative ints,
     or more than `MAX_EXTENT` elements with zero dims counted as 1), or None."""
-    if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
-        return f"shape must be a list of at most {MAX_RANK} non-negative ints, got {shape!r:.200}"
-    if math.prod(max(d, 1) for d in shape) > MAX_EXTENT:
-        return (f"shape {shape} describes more than 2^48 elements (zero dims counted as 1): no tensor "
-                "of this project has that shape")
-    return None
+    if isinstance(shape, list) and len(shape) <= MAX_RANK:
+        extent = 1
+        for d in shape:  # one pass: every request body's entries come through here
+            if type(d) is not int or d < 0:
+                break
+            if d:
+                extent *= d
+        else:
+            if extent <= MAX_EXTENT:
+                return None
+            return (f"shape {shape} describes more than 2^48 elements (zero dims counted as 1): no tensor "
+                    "of this project has that shape")
+    return f"shape must be a list of at most {MAX_RANK} non-negative ints, got {shape!r:.200}"
