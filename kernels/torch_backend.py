@@ -498,9 +498,11 @@ def _sequences_pass(p: PrefillProblem, x: _Prepared, states: torch.Tensor
 
 
 def _output(p: PrefillProblem, o: torch.Tensor) -> torch.Tensor:
-    """o [T, HV, V] in v's dtype: in ``p.o_out`` when the caller gave it."""
+    """o [T, HV, V] in v's dtype, contiguous as the Triton backend's (a lone chunked
+    sequence's o arrives as a view of its chunk layout): in ``p.o_out`` when the caller
+    gave it."""
     if p.o_out is None:
-        return o.to(p.v.dtype)
+        return o.to(p.v.dtype).contiguous()
     p.o_out.copy_(o)
     return p.o_out
 

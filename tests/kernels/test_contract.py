@@ -303,3 +303,26 @@ def test_cu_seqlens_cpu_is_checked() -> None:
         with pytest.raises(ValueError, match=pattern):
             chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool_of(3),
                       initial_state_indices=torch.tensor([0, 2]), **OPTS, **kw)
+
+
+@pytest.mark.parametrize("cu", [[0, 64], [0, 100], [0, 1], [0, 64, 65, 130]])
+def test_run_problem_returns_o_contiguous_and_right(cu: list[int]) -> None:
+    """`run_problem`'s o [T, HV, V] is contiguous, as the Triton backend's (a lone chunked
+    sequence's comes from its chunk layout; the encoders hand o's bytes out as they lie),
+    and matches the float64 reference."""
+    from kernels import run_problem
+    from kernels.api import build_problem
+
+    T = cu[-1]
+    x = inputs(T, seed=11)
+    pool = pool_of(len(cu) - 1)
+    idx = torch.arange(len(cu) - 1)
+    problem = build_problem(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], scale=None, pool=pool.clone(), indices=idx,
+        cu_seqlens=torch.tensor(cu), A_log=None, dt_bias=None, lower_bound=None, use_qk_l2norm=True,
+        use_beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True, output_intermediate_states=False)
+    o, _ = run_problem(problem, "torch")
+    o_ref, _ = naive_recurrent_kda(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], initial_state=pool,
+                                   cu_seqlens=cu, **REF_OPTS)
+    assert o.shape == (T, HV, V) and o.is_contiguous()
+    assert rel_err(o, o_ref) < 1e-4
