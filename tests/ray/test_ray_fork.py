@@ -1,7 +1,7 @@
 """`POST /slots/{id}/fork` through the ingress: a single server answers 503 only when its
 whole pool is full, so a fork whose source's shard is full copies the source (state bit
 for bit, token counts, lost flag) onto a shard with room. In-process scenarios
-(`test_ray_review.run_local`): no Ray cluster."""
+(`local_shards.run_local`): no Ray cluster."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("ray.serve")  # the ray extra; CI installs it
 
 from ray_helpers import LAYERS, make_sequence, shard_of  # noqa: E402
-from test_ray_review import SETTINGS, Local, _fill, _inputs, _on, run_local  # noqa: E402
+from local_shards import SETTINGS, Local, fill_layers, prefill_inputs, run_local, slots_on  # noqa: E402
 
 from state_store import PoolFull  # noqa: E402
 
@@ -31,8 +31,8 @@ def test_a_fork_from_a_full_shard_lands_on_one_with_room() -> None:
     before it, and the two slots are independent afterwards."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(21)
-        (source,) = await _on(local, "a")
-        await _fill(local, source, 9, gen)
+        (source,) = await slots_on(local, "a")
+        await fill_layers(local, source, 9, gen)
         await local.core._free_slots()  # figures read now: shard a has 3 free
         await local.links["a"].shard.alloc(SETTINGS.num_slots - 1)  # behind this replica's back
         child = await local.core.fork(source)
@@ -41,11 +41,11 @@ def test_a_fork_from_a_full_shard_lands_on_one_with_room() -> None:
         assert (await local.core.slot_info(child)).tokens_per_layer == [9] * LAYERS
         await _assert_same(local, source, child)
         before = await local.core.get_state(source)
-        await local.core.prefill(_inputs([child], [make_sequence(5, gen)]))
+        await local.core.prefill(prefill_inputs([child], [make_sequence(5, gen)]))
         assert torch.equal(await local.core.get_state(source), before)
         assert (await local.core.slot_info(source)).tokens_per_layer == [9] * LAYERS
         child_before = await local.core.get_state(child)
-        await local.core.prefill(_inputs([source], [make_sequence(3, gen)], layer=1))
+        await local.core.prefill(prefill_inputs([source], [make_sequence(3, gen)], layer=1))
         assert torch.equal(await local.core.get_state(child), child_before)
         assert (await local.core.slot_info(child)).tokens_per_layer == [14, 9]
 
@@ -57,9 +57,9 @@ def test_a_fork_of_a_lost_slot_from_a_full_shard_stays_lost() -> None:
     with the source's token counts (the figures say the source's shard is full)."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(22)
-        (source,) = await _on(local, "a")
-        await _fill(local, source, 4, gen)
-        await _on(local, "a", SETTINGS.num_slots - 1)
+        (source,) = await slots_on(local, "a")
+        await fill_layers(local, source, 4, gen)
+        await slots_on(local, "a", SETTINGS.num_slots - 1)
         local.links["a"].shard.core.pool.mark_lost([local.pool_token(source)])
         child = await local.core.fork(source)
         info = await local.core.slot_info(child)
@@ -75,10 +75,10 @@ def test_a_fork_is_503_only_while_every_shard_is_full() -> None:
     replica's back: its figures still say full) the same fork lands there."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(23)
-        (source,) = await _on(local, "a")
-        await _fill(local, source, 6, gen)
-        await _on(local, "a", SETTINGS.num_slots - 1)
-        taken = await _on(local, "b", SETTINGS.num_slots)
+        (source,) = await slots_on(local, "a")
+        await fill_layers(local, source, 6, gen)
+        await slots_on(local, "a", SETTINGS.num_slots - 1)
+        taken = await slots_on(local, "b", SETTINGS.num_slots)
         before = await local.core.get_state(source)
         with pytest.raises(PoolFull):
             await local.core.fork(source)

@@ -1,12 +1,9 @@
 """Review of the sharded deployment's contract, found by probing: a `ShardedCore` over two
-real `ShardServer`s in this process (`LocalLink` stands in for Ray: same faults, same
-chaining of one call's result into another) for races and states a cluster cannot be
-steered into, and the running application (`cluster`) for what only Serve can show."""
+real `ShardServer`s in this process (`local_shards`) for races and states a cluster cannot
+be steered into, and the running application (`cluster`) for what only Serve can show."""
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any
 
 import httpx
 import pytest
@@ -15,127 +12,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("ray.serve")  # the ray extra; CI installs it
 
+from local_shards import SETTINGS, Local, fill_layers, prefill_inputs, run_local, slots_on  # noqa: E402
 from ray_helpers import HV, K, LAYERS, MAX_BODY_MB, V, Cluster, make_sequence, shard_of  # noqa: E402
 
 from kda_client.client import KDAClient  # noqa: E402
-from service.config import Settings  # noqa: E402
-from service.core.inputs import REQUIRED_TENSORS, Checkpoint, PrefillInputs, PrefillParams  # noqa: E402
+from service.core.inputs import Checkpoint  # noqa: E402
 from service.errors import InvalidRequest, StateLost  # noqa: E402
-from service.ray_serve.directory import SlotDirectory  # noqa: E402
 from service.ray_serve.errors import ShardFault  # noqa: E402
-from service.ray_serve.links import ShardLink  # noqa: E402
-from service.ray_serve.router import ShardedCore  # noqa: E402
-from service.ray_serve.shard import ShardServer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
-
-SETTINGS = Settings(device="cpu", num_layers=LAYERS, num_slots=4, num_heads=HV, head_dim=K, head_v_dim=V,
-                    batch_window_ms=0.0, prefix_cache_mb=1.0)
-Hook = Callable[[str, tuple[Any, ...]], Any]
-
-
-# -- a ShardedCore over shards in this process ------------------------------------------------
-
-class LocalLink(ShardLink):
-    """`ShardLink` over a `ShardServer` in this process: a call is a task, an argument that
-    is another call's task is awaited first (as Ray resolves a response passed on), and
-    ``before`` (when set) runs ahead of every call with its method and arguments."""
-
-    def __init__(self, name: str, shard: ShardServer) -> None:
-        self.name = name
-        self.shard = shard
-        self.before: Optional[Hook] = None
-
-    def send(self, method: str, *args: Any) -> Any:
-        async def run() -> Any:
-            resolved = [await a if isinstance(a, asyncio.Future) else a for a in args]
-            if self.before is not None:
-                await self.before(method, tuple(resolved))
-            return await getattr(self.shard, method)(*resolved)
-        return asyncio.ensure_future(run())
-
-
-class LocalDirectory:
-    """`DirectoryLink`'s methods over a `SlotDirectory` in this process."""
-
-    def __init__(self) -> None:
-        self._table = SlotDirectory(None)
-
-    async def lookup(self, tokens: list[str]) -> dict[str, str]:
-        return self._table.lookup(tokens)
-
-    async def origins(self, tokens: list[str]) -> dict[str, str]:
-        return self._table.origins(tokens)
-
-    async def record(self, token: str, current: str) -> None:
-        self._table.record(token, current)
-
-    async def forget(self, token: str) -> None:
-        self._table.forget(token)
-
-    async def draining(self) -> list[str]:
-        return self._table.draining()
-
-    async def set_draining(self, shard: str, draining: bool) -> None:
-        self._table.set_draining(shard, draining)
-
-
-@dataclasses.dataclass
-class Local:
-    """A `ShardedCore` over shards ``a`` and ``b`` (links by name, for hooks and direct calls)."""
-
-    core: ShardedCore
-    links: dict[str, LocalLink]
-
-    def pool_token(self, slot_id: str) -> str:
-        return slot_id.split(".")[2]
-
-
-async def _local(status_max_age_s: float = 0.0) -> Local:
-    links = {}
-    for name in ("a", "b"):
-        shard = ShardServer(name, SETTINGS, None)
-        await shard.start()
-        links[name] = LocalLink(name, shard)
-    core = ShardedCore(SETTINGS, links, LocalDirectory(), move_wait_s=1.0,  # type: ignore[arg-type]
-                       status_max_age_s=status_max_age_s)
-    return Local(core, links)
-
-
-async def _close(local: Local) -> None:
-    for link in local.links.values():
-        await link.shard.close()
-
-
-def run_local(scenario: Callable[[Local], Any], status_max_age_s: float = 0.0) -> None:
-    """Run ``scenario(local)`` over a fresh `Local`, closed after."""
-    async def main() -> None:
-        local = await _local(status_max_age_s)
-        try:
-            await asyncio.wait_for(scenario(local), 120)
-        finally:
-            await _close(local)
-    asyncio.run(main())
-
-
-def _inputs(slots: list[Optional[str]], seqs: list[tuple[torch.Tensor, ...]], layer: int = 0,
-            checkpoints: Optional[list[list[Checkpoint]]] = None) -> PrefillInputs:
-    packed = [torch.cat([s[i] for s in seqs]) for i in range(5)]
-    return PrefillInputs.of(PrefillParams(layer=layer), slots, [s[0].shape[0] for s in seqs],
-                            dict(zip(REQUIRED_TENSORS, packed)), checkpoints=checkpoints)
-
-
-async def _on(local: Local, shard: str, count: int = 1) -> list[str]:
-    """``count`` new slots on ``shard`` (through the router's own shard link)."""
-    return await local.core.shards[shard].call("alloc", count)
-
-
-async def _fill(local: Local, slot: str, tokens: int, gen: torch.Generator, key: Optional[str] = None) -> None:
-    """Prefill ``tokens`` on every layer of ``slot``, checkpointing ``key`` at the end of each."""
-    for layer in range(LAYERS):
-        marks = [[Checkpoint(tokens, key)]] if key is not None else None
-        await local.core.prefill(_inputs([slot], [make_sequence(tokens, gen)], layer, marks))
-
 
 # -- the prefix cache: one entry per key, a restore never fails for a vanished entry ---------
 
@@ -144,10 +29,10 @@ def test_a_checkpoint_replaces_the_keys_entry_on_every_shard() -> None:
     of the key on another shard must not outlive it (and win a restore with more tokens)."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(11)
-        (old,), (new,) = await _on(local, "a"), await _on(local, "b")
-        await _fill(local, old, 12, gen)
+        (old,), (new,) = await slots_on(local, "a"), await slots_on(local, "b")
+        await fill_layers(local, old, 12, gen)
         await local.core.publish(old, "k")  # the entry k: 12 tokens, on shard a
-        await _fill(local, new, 5, gen, key="k")  # k checkpointed anew on shard b: 5 tokens
+        await fill_layers(local, new, 5, gen, key="k")  # k checkpointed anew on shard b: 5 tokens
         slots, match = await local.core.alloc_prefix(["k"])
         assert match.tokens == 5, match
         assert torch.equal(await local.core.get_state(slots[0]), await local.core.get_state(new))
@@ -164,10 +49,10 @@ def test_a_restore_racing_a_delete_is_a_miss_not_a_404() -> None:
     answers: slots and no match, never 404 unknown-prefix (nor slots leaked)."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(12)
-        (slot,) = await _on(local, "a")
-        await _fill(local, slot, 7, gen)
+        (slot,) = await slots_on(local, "a")
+        await fill_layers(local, slot, 7, gen)
         await local.core.publish(slot, "gone")
-        await _on(local, "a", 3)  # shard a is full: a restore moves the entry's bytes
+        await slots_on(local, "a", 3)  # shard a is full: a restore moves the entry's bytes
 
         async def drop_first(method: str, args: tuple[Any, ...]) -> None:
             if method == "prefix_state":
@@ -189,8 +74,8 @@ def test_a_restore_falls_back_when_the_entrys_shard_proves_full() -> None:
     answering 503 while the deployment has free slots."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(13)
-        (slot,) = await _on(local, "a")
-        await _fill(local, slot, 9, gen)
+        (slot,) = await slots_on(local, "a")
+        await fill_layers(local, slot, 9, gen)
         await local.core.publish(slot, "full")
         await local.core.info()
         await local.core._free_slots()  # figures read now: shard a has 3 free
@@ -213,8 +98,8 @@ def test_a_restore_whose_bytes_move_counts_one_hit_and_its_tokens() -> None:
     single server counts a restore."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(19)
-        (slot,) = await _on(local, "a")
-        await _fill(local, slot, 11, gen)
+        (slot,) = await slots_on(local, "a")
+        await fill_layers(local, slot, 11, gen)
         await local.core.publish(slot, "moved")
         await local.links["a"].shard.alloc(SETTINGS.num_slots - 1)  # shard a full: the bytes must move
         slots, match = await local.core.alloc_prefix(["moved"], 2)
@@ -246,11 +131,11 @@ def test_stored_keys_are_dropped_elsewhere_in_one_call_per_shard() -> None:
     shard in one call per shard, not one per key; an older entry of such a key there is gone."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(17)
-        (old,) = await _on(local, "b")
-        await _fill(local, old, 6, gen)
+        (old,) = await slots_on(local, "b")
+        await fill_layers(local, old, 6, gen)
         await local.core.publish(old, "k1")  # an older entry of k1, on shard b
-        first, second = await _on(local, "a", 2)
-        (third,) = await _on(local, "b")
+        first, second = await slots_on(local, "a", 2)
+        (third,) = await slots_on(local, "b")
         calls: list[tuple[str, str]] = []
         for name, link in local.links.items():
             async def record(method: str, args: tuple[Any, ...], name: str = name) -> None:
@@ -258,7 +143,7 @@ def test_stored_keys_are_dropped_elsewhere_in_one_call_per_shard() -> None:
             link.before = record
         seqs = [make_sequence(128, gen), make_sequence(5, gen), make_sequence(7, gen)]
         marks = [[Checkpoint(64, "k1"), Checkpoint(128, "k2")], [Checkpoint(5, "k3")], [Checkpoint(7, "k4")]]
-        await local.core.prefill(_inputs([first, second, third], seqs, checkpoints=marks))
+        await local.core.prefill(prefill_inputs([first, second, third], seqs, checkpoints=marks))
         for shard in ("a", "b"):
             assert [m for s, m in calls if s == shard] == ["check_prefill", "prefill", "drop_prefixes"], calls
         assert isinstance(await local.links["b"].shard.prefix_info("k1"), ShardFault)  # the older k1 is gone
@@ -278,12 +163,12 @@ def test_a_split_prefill_with_a_lost_slot_changes_nothing() -> None:
     (the id its client holds), and the other shard's slot has not advanced."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(14)
-        (good,), (lost,) = await _on(local, "a"), await _on(local, "b")
+        (good,), (lost,) = await slots_on(local, "a"), await slots_on(local, "b")
         local.links["b"].shard.core.pool.mark_lost([local.pool_token(lost)])
         before = await local.core.get_state(good)
         seqs = [make_sequence(4, gen), make_sequence(3, gen)]
         with pytest.raises(StateLost) as e:
-            await local.core.prefill(_inputs([good, lost], seqs))
+            await local.core.prefill(prefill_inputs([good, lost], seqs))
         assert e.value.slot == lost and lost in e.value.detail
         assert torch.equal(await local.core.get_state(good), before)
         assert (await local.core.slot_info(good)).tokens_per_layer == [0] * LAYERS
@@ -296,13 +181,13 @@ def test_a_split_prefill_with_a_bad_checkpoint_changes_nothing() -> None:
     request's sequence index (not the index within one shard's part), before any shard runs."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(16)
-        (first,), (second,) = await _on(local, "a"), await _on(local, "b")
-        await _fill(local, second, 2, gen)
+        (first,), (second,) = await slots_on(local, "a"), await slots_on(local, "b")
+        await fill_layers(local, second, 2, gen)
         before = await local.core.get_state(first)
         seqs = [make_sequence(4, gen), make_sequence(4, gen)]
         marks = [[], [Checkpoint(4, "early")]]  # slot `second` holds 2 tokens: 4 is inside no chunk grid point
         with pytest.raises(InvalidRequest) as e:
-            await local.core.prefill(_inputs([first, second], seqs, checkpoints=marks))
+            await local.core.prefill(prefill_inputs([first, second], seqs, checkpoints=marks))
         assert e.value.field == "sequences[1].checkpoints[0].offset", e.value.field
         assert torch.equal(await local.core.get_state(first), before)
         assert (await local.core.slot_info(first)).tokens_per_layer == [0] * LAYERS
@@ -315,10 +200,10 @@ def test_errors_about_a_lost_slot_name_the_clients_id() -> None:
     """On one shard too: the 409 names the slot id the client sent, not the pool's token."""
     async def scenario(local: Local) -> None:
         gen = torch.Generator().manual_seed(15)
-        (lost,) = await _on(local, "a")
+        (lost,) = await slots_on(local, "a")
         local.links["a"].shard.core.pool.mark_lost([local.pool_token(lost)])
         with pytest.raises(StateLost) as e:
-            await local.core.prefill(_inputs([lost], [make_sequence(4, gen)]))
+            await local.core.prefill(prefill_inputs([lost], [make_sequence(4, gen)]))
         assert e.value.slot == lost, e.value.slot
         with pytest.raises(StateLost) as e:
             await local.core.publish(lost, "never")
