@@ -249,8 +249,8 @@ def test_forged_slot_ids_are_404_on_every_slot_route(cluster: Cluster, client: K
                                                      gen: torch.Generator) -> None:
     """A garbled or forged id is 404 (problem+json naming it) on every slot route, and
     nothing changes: the slot whose parts it borrows keeps its state, no slot is made."""
-    a, b = client.alloc(1)[0], client.alloc(1)[0]  # one at a time: the emptiest shard each
-    assert shard_of(a) != shard_of(b)
+    held = _slots_on_two_shards(client)
+    a, b = held[0], held[-1]
     state = torch.randn(LAYERS, HV, V, K, generator=gen)
     client.put_state(a, state)
     used = client.info()["used_slots"]
@@ -272,8 +272,8 @@ def test_ids_of_no_life_of_their_shard_are_404_not_410(cluster: Cluster, client:
     """An id naming a shard with an incarnation that shard never had (the other shard's, 0,
     one still to come) was never issued: 404 on every slot route, not the 410 of a slot lost
     with a process; nothing changes."""
-    a, b = client.alloc(1)[0], client.alloc(1)[0]  # one at a time: the emptiest shard each
-    assert shard_of(a) != shard_of(b)
+    held = _slots_on_two_shards(client)
+    a, b = held[0], held[-1]
     _, incarnation, token = a.split(".")
     used = client.info()["used_slots"]
     with httpx.Client(base_url=cluster.url, timeout=60) as http:
@@ -284,8 +284,19 @@ def test_ids_of_no_life_of_their_shard_are_404_not_410(cluster: Cluster, client:
                 assert r.status_code == 404, (method, path, forged, r.status_code, r.text[:300])
                 assert r.headers["content-type"] == "application/problem+json"
     assert client.info()["used_slots"] == used
-    for s in (a, b):
+    for s in held:
         client.free(s)
+
+
+def _slots_on_two_shards(client: KDAClient) -> list[str]:
+    """New slots, allocated one at a time until the last one lies on another shard than
+    the first (placement takes the emptiest shard, which earlier tests' leftovers may
+    make the same one several times); at most the pool's slots."""
+    held = client.alloc(1)
+    while shard_of(held[-1]) == shard_of(held[0]):
+        assert len(held) < client.info()["num_slots"], "every new slot went to one shard"
+        held += client.alloc(1)
+    return held
 
 
 def test_a_prefix_alloc_over_the_pools_slots_is_400(cluster: Cluster, client: KDAClient,
