@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, NoReturn, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Mapping, NoReturn, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ RESTORE_ATTEMPTS = 3
 """How often a restore looks for its entry again when the one it found was dropped before its
 bytes were read (then it is a miss, as on a single server that dropped it first)."""
 _SlotError = Union[UnknownSlot, SlotMoving, SlotGone]
+_Made = TypeVar("_Made")
 
 
 @dataclass
@@ -255,6 +256,11 @@ class ShardedCore:
         """Free slots over the shards taking new slots, as of the last placement figures."""
         return float(sum(n for name, n in self._free.items() if name not in self._draining_seen))
 
+    def _figures_stale(self) -> None:
+        """Read the placement figures anew at the next placement (slots came or went
+        other than through this ingress, or a shard proved fuller than they said)."""
+        self._free_at = -float("inf")
+
     def _placed(self, shard: str, count: int) -> None:
         """Count ``count`` slots placed on ``shard`` until the next refresh."""
         if shard in self._free:
@@ -314,7 +320,8 @@ class ShardedCore:
             except PoolFull:
                 if fresh:
                     raise
-                fresh, self._free_at = True, float("-inf")  # the figures were stale: read them anew
+                fresh = True
+                self._figures_stale()
                 continue
             replies = await place(plan)
             ids = [r for reply in replies for r in (reply if isinstance(reply, list) else [reply]) if isinstance(r, str)]
@@ -325,7 +332,8 @@ class ShardedCore:
             await self._free_quietly(ids)
             if fresh or not all(isinstance(f, PoolFull) for f in failures):
                 raise failures[0]
-            fresh, self._free_at = True, float("-inf")  # the figures were stale: read them anew
+            fresh = True
+            self._figures_stale()
 
     async def free(self, slot_id: str) -> None:
         """Free the slot (``slot_id``: the id its client holds) on the shard that holds it."""
@@ -340,15 +348,24 @@ class ShardedCore:
         read there (`ShardServer.copy_out`, ordered after the work already queued on the
         slot) and put where `alloc` would place a slot. PoolFull (503) only when no shard
         has room, as on a single server."""
-        if (await self._free_slots()).get(self._shard_of(self._current(slot_id)), 0) >= 1:
-            try:
-                child: str = await self._on_slot(slot_id, "fork")
-            except PoolFull:
-                self._free_at = -float("inf")  # the figures were stale: the copy goes where there is room
-            else:
-                self._placed(self._shard_of(child), 1)
-                return child
-        return await self._copy(slot_id)
+        home = self._shard_of(self._current(slot_id))
+        child: Optional[str] = await self._at_home(home, 1, lambda: self._on_slot(slot_id, "fork"))
+        return child if child is not None else await self._copy(slot_id)
+
+    async def _at_home(self, shard: str, count: int, make: Callable[[], Awaitable[_Made]]) -> Optional[_Made]:
+        """What ``make()`` makes on ``shard`` (``count`` new slots there) when the placement
+        figures give ``shard`` room for them and it proves to have it; None otherwise (the
+        caller moves bytes to a shard with room), with the figures marked stale when the
+        shard proved full."""
+        if (await self._free_slots()).get(shard, 0) < count:
+            return None
+        try:
+            made = await make()
+        except PoolFull:
+            self._figures_stale()
+            return None
+        self._placed(shard, count)
+        return made
 
     async def _copy(self, slot_id: str) -> str:
         """A fork of ``slot_id`` through the ingress: its cargo put on a shard with room."""
@@ -429,14 +446,10 @@ class ShardedCore:
         """``count`` slots from ``match`` on ``shard``: restored there when it has room (by
         the placement figures, and in fact), else its bytes restored where `alloc` would
         place them. UnknownPrefix when the entry went before its bytes were read."""
-        if (await self._free_slots()).get(shard, 0) >= count:
-            try:
-                slots, got = await self.shards[shard].call("alloc_prefix", list(prefix), count)
-            except PoolFull:
-                self._free_at = -float("inf")  # the figures were stale: the bytes go where there is room
-            else:
-                self._placed(shard, count)
-                return slots, got
+        restored: Optional[tuple[list[str], PrefixMatch]] = await self._at_home(
+            shard, count, lambda: self.shards[shard].call("alloc_prefix", list(prefix), count))
+        if restored is not None:
+            return restored
         assert match.key is not None
         state, tokens = await self.shards[shard].call("prefix_state", match.key)
         cargo = SlotCargo(state, [tokens] * self.geometry.num_layers, False)
@@ -751,7 +764,7 @@ class ShardedCore:
         if shard not in self.shards:
             raise UnknownShard(shard, sorted(self.shards))
         await self.directory.set_draining(shard, True)
-        self._free_at = -float("inf")
+        self._figures_stale()
         ids: list[str] = await self.shards[shard].call("slot_ids")
         origins = await self.directory.origins([self._token(s) for s in ids])
         moved, failed = 0, []
@@ -773,7 +786,7 @@ class ShardedCore:
         if shard not in self.shards:
             raise UnknownShard(shard, sorted(self.shards))
         await self.directory.set_draining(shard, False)
-        self._free_at = -float("inf")
+        self._figures_stale()
 
     # -- figures -----------------------------------------------------------------------
 
