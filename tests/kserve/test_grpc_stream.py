@@ -86,6 +86,37 @@ def test_a_streamed_sequence_keeps_its_order_and_refusals_do_not_end_the_stream(
     assert stream.errors.empty()
 
 
+def test_a_sequence_and_slot_requests_naming_its_slot_keep_their_order(tmp_path, gen):
+    """Requests of a sequence and ``slot`` requests naming the slot it holds, interleaved on
+    one stream, run in the order sent: the slot's state and each output equal the reference
+    of the chunks in that order. The sequence's chunks are long enough to be read off the
+    event loop (over 1 MiB, so this server takes 8 MiB bodies) and the slot's short: any
+    reordering shows."""
+    server = start_server([*GEOMETRY_ARGS, "--max-body-mb", "8"], tmp_path / "kda.log", grpc=True)
+    try:
+        with gc.InferenceServerClient(server.grpc) as c:
+            first = make_sequence(4, gen)
+            slot = response_slot(grpc_infer(c, seq_inputs(first), sequence_id="mixed", start=True))
+            chunks = [make_sequence(n, gen) for n in (3000, 1, 2500, 2, 2200, 3)]
+            stream = Stream(c)
+            for i, chunk in enumerate(chunks):
+                if i % 2 == 0:
+                    stream.send(f"m{i}", seq_inputs(chunk), sequence_id="mixed")
+                else:
+                    stream.send(f"m{i}", seq_inputs(chunk), parameters={"slot": slot})
+            assert wait_for(lambda: len(stream.results) == len(chunks) or not stream.errors.empty(), timeout=60)
+            c.stop_stream()
+            assert stream.errors.empty(), stream.errors.get_nowait().message()
+            o_ref, final_ref = reference([cat([first, *chunks])])
+            o = torch.cat([result_tensor(stream.results[f"m{i}"], "o") for i in range(len(chunks))])
+            assert rel(o, o_ref[first[0].shape[0]:]) < TOL
+            with KDAClient(server.url) as rest:
+                assert rel(rest.get_state(slot)[0], final_ref[0]) < TOL
+    finally:
+        assert server.stop() == 0, server.log_text()
+    assert "Traceback" not in server.log_text(), server.log_text()
+
+
 def test_a_dropped_stream_leaves_nothing_half_applied(server, grpc_client, gen):
     """A stream cancelled right after sending six requests on a REST slot, and one cancelled
     right after sending two continuations of a started sequence: the slot advanced by

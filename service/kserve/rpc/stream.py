@@ -3,7 +3,8 @@
 Requests are read in order and started as they arrive, up to `MAX_IN_FLIGHT` at once per
 stream (then reading waits: HTTP/2 flow control pushes back on the client). The requests of
 one sequence (its ``sequence_id``), or of one REST ``slot``, run one after another in the
-order they came; others run concurrently and share kernel launches. Each response is
+order they came, and so do a sequence's requests and ``slot`` requests naming the slot
+the sequence held when they were read; others run concurrently and share kernel launches. Each response is
 written as soon as its request is done, so responses of different sequences may overtake
 each other (Triton's stream does the same; clients match them by ``id``). A refused
 request gets a response with ``error_message`` (the message HTTP would give) and the stream
@@ -27,6 +28,7 @@ from .calls import Calls
 from .codec import model_infer
 from .decode import Malformed
 from .messages import pb
+from ..options import SequenceId
 from .status import rpc_status
 
 log = logging.getLogger("kda_serve.grpc")
@@ -49,6 +51,18 @@ def order_key(request: Request) -> Optional[Hashable]:
     return None
 
 
+def order_keys(request: Request, slot_of: Callable[[SequenceId], Optional[str]]) -> list[Hashable]:
+    """Every key the request must keep its place behind: its `order_key` and, for a
+    request of a sequence that holds a slot (``slot_of``), that slot's key too, so it keeps
+    its place among ``slot`` requests naming the same state."""
+    key = order_key(request)
+    if key is None:
+        return []
+    if key[0] == "sequence_id" and (slot := slot_of(key[1])) is not None:
+        return [key, ("slot", slot)]
+    return [key]
+
+
 class StreamSession:
     """One ModelStreamInfer call: its requests in flight, the last one of each order key,
     and the writer (one write at a time)."""
@@ -59,19 +73,19 @@ class StreamSession:
         self.context = context
         self._write_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
-        self._last: dict[Hashable, asyncio.Future] = {}
+        self._last: dict[Hashable, asyncio.Future] = {}  # the last request of each order key
         self._tasks: set[asyncio.Future] = set()
 
     async def submit(self, request: Request) -> None:
-        """Start ``request`` behind the previous one of its key (waits while the stream has
-        `MAX_IN_FLIGHT` requests running)."""
+        """Start ``request`` behind the previous one of each of its keys (waits while the
+        stream has `MAX_IN_FLIGHT` requests running)."""
         await self._slots.acquire()
-        key = order_key(request)
-        previous = self._last.get(key) if key is not None else None
+        keys = order_keys(request, self.endpoint.table.slot)
+        previous = [self._last[k] for k in keys if k in self._last]
         task = asyncio.ensure_future(self.calls.whole(self._run(request, previous)))
         self._tasks.add(task)
         task.add_done_callback(self._done)
-        if key is not None:
+        for key in keys:
             self._last[key] = task
 
     def _done(self, task: asyncio.Future) -> None:
@@ -82,9 +96,9 @@ class StreamSession:
         if not task.cancelled():
             task.exception()
 
-    async def _run(self, request: Request, previous: Optional[asyncio.Future]) -> None:
-        if previous is not None:
-            await asyncio.wait([previous])
+    async def _run(self, request: Request, previous: list[asyncio.Future]) -> None:
+        if previous:
+            await asyncio.wait(previous)
         start, code = time.monotonic(), grpc.StatusCode.OK
         try:
             if isinstance(request, Malformed):
