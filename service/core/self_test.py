@@ -45,7 +45,7 @@ from kernels.problem import packed_problem
 from state_store import PoolGeometry
 
 from .gate_params import Gate
-from .worker import on_one_cpu_thread
+from .worker import as_on_the_device_thread
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NARROW = (1, 67, 1, 130)  # two decode sequences, two chunked ones (1 chunk + 3, 2 chunks + 2 tokens)
@@ -362,7 +362,7 @@ def run_self_test(geometry: PoolGeometry, backend: str, gates: Mapping[int, Gate
                   fault: Optional[str] = None) -> SelfTestReport:
     """Every case of `cases`, in order (on the device thread: it launches kernels); the report."""
     start = time.perf_counter()
-    results = on_one_cpu_thread(geometry.device, _run_cases, geometry, backend, gates, fault)
+    results = as_on_the_device_thread(geometry.device, _run_cases, geometry, backend, gates, fault)
     if fault is not None and fault.removeprefix(CHECK_FAULT) not in {r.path for r in results}:  # proves nothing
         results.append(PathResult(fault, error="--self-test-fault names no path of this server's self-test"))
     if geometry.device.type == "cuda":

@@ -17,22 +17,24 @@ import torch
 _T = TypeVar("_T")
 
 
-def on_one_cpu_thread(device: torch.device, fn: Callable[..., _T], *args: Any) -> _T:
-    """``fn(*args)``, on a CPU on one intra-op thread: small launches of tiny ops, where a
-    second thread contends more than it helps (a 64-token launch at HV = 2, K = 16: 1.9
-    against 3.4-4.3 ms inside a server on a loaded 2-core machine; the self-test 20x
-    slower). With grad mode off, as on the device thread (`DeviceWorker`): the kernels'
-    entry then enters no `torch.no_grad` of its own. The calling thread's count (OpenMP's
-    is per thread) and grad mode are restored after. A plain call, not a context manager:
+def as_on_the_device_thread(device: torch.device, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` on the calling thread as the device thread (`DeviceWorker`) runs it:
+    grad mode off (the kernels' entry then enters no `torch.no_grad` of its own) and, on a
+    CPU, one intra-op thread: small launches of tiny ops, where a second thread contends
+    more than it helps (a 64-token launch at HV = 2, K = 16: 1.9 against 3.4-4.3 ms inside
+        a server on a loaded 2-core machine; the self-test 20x slower). The calling thread's
+    grad mode and thread count (OpenMP's is per thread) are restored after. A plain call, not a context manager:
     a generator's context costs ~5 us of a lone small launch."""
-    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
-    if device.type == "cpu":
+    one_thread, grad = device.type == "cpu", torch.is_grad_enabled()
+    threads = torch.get_num_threads() if one_thread else 0
+    if one_thread:
         torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     try:
         return fn(*args)
     finally:
-        torch.set_num_threads(threads)
+        if one_thread:
+            torch.set_num_threads(threads)
         torch.set_grad_enabled(grad)
 
 
@@ -89,15 +91,15 @@ class DeviceWorker:
         return self._submitted == self._finished + self._cancelled
 
     def run_inline(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` on the calling thread (the event loop), the device current there
-        (on a CPU, one intra-op thread: `on_one_cpu_thread`); only while `idle` (ValueError
-        otherwise): small launches skip two thread hops."""
+        """``fn(*args)`` on the calling thread (the event loop) as the device thread runs it
+        (`as_on_the_device_thread`; on CUDA with the device made current); only while `idle`
+        (ValueError otherwise): small launches skip two thread hops."""
         if not self.idle:
             raise ValueError("run_inline while the device thread has work")
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):
-                return fn(*args)
-        return on_one_cpu_thread(self._device, fn, *args)
+                return as_on_the_device_thread(self._device, fn, *args)
+        return as_on_the_device_thread(self._device, fn, *args)
 
     def close(self) -> None:
         """Finish queued work and stop the thread."""

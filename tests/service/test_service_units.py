@@ -281,6 +281,39 @@ def test_device_worker_runs_inline_only_while_idle():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_inline_work_runs_as_on_the_device_thread_and_leaves_the_caller_as_it_was(device):
+    """`run_inline` runs its function as the device thread runs launches (grad mode off;
+    one intra-op thread on a CPU, the caller's count on CUDA), and the calling thread's
+    grad mode and thread count are what they were afterwards, after a failure too."""
+    inline_threads = 1 if device == "cpu" else 2
+
+    def seen() -> tuple[bool, int]:
+        return torch.is_grad_enabled(), torch.get_num_threads()
+
+    def fails() -> None:
+        raise RuntimeError("launch failed")
+
+    async def main():
+        worker = DeviceWorker(torch.device(device))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            with torch.enable_grad():
+                assert worker.run_inline(seen) == (False, inline_threads)
+                assert seen() == (True, 2)
+                with pytest.raises(RuntimeError, match="launch failed"):
+                    worker.run_inline(fails)
+                assert seen() == (True, 2)
+            assert (await worker.run(seen))[0] is False  # the device thread itself: grad mode off
+        finally:
+            torch.set_num_threads(threads)
+            worker.close()
+
+    asyncio.run(main())
+
+
 def test_batcher_refuses_after_close():
     async def main():
         worker = DeviceWorker(torch.device("cpu"))
