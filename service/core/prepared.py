@@ -255,6 +255,19 @@ class PreparedPrefill:
             mark_lost()
             raise
 
+    @staticmethod
+    def refuse(transaction: LaunchTransaction, mark_lost: Callable[[], None]) -> None:
+        """Undo a run that stood but is refused after `launch` (its outputs could not be
+        delivered): nothing committed (its spare rows given back; in place, its rows written
+        back). Should that fail, ``mark_lost`` flags its slots (logged; raised)."""
+        try:
+            transaction.roll_back()
+            transaction.finish()
+        except Exception:
+            log.exception("rolling back a refused prepared run failed; its slots are flagged state_lost")
+            mark_lost()
+            raise
+
     def close(self) -> None:
         """Let go of the graph and its tensors (its memory pool is freed with them)."""
         self.closed = True

@@ -550,10 +550,14 @@ class ServerCore:
             raise
         t3 = time.perf_counter()
         result = PrefillResult(prepared.slots, inputs.lengths, o, finals, [], t3 - t0)
-        delivered = t3  # once the outputs are in place (the launch is timed from its refill to then)
         try:
-            prepared.deliver(result)  # the slots advance even when the outputs cannot be delivered
-            delivered = time.perf_counter()
+            prepared.deliver(result)
+        except BaseException:  # the outputs cannot reach the client (400): the run is refused, no slot moves
+            prepared.refuse(transaction, mark_lost)
+            self.metrics.prepared_launch(len(inputs.lengths), prepared.tokens, time.perf_counter() - t0)
+            raise
+        delivered = time.perf_counter()  # the outputs in place (the launch is timed from its refill to then)
+        try:
             run = PreparedRun(result, (t1 - t0, t2 - t1, *launched, delivered - t3))
             if answer is not None:
                 answer(run)

@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import os
+import socket
 import stat
 import time
 from typing import Awaitable, Callable, Optional
@@ -56,14 +57,31 @@ MAX_PREPARED = 256
 
 
 def socket_path_problem(path: str) -> Optional[str]:
-    """Why a framed socket cannot be made at ``path`` (its folder missing, or a file that is
-    not a socket there), or None; a stale socket there is replaced by `FramedServer.start`."""
+    """Why a framed socket cannot be made at ``path`` (its folder missing, a file that is
+    not a socket there, or a socket a process listens on), or None; a stale socket there
+    (nobody listens) is replaced by `FramedServer.start`."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         return f"no folder {folder}"
-    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+    if not os.path.lexists(path):
+        return None
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
         return "a file that is not a socket is there"
-    return None
+    return _listened_on(path)
+
+
+def _listened_on(path: str) -> Optional[str]:
+    """Why the socket file at ``path`` is not stale (a connection to it is accepted, or
+    refused for another reason than that nobody listens), or None when it is."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)  # a listener whose backlog is full would hold a blocking connect
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return None  # left by a server that did not close, or gone since
+        except OSError as e:
+            return f"the socket there cannot be probed ({e.strerror or e}); remove it if it is stale"
+    return "a server is listening on it (another kda-serve?)"
 
 
 class _Refusal(ServiceError):
