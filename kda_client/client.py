@@ -97,15 +97,25 @@ def _body_size(body: Body) -> int:
     return sum(piece.nbytes for piece in body) if isinstance(body, list) else len(body)
 
 
+def _problem(status: int, headers: Headers, body: bytearray) -> dict[str, Any]:
+    """An error response's problem document: its RFC 9457 body, an Open Inference Protocol
+    error (``{"error": message}``, the ``/v2`` routes') as one with that ``detail``, else
+    the body's text as ``detail``."""
+    try:
+        doc = json.loads(body) if media_type(headers.get("content-type")) in (PROBLEM, JSON) else None
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and "detail" not in doc and isinstance(doc.get("error"), str):
+        return {"status": status, "detail": doc["error"]}
+    if isinstance(doc, dict):
+        return doc
+    return {"status": status, "detail": bytes(body[:2000]).decode("utf-8", "replace")}
+
+
 def _raise_for(status: int, headers: Headers, body: bytearray) -> None:
     if status < 400:
         return
-    try:
-        problem = json.loads(body) if media_type(headers.get("content-type")) in (PROBLEM, JSON) else None
-    except ValueError:
-        problem = None
-    if not isinstance(problem, dict):
-        problem = {"status": status, "detail": bytes(body[:2000]).decode("utf-8", "replace")}
+    problem = _problem(status, headers, body)
     if status == 503:
         retry = headers.get("retry-after")
         retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
@@ -237,11 +247,13 @@ def _check_tensor(name: str, t: Any) -> None:
 
 def _check_inputs(parts: Mapping[str, Sequence[Any]], **extra: Any) -> None:
     """Every encoding and transport refuses the same inputs before anything is made or sent:
-    tensors of a wire dtype, and the sequences' parts of one name packable along tokens (one
-    dtype and trailing shape). The rest the server checks."""
+    tensors of a wire dtype, and the sequences' parts of one name packable along tokens (a
+    token dimension, one dtype and trailing shape). The rest the server checks."""
     for name, ts in parts.items():
         for t in ts:
             _check_tensor(name, t)
+            if t.dim() == 0:
+                raise ValueError(f"{name} must have a token dimension to be packed along tokens, got a 0-d tensor")
         first = ts[0]
         for t in ts[1:]:
             if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:

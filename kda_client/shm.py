@@ -143,8 +143,9 @@ class _Arena:
         assert self.geometry is not None, "layout() before the geometry is known"
         g = self.geometry
         places, offset = {}, 0
-        for name, parts in tensors.items():
-            shape = [sum(int(p.shape[0]) for p in parts), *parts[0].shape[1:]]
+        for name, parts in tensors.items():  # one part (A_log, dt_bias: any shape, the server checks it) as it is
+            shape = list(parts[0].shape) if len(parts) == 1 else [sum(int(p.shape[0]) for p in parts),
+                                                                  *parts[0].shape[1:]]
             places[name] = Placed(offset, parts[0].dtype, shape)
             offset += places[name].nbytes
         T = sum(lengths)
@@ -234,13 +235,12 @@ class ShmArena(_Arena):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        try:
             memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         except BaseException:
             os.unlink(path)
             raise
+        finally:
+            os.close(fd)
         self._pending = _Mapped(name, memory, 0, Registration(
             "/shm/regions", {"name": name, "key": "/" + name, "byte_size": size, "ttl_s": self.ttl_s}))
         return self._pending.registration
