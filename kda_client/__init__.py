@@ -5,11 +5,12 @@ A package of its own: importing it loads httpx, torch and the wire formats
 """
 from .client import AsyncKDAClient, KDAClient, PrefillOutput, PrefixAlloc, SequenceInput
 from .errors import (
-    BadRequest, ClientClosed, KDAError, PoolFullError, ServerError, ServiceUnavailable, SlotNotFound, Unauthorized,
+    BadRequest, ClientClosed, KDAError, PoolFullError, ServerError, ServiceUnavailable, SlotGone, SlotNotFound,
+    StateLost, Unauthorized,
 )
 
 __all__ = [
     "KDAClient", "AsyncKDAClient", "PrefillOutput", "PrefixAlloc", "SequenceInput", "KDAError", "BadRequest",
-    "Unauthorized",
-    "SlotNotFound", "ServiceUnavailable", "PoolFullError", "ServerError", "ClientClosed",
+    "Unauthorized", "StateLost",
+    "SlotNotFound", "SlotGone", "ServiceUnavailable", "PoolFullError", "ServerError", "ClientClosed",
 ]

@@ -56,7 +56,8 @@ import httpx
 import torch
 
 from .errors import (
-    BadRequest, ClientClosed, KDAError, PoolFullError, ServerError, ServiceUnavailable, SlotNotFound, Unauthorized,
+    BadRequest, ClientClosed, KDAError, PoolFullError, ServerError, ServiceUnavailable, SlotGone, SlotNotFound,
+    StateLost, Unauthorized,
 )
 from .framed import AsyncFramedExchange, FramedExchange
 from .outputs import PrefillOutput
@@ -112,16 +113,25 @@ def _problem(status: int, headers: Headers, body: bytearray) -> dict[str, Any]:
     return {"status": status, "detail": bytes(body[:2000]).decode("utf-8", "replace")}
 
 
+def _retry_member(problem: dict[str, Any]) -> Optional[float]:
+    """The problem's ``retry_after`` seconds (the framed socket's replies have no headers),
+    or None."""
+    value = problem.get("retry_after")
+    return float(value) if type(value) in (int, float) and value >= 0 else None
+
+
 def _raise_for(status: int, headers: Headers, body: bytearray) -> None:
     if status < 400:
         return
     problem = _problem(status, headers, body)
     if status == 503:
         retry = headers.get("retry-after")
-        retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
+        retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else _retry_member(problem)
         cls = PoolFullError if str(problem.get("type", "")).endswith(":pool-full") else ServiceUnavailable
         raise cls(status, problem, retry_after)
-    cls = {401: Unauthorized, 404: SlotNotFound}.get(status, BadRequest if status < 500 else ServerError)
+    if status == 409 and str(problem.get("type", "")).endswith(":state-lost"):
+        raise StateLost(status, problem)
+    cls = {401: Unauthorized, 404: SlotNotFound, 410: SlotGone}.get(status, BadRequest if status < 500 else ServerError)
     raise cls(status, problem)
 
 
@@ -437,6 +447,13 @@ def _client_headers(api_key: Optional[str]) -> dict[str, str]:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def _check_api_key(api_key: Optional[str]) -> None:
+    """ValueError for a key no header value can carry (a control character: CR or LF would
+    end the header and start another on the requests written by hand)."""
+    if api_key is not None and any(ord(c) < 0x20 or ord(c) == 0x7F for c in api_key):
+        raise ValueError("api_key holds a control character (CR, LF, ...): no HTTP header can carry it")
+
+
 def _arena(transport: Transport, ttl_s: float, views: bool) -> Optional[Arena]:
     if transport == "shm":
         return ShmArena(ttl_s, views)
@@ -462,6 +479,7 @@ class KDAClient:
                  shm_ttl_s: float = 300.0, shm_views: bool = False, framed_socket: Optional[str] = None) -> None:
         if framed_socket is not None and transport == "http":
             raise ValueError("framed_socket carries shared memory prefills: it needs transport='shm' or 'cuda'")
+        _check_api_key(api_key)
         self._framed = None if framed_socket is None else FramedExchange(framed_socket, api_key, timeout)
         self._calls = _Calls(encoding)
         self._arena = _arena(transport, shm_ttl_s, shm_views)
@@ -709,6 +727,7 @@ class AsyncKDAClient:
                  shm_ttl_s: float = 300.0, shm_views: bool = False, framed_socket: Optional[str] = None) -> None:
         if framed_socket is not None and transport == "http":
             raise ValueError("framed_socket carries shared memory prefills: it needs transport='shm' or 'cuda'")
+        _check_api_key(api_key)
         self._framed = None if framed_socket is None else AsyncFramedExchange(framed_socket, api_key, timeout)
         self._calls = _Calls(encoding)
         self._arena = _arena(transport, shm_ttl_s, shm_views)

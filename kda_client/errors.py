@@ -18,7 +18,20 @@ class KDAError(Exception):
 
 
 class BadRequest(KDAError):
-    """The request was refused as it stands (400, 406, 413, 415, 422); nothing changed."""
+    """The request was refused as it stands (400, 406, 408, 409, 413, 415, 422 and any
+    other 4xx without a class of its own); nothing changed."""
+
+
+class StateLost(BadRequest):
+    """409 ``state-lost``: the request names a slot whose state cannot be trusted (an update
+    on it failed midway, or it advanced after the snapshot the server restarted from).
+    Nothing changed; put a state into the slot (`put_state`) or free it and prefill anew.
+    ``slot``: the slot named."""
+
+    @property
+    def slot(self) -> Optional[str]:
+        value = self.problem.get("slot")
+        return value if isinstance(value, str) else None
 
 
 class Unauthorized(KDAError):
@@ -28,6 +41,11 @@ class Unauthorized(KDAError):
 class SlotNotFound(KDAError):
     """404: the slot id was never issued, was freed, or expired (or, for the prefix
     routes, the prefix cache holds no entry of that key)."""
+
+
+class SlotGone(SlotNotFound):
+    """410 (a sharded deployment): the slot's state is lost for good (its shard died, or
+    stopped without a snapshot to come back from); its id will never work again."""
 
 
 class ServiceUnavailable(KDAError):

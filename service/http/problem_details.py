@@ -27,8 +27,11 @@ def problem(status: int, slug: str, detail: str, *, title: Optional[str] = None,
             headers: Optional[dict[str, str]] = None, **extra: Any) -> JSONResponse:
     """A problem+json response; ``extra`` members (``field``, ``errors``, ...) are added
     when not None. ``request_id``: the current request's (`service.http.request_id`)
-    unless given."""
+    unless given; ``retry_after``: a ``Retry-After`` header's seconds, for transports that
+    carry the body without the headers (the framed socket)."""
     extra.setdefault("request_id", current_request_id())
+    if headers is not None and "Retry-After" in headers:
+        extra.setdefault("retry_after", int(headers["Retry-After"]))
     body = {
         "type": TYPE_PREFIX + slug,
         "title": title or HTTPStatus(status).phrase,

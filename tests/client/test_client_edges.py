@@ -23,10 +23,10 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from kda_client import AsyncKDAClient, BadRequest, KDAClient
+from kda_client import AsyncKDAClient, BadRequest, KDAClient, PoolFullError, StateLost
 from kda_client.shm import Registration
 from server_harness import (  # noqa: F401  (one_torch_thread: autouse for this module)
-    GEOMETRY_ARGS, TOL, Server, make_sequence, one_torch_thread, reference, rel, start_server,
+    GEOMETRY_ARGS, TOL, Server, kill_9, make_sequence, one_torch_thread, reference, rel, start_server,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,3 +140,67 @@ def test_a_0d_a_log_is_the_servers_400_naming_it_on_every_path(server, gen, kw: 
             c.prefill(0, [(None, *seq)], A_log=torch.randn((), generator=gen))
     assert refused.value.status == 400 and refused.value.problem["field"] == "A_log"
     assert not _shm_files()
+
+
+# -- 503: when to come back, on every transport ----------------------------------------------
+
+def test_a_full_pool_says_when_to_retry_over_http_and_the_framed_socket(tmp_path, gen) -> None:
+    """PoolFullError carries ``retry_after`` over HTTP (the Retry-After header) and over the
+    framed socket, whose replies have no headers (the problem's ``retry_after`` member);
+    nothing is allocated."""
+    path = str(tmp_path / "kda.sock")
+    srv = start_server([*GEOMETRY_ARGS, "--num-slots", "3", "--framed-socket", path], tmp_path / "kda.log")
+    try:
+        sequences = [(None, *make_sequence(n, gen)) for n in (3, 2)]  # two new slots, one free
+        with KDAClient(srv.url) as owner:
+            owner.alloc(2)
+        for kw in (dict(), dict(transport="shm"), dict(transport="shm", framed_socket=path)):
+            with KDAClient(srv.url, **kw) as client:
+                with pytest.raises(PoolFullError) as full:
+                    client.prefill(0, sequences)
+                assert full.value.retry_after == 1.0, (kw, full.value.problem)
+                assert full.value.problem["retry_after"] == 1, kw
+                assert client.info()["used_slots"] == 2, kw
+    finally:
+        assert srv.stop() == 0, srv.log_text()
+
+
+# -- 409 state_lost: its own class -------------------------------------------------------------
+
+def test_a_slot_flagged_state_lost_raises_state_lost_naming_it(tmp_path, gen) -> None:
+    """A slot that advanced after the last snapshot of a server killed with -9 comes back
+    flagged ``state_lost``: a prefill on it raises `StateLost` (a BadRequest, 409) naming the
+    slot, and changes nothing; after `put_state` it serves again."""
+    args = [*GEOMETRY_ARGS, "--snapshot-path", str(tmp_path / "pool.snapshot")]
+    first = start_server(args, tmp_path / "first.log")
+    with KDAClient(first.url) as client:
+        slot = client.alloc()[0]
+    assert first.stop() == 0, first.log_text()  # the clean stop's snapshot holds the slot
+    second = start_server(args, tmp_path / "second.log")
+    with KDAClient(second.url) as client:
+        client.prefill(0, [(slot, *make_sequence(5, gen))])  # advances after that snapshot
+    kill_9(second)
+    third = start_server(args, tmp_path / "third.log")
+    try:
+        with KDAClient(third.url) as client:
+            before = client.get_state(slot)
+            with pytest.raises(StateLost) as lost:
+                client.prefill(0, [(slot, *make_sequence(3, gen))])
+            assert isinstance(lost.value, BadRequest) and lost.value.status == 409
+            assert lost.value.slot == slot
+            assert torch.equal(client.get_state(slot), before) and client.slot_info(slot)["state_lost"]
+            client.put_state(slot, torch.zeros_like(before))
+            chunk = make_sequence(4, gen)
+            out = client.prefill(0, [(slot, *chunk)])
+            assert rel(out.final_state[0], reference([chunk])[1][0]) < TOL
+    finally:
+        assert third.stop() == 0, third.log_text()
+
+
+@pytest.mark.parametrize("key", ["sesame\r\nX-Injected: 1", "ses\name", "ses\x00ame", "ses\tame"])
+@pytest.mark.parametrize("cls", [KDAClient, AsyncKDAClient])
+def test_an_api_key_with_a_control_character_is_refused_before_any_request(server, key: str, cls: Any) -> None:
+    """A key no header can carry is a ValueError at construction (the small-request path
+    writes headers by hand: CR LF in the key would have added a header of the caller's)."""
+    with pytest.raises(ValueError, match="control character"):
+        cls(server.url, api_key=key)
