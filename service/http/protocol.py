@@ -66,9 +66,13 @@ request's line and headers must arrive within ``header_timeout_s`` of their firs
 after) and hold at most ``max_header_bytes`` (431, counted as they arrive, so a client
 cannot make the server hold a 48 MiB header). A request asking to ``Upgrade`` (WebSocket,
 h2c) is answered 400 ``upgrade-not-supported``: the server speaks HTTP/1.1 only. Each of
-these answers is problem+json and closes the connection. A request refused before the app
-saw it is counted through the app's `CountRefused` (uvicorn's per-server ``app_state``,
-`REFUSED_STATE_KEY`): the app counts those it runs.
+these answers is problem+json and closes the connection. An answer of the app's that closes
+the connection (``Connection: close``) before the request's body was read whole, such as
+the body limit's 413 from Content-Length, closes it lingering (`KDAHttpProtocol._linger`):
+half-closed, the client's further bytes read and dropped for at most `LINGER_S` and
+`LINGER_BYTES`, so that a client still sending its body reads the answer rather than a
+reset. A request refused before the app saw it is counted through the app's `CountRefused`
+(uvicorn's per-server ``app_state``, `REFUSED_STATE_KEY`): the app counts those it runs.
 
     uvicorn.run(app, http=KDAHttpConnection)
 
@@ -84,7 +88,8 @@ import asyncio
 import socket
 import time
 from contextlib import suppress
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import httptools
 from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGIReceiveEvent, ASGISendCallable, Scope
@@ -99,6 +104,14 @@ from ..wire.buffers import WarmBuffers
 
 PROGRESS_S = 0.1
 """How often the app is woken, with no bytes, while a whole body is being collected."""
+
+LINGER_S = 2.0
+"""At most how long a connection answered before its request's body was read (an early
+413 or 408, ``Connection: close``) goes on reading, and dropping, what its client sends
+before it closes (`KDAHttpProtocol._linger`)."""
+
+LINGER_BYTES = 8 << 20
+"""At most how many bytes it drops meanwhile: the connection closes at whichever comes first."""
 
 
 WARM_STATE_KEY = "kda_serve.warm_bodies"
@@ -240,9 +253,10 @@ class CorkedWrites:
     HELD = 64 * 1024
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
-                 owner: Optional[RequestResponseCycle] = None) -> None:
+                 owner: Optional[RequestResponseCycle] = None, closer: Optional[Callable[[], None]] = None) -> None:
         self._transport = transport
         self.owner = owner  # the cycle whose response this carries
+        self._closer = closer or transport.close  # how `close` ends the connection, once what is held is out
         self._loop = loop
         self._held: list[Any] = []  # bytes-like pieces, in order
         self._size = 0
@@ -267,7 +281,7 @@ class CorkedWrites:
 
     def close(self) -> None:
         self.flush()
-        self._transport.close()
+        self._closer()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -294,6 +308,8 @@ class KDAHttpProtocol(HttpToolsProtocol):
         self._refusal: Optional[bytes] = None  # a refusal waiting for the responses to the requests before it
         self._trailer_bytes = 0  # the trailer fields of the request's chunked body so far
         self._eof = False  # the client has sent its FIN: nothing more will arrive
+        self._linger_end: Optional[asyncio.TimerHandle] = None  # set while the connection lingers (`_linger`)
+        self._linger_left = 0  # bytes it may still drop meanwhile
 
     # -- connection limits ---------------------------------------------------------------
 
@@ -348,10 +364,41 @@ class KDAHttpProtocol(HttpToolsProtocol):
         return client_hung_up(self.transport)
 
     def _cancel_timers(self) -> None:
-        for timer in (self._idle, self._header_deadline):
+        for timer in (self._idle, self._header_deadline, self._linger_end):
             if timer is not None:
                 timer.cancel()
-        self._idle = self._header_deadline = None
+        self._idle = self._header_deadline = self._linger_end = None
+
+    def _close_after(self, cycle: RequestResponseCycle) -> None:
+        """End the connection once ``cycle``'s response (``Connection: close``) is out: at
+        once, or lingering (`_linger`) when that response came before the request's body
+        was read whole, while its client may still be sending it."""
+        if (cycle is self.cycle and cycle.response_complete and cycle.more_body and not self._eof
+                and not self.transport.is_closing()):
+            self._linger(cycle)
+        else:
+            self.transport.close()
+
+    def _linger(self, cycle: RequestResponseCycle) -> None:
+        """A lingering close (RFC 9112 9.6): closed with the body's bytes unread, the socket
+        would send a reset, and a client still writing its body might never read the
+        response ahead of it (httpx's asyncio client: ``ReadError``). Instead the server
+        half-closes (its FIN follows the response) and reads, dropping what arrives, until
+        the client closes, `LINGER_BYTES` are dropped or `LINGER_S` pass; then it closes."""
+        self._cancel_timers()
+        self._whole, cycle.body = None, bytearray()  # none of the body is kept
+        cycle.waiting_for_100_continue = False  # nothing more is written
+        self._linger_left = LINGER_BYTES
+        self._linger_end = self.loop.call_later(LINGER_S, self.transport.close)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.flow.resume_reading()
+
+    def _drop(self, n: int) -> None:
+        """``n`` bytes arrived while lingering: dropped, and the connection closed past the cap."""
+        self._linger_left -= n
+        if self._linger_left < 0:
+            self.transport.close()
 
     def _close_idle(self) -> None:
         """No request began in time: nothing to answer, the connection just closes."""
@@ -453,7 +500,7 @@ class KDAHttpProtocol(HttpToolsProtocol):
                 self.transport.write(self._refusal)
                 self.transport.close()
             return
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._linger_end is not None:
             return
         if self._eof:  # half-closed: the connection ends with the last answer
             if not self._answering():
@@ -466,6 +513,9 @@ class KDAHttpProtocol(HttpToolsProtocol):
     # -- bytes in ------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_end is not None:
+            self._drop(len(data))
+            return
         if self._refusal is not None:  # a request was refused: nothing after it is read
             return
         self._unset_keepalive_if_required()
@@ -559,7 +609,7 @@ class KDAHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-        cork = CorkedWrites(cycle.transport, self.loop, cycle)
+        cork = CorkedWrites(cycle.transport, self.loop, cycle, closer=partial(self._close_after, cycle))
         cycle.transport = cork  # type: ignore[assignment]
         self._corks.append(cork)
         app = self._after_fin(cycle, app)
