@@ -247,7 +247,9 @@ def prefill_inputs(request: ParsedRequest, tensors: Mapping[str, torch.Tensor], 
 def plan_outputs(request: ParsedRequest, o_dtype: torch.dtype, o_nbytes: int, state_dtype: torch.dtype,
                  state_nbytes: int, regions: Mapping[str, Region]) -> None:
     """Refuse, before the launch, outputs that cannot be delivered: BF16 as numbers, or a
-    shared memory destination that is out of bounds or too small. ``o_*`` describe o
+    shared memory destination that is out of bounds, too small, or whose bytes cannot be
+    reserved (`Region.reserve`: past the server's file size limit, or no room left in
+    /dev/shm), so `write_shm_outputs` cannot fail after the launch. ``o_*`` describe o
     ([T, HV, V] in v's dtype), ``state_*`` the final state ([HV, V, K] in the pool dtype)."""
     for spec in request.outputs:
         dtype, nbytes = (o_dtype, o_nbytes) if spec.name == "o" else (state_dtype, state_nbytes)
@@ -258,6 +260,7 @@ def plan_outputs(request: ParsedRequest, o_dtype: torch.dtype, o_nbytes: int, st
             if spec.shm.byte_size < nbytes:
                 raise bad(spec.name, f"{where} needs {nbytes} bytes, but its shared_memory_byte_size is "
                                      f"{spec.shm.byte_size}")
+            region.reserve(spec.shm.offset, nbytes, where)
         elif not spec.binary and dtype in BINARY_ONLY:
             raise bad(spec.name, f"{where} is {datatype_name(dtype)}, which travels as binary data only: request "
                                  "it with binary_data true (or into shared memory)")

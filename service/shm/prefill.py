@@ -10,8 +10,10 @@ unless ``return_final_state`` is false). Regions are registered first (``POST
 
 Every reference is checked before anything runs: the region is registered, the bytes lie
 inside it, ``byte_size`` equals dtype x shape for inputs and holds the result for outputs
-(o: T x HV x V in v's dtype; final_state: N x HV x V x K in the pool dtype). A failure is a
-400 problem and changes no slot. Inputs are copied out of the regions once
+(o: T x HV x V in v's dtype; final_state: N x HV x V x K in the pool dtype), and the
+outputs' bytes can be written (`Region.reserve`: within the server's file size limit, pages
+allocated on a full /dev/shm). A failure is a 400 problem naming the field and changes no
+slot. Inputs are copied out of the regions once
 (`service.shm.tensors.copy_out`: q, k, v, g and beta straight into device memory on a GPU
 server, everything else into one reused host buffer), decoded into `PrefillInputs` and go
 through the same validation, per-slot ordering and batching as every transport. Outputs are
@@ -143,11 +145,14 @@ def _tensors(request: PrefillShmRequest) -> dict[str, ShmTensor]:
 
 
 def _room(regions: dict[str, Region], ref: ShmRef, need: int, field: str) -> None:
-    """That ``ref`` lies in its region and holds ``need`` bytes."""
-    regions[ref.region].check(ref.offset, ref.byte_size, field)
+    """That ``ref`` lies in its region and holds ``need`` bytes, and those bytes are
+    reserved (`SystemRegion.reserve`): writing the result after the launch cannot fail."""
+    region = regions[ref.region]
+    region.check(ref.offset, ref.byte_size, field)
     if ref.byte_size < need:
         raise InvalidRequest(f"{field}: the result needs {need} bytes, shared memory byte_size is {ref.byte_size}",
                              field=field)
+    region.reserve(ref.offset, need, field)
 
 
 def read_request(request: PrefillShmRequest, regions: dict[str, Region], core: ServerCore,

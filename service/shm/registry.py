@@ -28,13 +28,20 @@ a short read (a 400), not a SIGBUS. The mapping serves only DMA to and from a GP
 page-locked (pinned pages outlive a truncation; an unpinned mapping is never touched by
 the CPU). The registry holds at most ``max_regions`` regions and ``max_bytes`` bytes of
 system regions (``--max-shm-regions``, ``--max-shm-mb``).
+
+Writing the outputs comes after the launch has committed the slots' new states, so it must
+not fail then: before the launch, each output's bytes are reserved (`SystemRegion.reserve`:
+past the process's file size limit is a 400; pages the object does not have yet are
+allocated with ``posix_fallocate``, so a full /dev/shm is a 400 before anything changed).
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
+import resource
 import stat
 import threading
 import time
@@ -53,6 +60,8 @@ from ..errors import InvalidRequest
 log = logging.getLogger("kda_serve.shm")
 SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX shared memory objects
 SYSTEM, CUDA = "system", "cuda"
+_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, errno.ENODEV})
+"""posix_fallocate's answers for a filesystem that cannot allocate ahead: nothing is reserved."""
 
 
 class UnknownRegion(InvalidRequest):
@@ -93,6 +102,12 @@ class _Region(ABC):
         if offset < 0 or offset + nbytes > self.byte_size:
             raise InvalidRequest(f"{field}: bytes [{offset}, {offset + nbytes}) fall outside shared memory region "
                                  f"{self.name!r} of {self.byte_size} bytes", field=field)
+
+    def reserve(self, offset: int, nbytes: int, field: str) -> None:
+        """Make a later `write` of ``nbytes`` bytes at ``offset`` (bounds checked by the
+        caller) unable to fail for want of room, or refuse it now (InvalidRequest naming
+        ``field``): called before the launch. Nothing to do here (a CUDA region's memory is
+        allocated already)."""
 
     def lend(self, offset: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
         """The ``nbytes`` bytes at ``offset`` as a uint8 tensor on ``device`` to read in place
@@ -173,6 +188,40 @@ class SystemRegion(_Region):
         super().check(offset, nbytes, field)
         self._require_size(os.fstat(self._file()).st_size, field)
 
+    def reserve(self, offset: int, nbytes: int, field: str) -> None:
+        """Before the launch, what `write` needs to succeed: the bytes lie below this process's
+        file size limit (RLIMIT_FSIZE: a write past it fails with EFBIG), and the object has
+        pages for them: unless it has every page already (fstat's ``st_blocks``: one call,
+        the common case), they are allocated with ``posix_fallocate`` (no byte changes).
+        InvalidRequest (400) naming ``field`` when the limit or the filesystem (ENOSPC: a
+        full /dev/shm) refuses. A filesystem that cannot allocate ahead (EOPNOTSUPP, EINVAL)
+        leaves the bytes unreserved: a write that then finds no room is still a 400, after
+        the launch. A client that frees the object's pages while its request runs can make
+        the write fail as well."""
+        if nbytes <= 0:
+            return
+        fd, start = self._file(), self.offset + offset
+        self._within_file_limit(start + nbytes, field)
+        st = os.fstat(fd)
+        if st.st_blocks * 512 >= st.st_size:  # st_blocks counts 512-byte units: no page missing
+            return
+        try:
+            os.posix_fallocate(fd, start, nbytes)
+        except OSError as e:
+            if e.errno in _NO_FALLOCATE:
+                return
+            raise InvalidRequest(f"{field}: the outputs could not be written into shared memory region {self.name!r} "
+                                 f"(reserving {nbytes} bytes at offset {offset}: {e.strerror}); nothing ran",
+                                 field=field) from None
+
+    def _within_file_limit(self, end: int, field: str) -> None:
+        """That the object's bytes before ``end`` lie within this process's RLIMIT_FSIZE."""
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and end > limit:
+            raise InvalidRequest(f"{field}: the outputs could not be written into shared memory region {self.name!r}: "
+                                 f"they end at byte {end} of key {self.key!r}, past this server's file size limit "
+                                 f"(RLIMIT_FSIZE, {limit} bytes); nothing ran", field=field)
+
     def _file(self) -> int:
         """The object's fd; ValueError once the region is closed (its number may be another
         file's by then)."""
@@ -217,7 +266,8 @@ class SystemRegion(_Region):
         """``t`` (on the host, or on a GPU and complete: the launch synchronized) stored at
         ``offset``, in place when this returns: from a GPU into the page-locked mapping,
         else through the file (an object truncated meanwhile grows back; nothing faults).
-        InvalidRequest when the file refuses the bytes (a full /dev/shm)."""
+        InvalidRequest when the file refuses the bytes anyway (`reserve` ran before the
+        launch, but the filesystem could not allocate ahead, or the client freed the pages)."""
         mapping = self._pinned_view(t.device) if t.is_cuda else None
         if mapping is not None:
             begin = self._base + offset

@@ -13,8 +13,6 @@ real protocols:
 from __future__ import annotations
 
 import json
-import resource
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -22,7 +20,8 @@ import httpx
 import pytest
 import torch
 from transport_helpers import (
-    GEOMETRY_ARGS, TOL, Region, Server, dumps, make_sequence, pool_image, reference, rel, shm_request, start_server,
+    GEOMETRY_ARGS, TOL, Region, Server, dumps, file_size_limit, make_sequence, pool_image, reference, rel,
+    shm_request, start_server,
 )
 
 from kda_client.framed import FramedExchange
@@ -57,18 +56,6 @@ def region(framed: tuple[Server, str]) -> Iterator[Region]:
     yield r
     httpx.delete(f"{server.url}/shm/regions/{r.name}")
     r.unlink()
-
-
-@contextmanager
-def file_size_limit(pid: int, limit: int) -> Iterator[None]:
-    """Process ``pid``'s RLIMIT_FSIZE (soft) at ``limit`` bytes while the block runs: a
-    write at or past that offset of any file fails with EFBIG (Python ignores SIGXFSZ)."""
-    soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
-    resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def _doc_with_outputs_at(region: Region, slots: Sequence[str], seqs: Sequence[Sequence[torch.Tensor]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import resource
 import secrets
 import socket
 import threading
@@ -45,11 +46,13 @@ def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[int]:
 
 class Region:
     """A POSIX shared memory object of ``size`` bytes made by the test (as a client would),
-    mapped here as a uint8 tensor; `unlink` removes the name."""
+    sparse (ftruncate only), in ``folder`` (the /dev/shm the server sees: another process's
+    is ``/proc/<pid>/root/dev/shm``), mapped here as a uint8 tensor; `unlink` removes the
+    name."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, folder: str = "/dev/shm") -> None:
         self.name = f"kda-test-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path = f"/dev/shm/{self.name}"
+        self.path = f"{folder}/{self.name}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -82,6 +85,18 @@ class Region:
     def unlink(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
+
+
+@contextmanager
+def file_size_limit(pid: int, limit: int) -> Iterator[None]:
+    """Process ``pid``'s RLIMIT_FSIZE (soft) at ``limit`` bytes while the block runs: a
+    write at or past that offset of any file fails with EFBIG (Python ignores SIGXFSZ)."""
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def shm_request(region: Region, slots: Sequence[Optional[str]], seqs: Sequence[Sequence[torch.Tensor]],
