@@ -488,13 +488,16 @@ class ShmRegistry:
 
     Used from the event loop only. ``cuda_reason`` says why CUDA regions cannot be
     registered in this process (None where they can). At most ``max_regions`` regions
-    (system and CUDA) and ``max_bytes`` bytes of system regions are registered at a time;
-    a registration past either is refused (400) before anything is opened.
+    (system and CUDA) and ``max_bytes`` bytes of system regions are mapped at a time,
+    counting those unregistered while a request or a prepared prefill still uses them
+    (mapped, on a GPU page-locked, until it lets go); a registration past either is
+    refused (400) before anything is opened.
     """
 
     def __init__(self, max_regions: int = DEFAULT_MAX_REGIONS, max_bytes: int = DEFAULT_MAX_BYTES,
                  cuda_in_place: bool = False) -> None:
         self._regions: dict[str, Region] = {}
+        self._retiring: set[Region] = set()  # unregistered, still mapped for the requests that use them
         self._ipc = IpcMappings()
         self.cuda_reason = unavailable_reason()
         self.max_regions = max_regions
@@ -533,11 +536,15 @@ class ShmRegistry:
         log.info("registered CUDA shared memory region %r (device %d, %d bytes)", name, device_id, byte_size)
 
     def _room_for(self, system_bytes: int) -> None:
-        """That one more region, of ``system_bytes`` mapped bytes, fits the caps."""
-        if len(self._regions) >= self.max_regions:
-            raise RegionLimit(f"{len(self._regions)} shared memory regions are registered, the most this server "
-                              f"holds (--max-shm-regions {self.max_regions}); unregister one first", field="name")
-        mapped = sum(r.byte_size for r in self._regions.values() if r.kind == SYSTEM)
+        """That one more region, of ``system_bytes`` mapped bytes, fits the caps (regions
+        unregistered but still in use count: they are mapped until released)."""
+        held = [*self._regions.values(), *self._retiring]
+        if len(held) >= self.max_regions:
+            retiring = f", {len(self._retiring)} of them unregistered but still in use" if self._retiring else ""
+            raise RegionLimit(f"{len(held)} shared memory regions are mapped{retiring}, the most this server "
+                              f"holds (--max-shm-regions {self.max_regions}); unregister one (and release what "
+                              "uses it) first", field="name")
+        mapped = sum(r.byte_size for r in held if r.kind == SYSTEM)
         if mapped + system_bytes > self.max_bytes:
             raise RegionLimit(f"registering {system_bytes} bytes would map {mapped + system_bytes} bytes of system "
                               f"shared memory, more than this server maps (--max-shm-mb: {self.max_bytes} bytes)",
@@ -575,6 +582,8 @@ class ShmRegistry:
             region.closing = True
             if region.users == 0:
                 self._close(region)
+            else:
+                self._retiring.add(region)
             log.info("unregistered %s shared memory region %r", kind, n)
 
     def expire(self) -> list[str]:
@@ -610,6 +619,7 @@ class ShmRegistry:
                 region.users -= 1
                 region.last_used = now
                 if region.closing and region.users == 0:
+                    self._retiring.discard(region)
                     self._close(region)
 
     def close(self) -> None:
