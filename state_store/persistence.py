@@ -35,6 +35,7 @@ record was written but whose change never ran is flagged lost all the same (the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ from . import prefix_snapshot
 from .errors import GeometryMismatch, SnapshotError, SnapshotNotDurable
 from .pool import StatePool
 from .prefix_cache import PrefixCache
-from .snapshot import PathLike, Stamp, fsync_directory
+from .snapshot import PathLike, Stamp, fsync_directory, remove_temporaries
 
 JOURNAL_SUFFIX = ".journal"
 ADVANCE = "advance"
@@ -174,6 +175,7 @@ class Persistence:
         self._path = os.fspath(path)
         self._journal_path = self._path + JOURNAL_SUFFIX
         self._fd: Optional[int] = None
+        self._failed_from: Optional[int] = None  # where a failed append began, until cut off (`_append`)
         self._generation = 0
         self._advanced: set[str] = set()
         self._changed = False
@@ -198,15 +200,18 @@ class Persistence:
         return self._changed
 
     def restore(self) -> RestoreReport:
-        """Load the snapshot when one exists, apply the journal (see the module docstring),
-        open the journal for appending, and, when the journal held anything or a slot
-        expired meanwhile (before the journal was open), write the next snapshot at once so
-        that the flags just set, and the expiries, survive another crash.
+        """Remove the temporary files a crash mid-snapshot left (`remove_temporaries`), load
+        the snapshot when one exists, apply the journal (see the module docstring), open the
+        journal for appending, and, when the journal held anything or a slot expired
+        meanwhile (before the journal was open), write the next snapshot at once so that the
+        flags just set, and the expiries, survive another crash.
 
         Raises SnapshotError or GeometryMismatch when the snapshot cannot be used (the pool
         is then left as it was, and nothing is written).
         """
         with self._pool.lock:
+            for path in (self._path, self.prefix_path):  # a crash mid-snapshot left them (each file's size)
+                remove_temporaries(path)
             stamp = self._pool.restore(self._path) if os.path.exists(self._path) else None
             self._generation = 0 if stamp is None else stamp.generation
             journal = read_journal(self._journal_path)
@@ -289,6 +294,7 @@ class Persistence:
                     prefix_error = exc
             try:
                 os.ftruncate(self._journal_fd(), 0)
+                self._failed_from = None  # a failed record's bytes went with the rest
                 os.fsync(self._journal_fd())
             except OSError as exc:
                 raise SnapshotError(self._journal_path, f"cannot empty the journal: {exc}") from exc
@@ -353,12 +359,27 @@ class Persistence:
         return self._fd
 
     def _append(self, op: str, slot_ids: list[str]) -> None:
+        """Append one record and fsync it. A record that fails midway (a full disk) is cut
+        off again, now or, when that fails too, before the next record: its change never
+        runs, and its bytes must not merge with the next record into an unreadable line
+        (which would flag every slot lost at restart)."""
         line = json.dumps({"gen": self._generation, "op": op, "slots": slot_ids}, separators=(",", ":"))
         data = memoryview((line + "\n").encode("utf-8"))
         fd = self._journal_fd()
         try:
+            self._cut_failed_record(fd)
+            self._failed_from = os.lseek(fd, 0, os.SEEK_END)
             while data:
                 data = data[os.write(fd, data):]
             os.fsync(fd)
+            self._failed_from = None
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._cut_failed_record(fd)
             raise SnapshotError(self._journal_path, f"cannot write the journal: {exc}") from exc
+
+    def _cut_failed_record(self, fd: int) -> None:
+        """Truncate the journal to where a failed `_append` began, if one left bytes."""
+        if self._failed_from is not None:
+            os.ftruncate(fd, self._failed_from)
+            self._failed_from = None

@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import tempfile
 from typing import Any, Iterable, Sequence, Union
 
@@ -121,6 +122,22 @@ def write_atomically(path: PathLike, name: str, dtype: torch.dtype, shape: tuple
         fsync_directory(directory)
     except OSError as exc:
         raise SnapshotNotDurable(path, f"renamed into place, but the rename may not survive a crash: {exc}") from exc
+
+
+def remove_temporaries(path: PathLike) -> None:
+    """Remove the temporary files of `write_atomically` for ``path`` that a crash left
+    beside it (each as large as the file). Only while nothing writes ``path`` (at start).
+    SnapshotError when its directory cannot be listed."""
+    directory, base = os.path.split(os.path.abspath(path))
+    temporary = re.compile(rf"\.{re.escape(base)}\.[^./]+\.tmp")  # mkstemp's prefix, random part, suffix
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:
+        raise SnapshotError(path, f"cannot list its directory: {exc}") from exc
+    for name in names:
+        if temporary.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
 
 
 def fsync_directory(directory: str) -> None:
