@@ -13,7 +13,7 @@ from ray_helpers import (  # noqa: E402
     HV, K, LAYERS, MAX_BODY_MB, SHARD_SLOTS, TOL, V, Cluster, make_sequence, reference, rel, shard_of,
 )
 
-from kda_client.client import BadRequest, KDAClient, SlotNotFound  # noqa: E402
+from kda_client.client import BadRequest, KDAClient, SlotGone, SlotNotFound  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)  # the first test also starts the cluster (~50 s on 2 cores)
 
@@ -258,7 +258,7 @@ def test_a_dead_shard_loses_only_its_slots(cluster: Cluster, client: KDAClient, 
     out_b = client.prefill(0, [(b, *y)])  # the other shard serves on
     assert rel(out_b.o_packed, reference([y], initial=out.final_state[1:])[0]) < TOL
     for request in ([(a, *y)], [(b, *y), (a, *y)]):
-        with pytest.raises(BadRequest) as e:
+        with pytest.raises(SlotGone) as e:  # a SlotNotFound: the id will never work again
             client.prefill(0, request)
         assert e.value.status == 410 and e.value.problem["slot"] == a, e.value.problem
         assert victim in e.value.problem["detail"]
