@@ -20,13 +20,13 @@ import httpx
 import pytest
 import torch
 from transport_helpers import (
-    GEOMETRY_ARGS, TOL, Region, Server, dumps, file_size_limit, make_sequence, pool_image, reference, rel,
-    shm_request, start_server,
+    GEOMETRY_ARGS, TOL, Region, Server, dumps, file_size_limit, make_sequence, pool_image, prepare_and_run,
+    reference, rel, registered_region, shm_request, start_server,
 )
 
 from kda_client.framed import FramedExchange
 from kda_client.small import Response
-from service.wire.frames import PREPARED_ID, Op
+from service.wire.frames import Op
 
 LENGTHS = (6, 1, 9)  # two chunked sequences around a one-token (recurrent) one
 OUTPUTS_AT = 512 << 10  # where o and the final states go in the 1 MiB region
@@ -50,12 +50,8 @@ def framed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture
 def region(framed: tuple[Server, str]) -> Iterator[Region]:
     """A registered POSIX shared memory region of 1 MiB."""
-    server, _ = framed
-    r = Region(1 << 20)
-    assert httpx.post(f"{server.url}/shm/regions", json=r.registration()).status_code == 201
-    yield r
-    httpx.delete(f"{server.url}/shm/regions/{r.name}")
-    r.unlink()
+    with registered_region(framed[0].url) as r:
+        yield r
 
 
 def _doc_with_outputs_at(region: Region, slots: Sequence[str], seqs: Sequence[Sequence[torch.Tensor]]
@@ -102,10 +98,7 @@ def test_a_run_whose_outputs_cannot_be_written_changes_nothing(framed: tuple[Ser
     try:
         first = [make_sequence(n, gen) for n in LENGTHS]
         doc = _doc_with_outputs_at(region, slots, first)
-        answer = exchange.request(Op.PREPARE, dumps(doc))
-        assert answer.status == 201, answer.body
-        prepared = PREPARED_ID.pack(json.loads(answer.body)["prepared"])
-        assert exchange.request(Op.RUN, prepared).status == 200
+        prepared = prepare_and_run(exchange, doc)
         _doc_with_outputs_at(region, slots, [make_sequence(n, gen) for n in LENGTHS])  # new values for the refused run
         before = pool_image(server.url, slots)
         with file_size_limit(server.process.pid, FILE_LIMIT):

@@ -5,7 +5,6 @@ then; prepare, unregister and register again cannot map more than the caps say. 
 live kda-serve with a framed socket, on 127.0.0.1."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator
 
@@ -13,11 +12,11 @@ import httpx
 import pytest
 import torch
 from transport_helpers import (
-    GEOMETRY_ARGS, TOL, Region, Server, dumps, make_sequence, reference, rel, shm_request, start_server,
+    GEOMETRY_ARGS, TOL, Region, Server, make_sequence, prepare_and_run, reference, rel, shm_request, start_server,
 )
 
 from kda_client.framed import FramedExchange
-from service.wire.frames import PREPARED_ID, Op
+from service.wire.frames import Op
 
 REGION_BYTES = 1 << 20
 LENGTHS = (5, 1)
@@ -51,10 +50,7 @@ def test_a_region_unregistered_under_a_prepared_prefill_counts_until_its_release
         assert _register(srv.url, a).status_code == 201 and _register(srv.url, b).status_code == 201
         seqs = [make_sequence(n, gen) for n in LENGTHS]
         doc = shm_request(a, slots, seqs)
-        answer = exchange.request(Op.PREPARE, dumps(doc))
-        assert answer.status == 201, answer.body
-        prepared = PREPARED_ID.pack(json.loads(answer.body)["prepared"])
-        assert exchange.request(Op.RUN, prepared).status == 200
+        prepared = prepare_and_run(exchange, doc)
         T, (HV, V), K = sum(LENGTHS), seqs[0][2].shape[1:], seqs[0][0].shape[2]
         o = a.get({"dtype": "float32", "shape": [T, HV, V], "shm": doc["outputs"]["o"]})
         final = a.get({"dtype": "float32", "shape": [len(LENGTHS), HV, V, K], "shm": doc["outputs"]["final_state"]})

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transport_helpers import (
     GEOMETRY_ARGS, HV, K, TOL, Region, Server, assert_continuation_matches, make_sequence, pool_image,
-    prefill_and_continue, reference, rel, shm_request, start_server,
+    prefill_and_continue, reference, registered_region, rel, shm_request, start_server,
 )
 from server_harness import metric, wait_for
 
@@ -51,12 +51,8 @@ def framed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, s
 @pytest.fixture
 def region(framed: tuple[Server, str]) -> Iterator[Region]:
     """A registered POSIX shared memory region of 1 MiB."""
-    server, _ = framed
-    r = Region(1 << 20)
-    assert httpx.post(f"{server.url}/shm/regions", json=r.registration()).status_code == 201
-    yield r
-    httpx.delete(f"{server.url}/shm/regions/{r.name}")
-    r.unlink()
+    with registered_region(framed[0].url) as r:
+        yield r
 
 
 def _raw(path: str) -> socket.socket:

@@ -13,9 +13,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+import httpx
 import torch
 
 from kda_client.client import KDAClient, PrefillOutput
+from kda_client.framed import FramedExchange
+from service.wire.frames import PREPARED_ID, Op
 from service.wire.tensors import JSON_DTYPES, JSON_NAMES
 from server_harness import (  # noqa: F401  (re-exported for this folder's tests)
     GEOMETRY_ARGS, H, HV, K, LAYERS, SLOTS, Server, TOL, V, free_port, make_sequence, pool_image, reference, rel,
@@ -85,6 +88,29 @@ class Region:
     def unlink(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
+
+
+@contextmanager
+def registered_region(url: str, size: int = 1 << 20) -> Iterator[Region]:
+    """A POSIX shared memory region of ``size`` bytes registered with the server at ``url``
+    for the block; unregistered and unlinked after."""
+    region = Region(size)
+    assert httpx.post(f"{url}/shm/regions", json=region.registration()).status_code == 201
+    try:
+        yield region
+    finally:
+        httpx.delete(f"{url}/shm/regions/{region.name}")
+        region.unlink()
+
+
+def prepare_and_run(exchange: FramedExchange, doc: dict[str, Any]) -> bytes:
+    """``doc`` prepared over the framed ``exchange`` (201) and run once (200): its packed
+    prepared id, for more RUNs and the RELEASE."""
+    answer = exchange.request(Op.PREPARE, dumps(doc))
+    assert answer.status == 201, answer.body
+    prepared = PREPARED_ID.pack(json.loads(answer.body)["prepared"])
+    assert exchange.request(Op.RUN, prepared).status == 200
+    return prepared
 
 
 @contextmanager
