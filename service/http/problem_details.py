@@ -24,14 +24,16 @@ log = logging.getLogger("kda_serve.http")
 
 
 def problem(status: int, slug: str, detail: str, *, title: Optional[str] = None,
-            headers: Optional[dict[str, str]] = None, **extra: Any) -> JSONResponse:
+            headers: Optional[dict[str, str]] = None, retry_after: Optional[int] = None,
+            **extra: Any) -> JSONResponse:
     """A problem+json response; ``extra`` members (``field``, ``errors``, ...) are added
     when not None. ``request_id``: the current request's (`service.http.request_id`)
-    unless given; ``retry_after``: a ``Retry-After`` header's seconds, for transports that
-    carry the body without the headers (the framed socket)."""
+    unless given. ``retry_after`` seconds: the ``Retry-After`` header, and the member of
+    that name for transports that carry the body without the headers (the framed socket)."""
     extra.setdefault("request_id", current_request_id())
-    if headers is not None and "Retry-After" in headers:
-        extra.setdefault("retry_after", int(headers["Retry-After"]))
+    if retry_after is not None:
+        headers = {**(headers or {}), "Retry-After": str(retry_after)}
+        extra["retry_after"] = retry_after
     body = {
         "type": TYPE_PREFIX + slug,
         "title": title or HTTPStatus(status).phrase,
@@ -74,7 +76,7 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 
 async def _pool_full(_: Request, e: PoolFull) -> JSONResponse:
     return problem(503, "pool-full", str(e), title="State pool full",
-                   headers={"Retry-After": str(RETRY_AFTER_S)}, requested=e.requested, free=e.free)
+                   retry_after=RETRY_AFTER_S, requested=e.requested, free=e.free)
 
 
 async def _unknown_slot(_: Request, e: UnknownSlot) -> JSONResponse:
@@ -88,7 +90,7 @@ async def _geometry_mismatch(_: Request, e: GeometryMismatch) -> JSONResponse:
 async def _persistence(_: Request, e: SnapshotError) -> JSONResponse:
     log.error("refused a request: %s", e)
     return problem(503, "persistence-unavailable", PERSISTENCE_UNAVAILABLE, title="Persistence unavailable",
-                   headers={"Retry-After": str(RETRY_AFTER_S)})
+                   retry_after=RETRY_AFTER_S)
 
 
 async def _client_disconnect(request: Request, _: ClientDisconnect) -> JSONResponse:
