@@ -45,8 +45,12 @@ class Reply:
 class KServeEndpoint:
     """The KServe model ``kda`` on ``core``. ``ready`` says whether the kernels are warm and
     passed their self-test; ``registry`` holds the app's shared memory regions (its owner
-    closes it). The sequence table is saved beside the pool snapshot (when the core has a
-    snapshot path): call `load` once the core has started."""
+    closes it). With a snapshot path the sequence table is kept beside the pool snapshot: saved
+    after each one and journaled between them (`service.kserve.sequences`), so after a
+    ``kill -9`` every sequence whose slot the restored pool holds comes back, one STARTed
+    after the table's last save included; one whose slot was allocated after the last pool
+    snapshot must START again. Call `load` once the core has started; the table's save
+    after the snapshot at shutdown closes the journal."""
 
     def __init__(self, core: ServerCore, ready: Callable[[], bool], registry: ShmRegistry) -> None:
         self.core = core
@@ -58,7 +62,7 @@ class KServeEndpoint:
             core.on_checkpoint(self.table.save)
 
     def load(self) -> None:
-        """Restore the saved sequences whose slot the (restored) pool still holds."""
+        """Restore the saved and journaled sequences whose slot the (restored) pool still holds."""
         self.table.load(self.core.has_slot)
 
     @property

@@ -10,7 +10,7 @@ import mmap
 import os
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import httpx
 import pytest
@@ -110,6 +110,111 @@ def test_sequence_table_keeps_only_entries_whose_slot_exists(tmp_path: Path):
     restored = SequenceTable(str(tmp_path / "t.json"))
     restored.load(lambda slot: slot != "b")
     assert restored.live() == {1: "a", (1 << 64) - 1: "c"}
+
+
+def restored_table(path: str, slot_exists: Callable[[str], bool] = lambda slot: True) -> dict:
+    """What a fresh table on ``path`` loads (as a restart does)."""
+    table = SequenceTable(path)
+    table.load(slot_exists)
+    return table.live()
+
+
+def test_changes_after_the_last_save_come_back_from_the_journal(tmp_path: Path):
+    """Binds and unbinds after the last save (a kill -9 before the next snapshot's table
+    save) are replayed over the saved table; the slot filter applies to them too."""
+    path = str(tmp_path / "t.json")
+    table = SequenceTable(path)
+    table.bind(1, "a")
+    table.bind(2, "b")
+    table.save()
+    table.bind("late", "c")
+    table.unbind(1)
+    table.bind(2, "d")  # a START for a live id: the new slot wins
+    assert restored_table(path) == {2: "d", "late": "c"}
+    assert restored_table(path, lambda slot: slot != "c") == {2: "d"}
+
+
+def test_a_torn_journal_tail_is_dropped_and_appending_goes_on(tmp_path: Path):
+    """A last line cut short (no newline) or unreadable is dropped, the records before it
+    kept; records appended after the restart are read back at the next one."""
+    for tail in (b'{"op": "bind", "id": 3, "sl', b'{"op": "bind", "id"\n'):
+        path = str(tmp_path / f"t{len(tail)}.json")
+        table = SequenceTable(path)
+        table.bind(1, "a")
+        table.save()
+        table.bind(2, "b")
+        with open(table.journal_path, "ab") as journal:
+            journal.write(tail)
+        restored = SequenceTable(path)
+        restored.load(lambda slot: True)
+        assert restored.live() == {1: "a", 2: "b"}
+        restored.bind(4, "e")
+        assert restored_table(path) == {1: "a", 2: "b", 4: "e"}
+
+
+def test_an_unreadable_journal_line_ends_the_replay(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """A bad line before the last: the records before it are kept, those after it ignored,
+    and the log says so."""
+    path = str(tmp_path / "t.json")
+    table = SequenceTable(path)
+    table.bind(1, "a")
+    with open(table.journal_path, "ab") as journal:
+        journal.write(b'{"op": "rebind", "id": 1}\n')
+    table.bind(2, "b")
+    with caplog.at_level(logging.ERROR, logger="kda_serve.kserve.sequences"):
+        assert restored_table(path) == {1: "a"}
+    assert "sequence journal" in caplog.text
+
+
+def test_replaying_the_journal_over_a_newer_table_is_harmless(tmp_path: Path):
+    """A crash between a save's rename and the journal's truncation leaves records the
+    table already holds: replayed in order over it, they change nothing (last writer wins
+    per id)."""
+    path = str(tmp_path / "t.json")
+    table = SequenceTable(path)
+    table.bind(1, "a")
+    table.bind(2, "b")
+    table.save()
+    for step in (lambda: table.bind(3, "c"), lambda: table.unbind(1), lambda: table.bind(2, "d"),
+                 lambda: table.bind(1, "e"), lambda: table.unbind(3)):
+        step()
+    stale = Path(table.journal_path).read_bytes()
+    table.save()
+    Path(table.journal_path).write_bytes(stale)
+    assert restored_table(path) == table.live() == {1: "e", 2: "d"}
+
+
+def test_a_failing_journal_write_is_logged_once_and_the_request_goes_on(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture):
+    """A full disk (the journal is /dev/full): bind and unbind work in memory, one warning
+    is logged; the next save holds them, and the journal works again once writable."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    path = str(tmp_path / "t.json")
+    table = SequenceTable(path)
+    os.symlink("/dev/full", table.journal_path)
+    with caplog.at_level(logging.WARNING, logger="kda_serve.kserve.sequences"):
+        table.bind(1, "a")
+        table.bind(2, "b")
+        table.unbind(2)
+    assert table.live() == {1: "a"}
+    assert [r.levelno for r in caplog.records if "journal" in r.getMessage()] == [logging.WARNING]
+    table.save()
+    os.unlink(table.journal_path)  # space again
+    table.save()
+    table.bind(3, "c")
+    assert restored_table(path) == {1: "a", 3: "c"}
+
+
+def test_load_removes_the_temporaries_of_a_save_a_crash_interrupted(tmp_path: Path):
+    """The temporary files of `SequenceTable.save` (and of older versions, named
+    ``.kserve-sequences-*``) go at load; other files stay."""
+    stale = [".t.json.k2j3l4x0.tmp", ".kserve-sequences-q8z1m0v_"]
+    kept = [".other.json.k2j3l4x0.tmp", ".pool.snapshot.k2j3l4x0.tmp", "t.json.k2j3l4x0.tmp"]
+    for name in stale + kept:
+        (tmp_path / name).write_text("{")
+    SequenceTable(str(tmp_path / "t.json")).load(lambda slot: True)
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
 
 
 @pytest.fixture
