@@ -5,12 +5,13 @@ A package of its own: importing it loads httpx, torch and the wire formats
 """
 from .client import AsyncKDAClient, KDAClient, PrefillOutput, PrefixAlloc, SequenceInput
 from .errors import (
-    BadRequest, ClientClosed, KDAError, PoolFullError, ServerError, ServiceUnavailable, SlotGone, SlotNotFound,
-    StateLost, Unauthorized,
+    BadRequest, ClientClosed, KDAError, MalformedResponse, PoolFullError, ServerError, ServiceUnavailable, SlotGone,
+    SlotNotFound, StateLost, Unauthorized,
 )
 
 __all__ = [
     "KDAClient", "AsyncKDAClient", "PrefillOutput", "PrefixAlloc", "SequenceInput", "KDAError", "BadRequest",
     "Unauthorized", "StateLost",
-    "SlotNotFound", "SlotGone", "ServiceUnavailable", "PoolFullError", "ServerError", "ClientClosed",
+    "SlotNotFound", "SlotGone", "ServiceUnavailable", "PoolFullError", "ServerError", "MalformedResponse",
+    "ClientClosed",
 ]

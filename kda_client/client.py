@@ -3,7 +3,9 @@
 Binary transport (safetensors) by default, JSON with ``encoding="json"``. Tensors may be
 on any device and in float32, bfloat16 or float16; results come back as CPU tensors
 viewing the response buffer (no copy). Errors raise `KDAError` subclasses carrying the
-server's problem details (`kda_client.errors`); network failures raise httpx's exceptions.
+server's problem details (`kda_client.errors`), and a reply that cannot be decoded (a
+malformed or truncated body, a wrong Content-Type) `MalformedResponse`, its decoder's
+error as the cause; network failures raise httpx's exceptions.
 A closed client (`close`, `aclose`, the end of its ``with`` block) refuses every call, and
 its prepared prefills every run, with `ClientClosed` before sending or registering anything.
 
@@ -56,8 +58,8 @@ import httpx
 import torch
 
 from .errors import (
-    BadRequest, ClientClosed, KDAError, PoolFullError, ServerError, ServiceUnavailable, SlotGone, SlotNotFound,
-    StateLost, Unauthorized,
+    BadRequest, ClientClosed, KDAError, MalformedResponse, PoolFullError, ServerError, ServiceUnavailable, SlotGone,
+    SlotNotFound, StateLost, Unauthorized, decoding,
 )
 from .framed import AsyncFramedExchange, FramedExchange
 from .outputs import PrefillOutput
@@ -80,7 +82,7 @@ from service.wire.tensors import JSON_NAMES, tensor_to_json
 __all__ = [
     "KDAClient", "AsyncKDAClient", "PrefillOutput", "PrefixAlloc", "SequenceInput",
     "KDAError", "BadRequest", "Unauthorized", "SlotNotFound", "ServiceUnavailable", "PoolFullError", "ServerError",
-    "ClientClosed",
+    "MalformedResponse", "ClientClosed",
 ]
 
 Encoding = Literal["safetensors", "json"]
@@ -126,7 +128,8 @@ def _raise_for(status: int, headers: Headers, body: bytearray) -> None:
     problem = _problem(status, headers, body)
     if status == 503:
         retry = headers.get("retry-after")
-        retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else _retry_member(problem)
+        retry_after = (float(retry) if retry and retry.isascii() and retry.replace(".", "", 1).isdigit()
+                       else _retry_member(problem))
         cls = PoolFullError if str(problem.get("type", "")).endswith(":pool-full") else ServiceUnavailable
         raise cls(status, problem, retry_after)
     if status == 409 and str(problem.get("type", "")).endswith(":state-lost"):
@@ -168,6 +171,37 @@ class _Call(Generic[_T]):
         if self.accept:
             h["accept"] = self.accept
         return h
+
+    def what(self, headers: Headers) -> str:
+        """The answer with ``headers``, as a `MalformedResponse` names it."""
+        media = media_type(headers.get("content-type"))
+        return f"the {self.method} {self.path} response" + (f" ({media:.60})" if media else "")
+
+    def read(self, status: int, headers: Headers, body: bytearray) -> _T:
+        """The answer of ``status``, parsed: the error of an error status raised, and
+        MalformedResponse for a body ``parse`` cannot decode."""
+        _raise_for(status, headers, body)
+        with decoding(status, self.what(headers)):
+            return self.parse(headers, body)
+
+
+class _Received(BodyBuffer):
+    """`BodyBuffer` for the answer to ``call`` of ``status`` with ``headers`` (httpx's path):
+    a body longer or shorter than its Content-Length is a MalformedResponse."""
+
+    def __init__(self, call: _Call[Any], status: int, headers: Headers) -> None:
+        self._decoding = partial(decoding, status, call.what(headers))
+        length = headers.get("content-length")
+        with self._decoding():
+            super().__init__(int(length) if length is not None else None)
+
+    def add(self, chunk: bytes | bytearray) -> None:
+        with self._decoding():
+            super().add(chunk)
+
+    def finish(self) -> bytearray:
+        with self._decoding():
+            return super().finish()
 
 
 def _q(slot: str) -> str:
@@ -221,6 +255,17 @@ def _finished(answer: Response) -> dict[str, float]:
     """The phases of a framed answer (its error raised, as `KDAClient` raises them)."""
     _raise_for(answer.status, answer.headers, answer.body)
     return _server_timing(answer.headers)
+
+
+def _prepared_number(answer: Response) -> int:
+    """The id a framed PREPARE answer gives (its error raised, as `KDAClient` raises them;
+    MalformedResponse for a body without one)."""
+    _raise_for(answer.status, answer.headers, answer.body)
+    with decoding(answer.status, "the framed socket's PREPARE reply"):
+        number = json.loads(answer.body)["prepared"]
+        if type(number) is not int or not 0 <= number < 1 << 32:
+            raise ValueError(f"'prepared' must be an id of 32 bits, got {number!r:.40}")
+    return number
 
 
 def _server_timing(headers: Headers) -> dict[str, float]:
@@ -321,7 +366,8 @@ class _ShmPrefill:
         def parse(headers: Headers, data: bytearray) -> PrefillOutput:
             doc = json.loads(data)
             o = arena.result(doc, "o")
-            assert o is not None
+            if o is None:
+                raise KeyError("o")
             return PrefillOutput(doc["slots"], self.lengths, o, arena.result(doc, "final_state"),
                                  _server_timing(headers))
 
@@ -402,6 +448,10 @@ class _Calls:
 
     def slot_info(self, slot: str) -> _Call[dict[str, Any]]:
         return _Call("GET", f"/slots/{_q(slot)}", _json)
+
+    def geometry(self) -> _Call[Geometry]:
+        """The pool's geometry, from /info (what a shared memory prefill lays out by)."""
+        return _Call("GET", "/info", lambda h, b: Geometry.from_info(_json(h, b)))
 
     def get_state(self, slot: str) -> _Call[torch.Tensor]:
         return _Call("GET", f"/slots/{_q(slot)}/state", _read_state, accept=self.media)
@@ -511,22 +561,17 @@ class KDAClient:
         if self._framed is not None and call.content_type == SHM_JSON:
             assert isinstance(call.body, (bytes, bytearray))
             answer = self._framed.request(Op.PREFILL, bytes(call.body))
-            _raise_for(answer.status, answer.headers, answer.body)
-            return call.parse(answer.headers, answer.body)
+            return call.read(answer.status, answer.headers, answer.body)
         if self._small is not None and (call.body is None or _body_size(call.body) <= MAX_BODY):
             body = () if call.body is None else call.body if isinstance(call.body, list) else (call.body,)
             answer = self._small.request(call.method, call.path, call.headers(), body)
-            _raise_for(answer.status, answer.headers, answer.body)
-            return call.parse(answer.headers, answer.body)
+            return call.read(answer.status, answer.headers, answer.body)
         content = None if call.body is None else _chunks(call.body)
         with self._http.stream(call.method, call.path, content=content, headers=call.headers()) as r:
-            length = r.headers.get("content-length")
-            buf = BodyBuffer(int(length) if length is not None else None)
+            buf = _Received(call, r.status_code, r.headers)
             for chunk in r.iter_bytes():
                 buf.add(chunk)
-        body = buf.finish()
-        _raise_for(r.status_code, r.headers, body)
-        return call.parse(r.headers, body)
+        return call.read(r.status_code, r.headers, buf.finish())
 
     def alloc(self, count: int = 1, prefix: Optional[Sequence[str]] = None) -> Union[list[str], PrefixAlloc]:
         """``count`` new slots with zero state, all or none (PoolFullError when short). With
@@ -601,7 +646,7 @@ class KDAClient:
         if arena is None:
             return self._run(self._calls.prefill(layer, sequences, **options))
         if arena.geometry is None:
-            arena.geometry = Geometry.from_info(self.info())
+            arena.geometry = self._run(self._calls.geometry())
         plan = _shm_prefill(arena, layer, sequences, **options)
         with self._arena_lock:
             if not arena.fits(plan.need):
@@ -632,7 +677,7 @@ class KDAClient:
             raise ValueError(_NO_FRAMED_SOCKET)
         self._release_orphans()
         if self._arena.geometry is None:
-            self._arena.geometry = Geometry.from_info(self.info())
+            self._arena.geometry = self._run(self._calls.geometry())
         arena, plan, slots = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
                                        lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
                                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
@@ -641,8 +686,7 @@ class KDAClient:
         try:
             answer, connection = self._framed.request_on(Op.PREPARE,
                                                          arena.fill(plan.tensors, plan.places, plan.options))
-            _raise_for(answer.status, answer.headers, answer.body)
-            number = json.loads(answer.body)["prepared"]
+            number = _prepared_number(answer)
         except BaseException:
             self._drop(arena)
             raise
@@ -752,17 +796,13 @@ class AsyncKDAClient:
         if self._framed is not None and call.content_type == SHM_JSON:  # as `KDAClient._send`
             assert isinstance(call.body, (bytes, bytearray))
             answer = await self._framed.request(Op.PREFILL, bytes(call.body))
-            _raise_for(answer.status, answer.headers, answer.body)
-            return call.parse(answer.headers, answer.body)
+            return call.read(answer.status, answer.headers, answer.body)
         content = None if call.body is None else _achunks(call.body)
         async with self._http.stream(call.method, call.path, content=content, headers=call.headers()) as r:
-            length = r.headers.get("content-length")
-            buf = BodyBuffer(int(length) if length is not None else None)
+            buf = _Received(call, r.status_code, r.headers)
             async for chunk in r.aiter_bytes():
                 buf.add(chunk)
-        body = buf.finish()
-        _raise_for(r.status_code, r.headers, body)
-        return call.parse(r.headers, body)
+        return call.read(r.status_code, r.headers, buf.finish())
 
     async def alloc(self, count: int = 1, prefix: Optional[Sequence[str]] = None) -> Union[list[str], PrefixAlloc]:
         if prefix is not None:
@@ -819,7 +859,7 @@ class AsyncKDAClient:
         if arena is None:
             return await self._run(self._calls.prefill(layer, sequences, **options))
         if arena.geometry is None:
-            arena.geometry = Geometry.from_info(await self.info())
+            arena.geometry = await self._run(self._calls.geometry())
         plan = _shm_prefill(arena, layer, sequences, **options)
         async with self._arena_lock:
             if not arena.fits(plan.need):
@@ -846,7 +886,7 @@ class AsyncKDAClient:
             raise ValueError(_NO_FRAMED_SOCKET)
         await self._release_orphans()
         if self._arena.geometry is None:
-            self._arena.geometry = Geometry.from_info(await self.info())
+            self._arena.geometry = await self._run(self._calls.geometry())
         arena, plan, slots = _prepared_layout(self._arena, layer, sequences, A_log=A_log, dt_bias=dt_bias,
                                        lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
                                        use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
@@ -855,8 +895,7 @@ class AsyncKDAClient:
         try:
             answer, connection = await self._framed.request_on(Op.PREPARE,
                                                                arena.fill(plan.tensors, plan.places, plan.options))
-            _raise_for(answer.status, answer.headers, answer.body)
-            number = json.loads(answer.body)["prepared"]
+            number = _prepared_number(answer)
         except BaseException:
             await self._drop(arena)
             raise

@@ -1,10 +1,13 @@
 """The client's errors: `KDAError` and its subclasses for the server's error responses
-(`kda_client.client` maps each status to one), and `ClientClosed` for a call on a closed
-client, which no server answered. Network failures raise httpx's exceptions, bad inputs
-ValueError."""
+(`kda_client.client` maps each status to one), `MalformedResponse` for a reply the client
+cannot decode, and `ClientClosed` for a call on a closed client, which no server answered.
+Network failures raise httpx's exceptions, bad inputs ValueError."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+from service.errors import ServiceError
 
 
 class KDAError(Exception):
@@ -62,6 +65,47 @@ class PoolFullError(ServiceUnavailable):
 
 class ServerError(KDAError):
     """500 and other server-side failures."""
+
+
+class MalformedResponse(KDAError):
+    """A reply the client cannot decode (a 200 whose body is bad JSON, a safetensors
+    container whose header lies or that was cut short, a document missing a member, a
+    body of the wrong Content-Type: a proxy that mangled it, a server cut off), as httpx's
+    ``DecodingError`` for its own. ``status``: the reply's status (that of a success,
+    mostly: its body is what failed); ``what``: what could not be decoded ("the POST
+    /prefill response"); ``problem``: a document the client wrote (type
+    ``urn:kda-client:malformed-response``), its ``detail`` the decoder's reason, shortened,
+    never the body. The decoder's own error is the ``__cause__``. Whatever the call changed
+    on the server, it did: a prefill's slots advanced, say."""
+
+    def __init__(self, status: int, what: str, reason: str) -> None:
+        self.what = what
+        if len(reason) > _REASON_CHARS:
+            reason = reason[:_REASON_CHARS - 3] + "..."
+        super().__init__(status, {"type": "urn:kda-client:malformed-response", "title": "Malformed response",
+                                  "status": status, "detail": f"could not decode {what}: {reason}"})
+
+
+_REASON_CHARS = 240
+"""The most of a decoder's message a `MalformedResponse` keeps."""
+_DECODING_ERRORS = (ServiceError, ValueError, LookupError, TypeError, AttributeError)
+"""What the wire decoders raise for a body they cannot read: the server's own errors
+(`service.errors.MalformedBody`, `SchemaError`), json's and base64's (ValueError), a
+missing member (KeyError, IndexError), a member of the wrong type (TypeError,
+AttributeError). Not RuntimeError (torch's out-of-memory errors are ones), MemoryError,
+OSError or anything else."""
+
+
+@contextmanager
+def decoding(status: int, what: str) -> Iterator[None]:
+    """Decode a reply of ``status`` inside the block: a decoding error raised in it
+    (`_DECODING_ERRORS`) comes out as `MalformedResponse` naming ``what``, the error its
+    ``__cause__``; every other exception passes unchanged."""
+    try:
+        yield
+    except _DECODING_ERRORS as e:
+        reason = e.detail if isinstance(e, ServiceError) else str(e) or type(e).__name__
+        raise MalformedResponse(status, what, f"{type(e).__name__}: {reason}") from e
 
 
 class ClientClosed(ValueError):

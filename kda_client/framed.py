@@ -7,7 +7,8 @@ One request frame out, one reply frame back, on a kept-alive Unix socket (the fo
 comes back as `kda_client.small.Response`, its ``Server-Timing`` and content type set
 as an HTTP response's would be, so `KDAClient` parses it and raises its errors as for
 HTTP. Failures raise httpx's exceptions, as the HTTP paths do: ConnectError, WriteError,
-ReadError, ReadTimeout, RemoteProtocolError. A connection the server closed while idle is
+ReadError, ReadTimeout, RemoteProtocolError; a reply that cannot be decoded,
+`kda_client.MalformedResponse`. A connection the server closed while idle is
 replaced before a request is sent on it; a request whose reply was lost is not re-sent.
 
 Connections are numbered (``connection``: the current one's, from 1). A request bound to
@@ -30,6 +31,7 @@ import httpx
 from service.wire.frames import Op, request_frame, split_reply
 from service.wire.media import JSON, PROBLEM
 
+from .errors import decoding
 from .small import Response
 
 _FIRST_READ = 1 << 16
@@ -246,8 +248,10 @@ def _reply_size(head: bytes) -> int:
 
 
 def _response(frame: bytes) -> Response:
-    """A reply (its bytes after the length) as an HTTP response's status, headers and body."""
-    status, timing, body = split_reply(frame)
+    """A reply (its bytes after the length) as an HTTP response's status, headers and body
+    (MalformedResponse for a timing that is not ASCII)."""
+    with decoding(int.from_bytes(frame[:2], "big"), "a framed socket reply's timing"):
+        status, timing, body = split_reply(frame)
     headers = {"content-type": PROBLEM if status >= 400 else JSON}
     if timing:
         headers["server-timing"] = timing

@@ -209,16 +209,25 @@ class _Arena:
         for in host memory)."""
 
     def result(self, doc: dict[str, Any], key: str) -> Optional[torch.Tensor]:
-        """Output ``key`` of a response document, read from the region (a copy unless ``views``)."""
+        """Output ``key`` of a response document, read from the region (a copy unless
+        ``views``). ValueError (KeyError, TypeError) for a reference that is not one to
+        ``key``'s bytes in this client's region."""
         spec = doc.get(key)
         if spec is None:
             return None
         assert self._region is not None
-        ref, dtype = spec["shm"], JSON_DTYPES[spec["dtype"]]
+        ref, dtype, shape = spec["shm"], JSON_DTYPES[spec["dtype"]], spec["shape"]
         if ref["region"] != self._region.name:
             raise ValueError(f"the server wrote {key} into region {ref['region']!r}, not this client's")
-        start = ref["offset"] - self._region.base
-        t = self._region.memory[start:start + ref["byte_size"]].view(dtype).view(spec["shape"])
+        start, size = ref["offset"] - self._region.base, ref["byte_size"]
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+            raise ValueError(f"{key}: shape {shape!r:.80} is not a list of sizes")
+        if type(size) is not int or size != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{key}: shape {shape} of {spec['dtype']} needs {math.prod(shape) * dtype.itemsize} "
+                             f"bytes, byte_size is {size!r:.40}")
+        if type(start) is not int or not 0 <= start <= self._region.size - size:
+            raise ValueError(f"{key}: byte_size {size} at offset {ref['offset']!r:.40} is outside the region")
+        t = self._region.memory[start:start + size].view(dtype).view(shape)
         return t if self.views else t.clone()
 
 
