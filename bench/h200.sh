@@ -63,6 +63,9 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # prefills' (their server on the GPU: CUDA graphs)
     cuda-ipc-tests) run_step "$name" "$limit" python3 -m pytest -q tests/transport/test_transport_cuda_ipc.py \
         tests/transport/test_transport_prepared.py ;;
+    # both of the above in one step (a session that may get one call): the shm, CUDA IPC and prepared tests unfiltered
+    transport-tests) run_step "$name" "$limit" python3 -m pytest -q tests/transport/test_transport_shm.py \
+        tests/transport/test_transport_cuda_ipc.py tests/transport/test_transport_prepared.py ;;
     kernels) run_step "$name" "$limit" python3 bench/kernels.py --json "$OUT/kernels.json" ;;
     # every case against FlashKDA alone (fla's autotuning warm-up, ~190 s, left out)
     kernels-flashkda) run_step "$name" "$limit" python3 bench/kernels.py --peers FlashKDA --json "$OUT/kernels_flashkda.json" ;;
@@ -128,6 +131,6 @@ for spec in ${*:-gpu-tests kernels kernel-variants cuda-ipc transport}; do
     # the same, checkpoints denser (every 256 and 128 tokens): where the segments' launches stop paying
     prefix-dense) run_step "$name" "$limit" bash -c 'python3 bench/prefix_cache.py --where --reps 10 --every 256 &&
         python3 bench/prefix_cache.py --where --reps 10 --every 128' ;;
-    *) echo "unknown step $name (gpu-tests, kernel-paths, kernel-checks, service-tests, cuda-ipc-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-variants, cuda-ipc, transport, latency, latency-short, latency-wide-zero-copy, latency-zero-copy, latency-profile-decode, latency-profile, kernel-ab, transaction, prefix-cache, shm-gpu-tests, prepared-graph, extremes-sweep, prefix-cache-goal, decode-save-tests, prefix-where, prefix-dense, prefix-restores)"; exit 2 ;;
+    *) echo "unknown step $name (gpu-tests, kernel-paths, kernel-checks, service-tests, cuda-ipc-tests, transport-tests, kernels, kernels-flashkda, checkpoint-tests, kernel-sweep, kernel-variants, cuda-ipc, transport, latency, latency-short, latency-wide-zero-copy, latency-zero-copy, latency-profile-decode, latency-profile, kernel-ab, transaction, prefix-cache, shm-gpu-tests, prepared-graph, extremes-sweep, prefix-cache-goal, decode-save-tests, prefix-where, prefix-dense, prefix-restores)"; exit 2 ;;
     esac
 done
