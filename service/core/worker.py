@@ -47,6 +47,14 @@ def _device_thread_setup(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the CUDA device current now
+    (`torch.cuda.set_device` refuses a device without an index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class DeviceWorker:
     """The thread for ``device``, grad mode off there; on CUDA it makes that device current
     there, so kernels that use the current device (Triton's launcher, streams) see the
@@ -57,7 +65,7 @@ class DeviceWorker:
     submission order and pool memory is still touched by one thread at a time."""
 
     def __init__(self, device: torch.device) -> None:
-        self._device = device
+        self._device = device = _indexed(device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-device",
                                             initializer=_device_thread_setup, initargs=(device,))
         # each counter is written by one thread only: submitted and cancelled by the loop, finished by the worker
