@@ -494,7 +494,13 @@ async def _achunks(body: Body) -> AsyncIterator[memoryview]:
 
 
 def _client_headers(api_key: Optional[str]) -> dict[str, str]:
-    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+    """The headers of every request: the API key, and ``accept-encoding: identity`` (httpx
+    asks for gzip by default; a proxy that honours it sends a compressed body under its
+    compressed Content-Length, and tensors gain nothing from gzip)."""
+    headers = {"accept-encoding": "identity"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return headers
 
 
 def _check_api_key(api_key: Optional[str]) -> None:
