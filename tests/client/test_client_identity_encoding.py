@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
 import pytest
 import torch
+from http_peers import serving
 
 from kda_client import AsyncKDAClient, KDAClient
 from service.wire.media import SAFETENSORS
@@ -68,15 +68,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def peer() -> Iterator[_GzippingPeer]:
-    srv = _GzippingPeer()
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with serving(_GzippingPeer()) as srv:
         yield srv
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        thread.join(TIMEOUT)
 
 
 def test_the_sync_client_asks_for_identity_and_reads_the_state(peer: _GzippingPeer):

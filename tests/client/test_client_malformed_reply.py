@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
+from http_peers import serving
 
 from kda_client import AsyncKDAClient, KDAClient, KDAError, MalformedResponse
 from kda_client.errors import decoding
@@ -104,15 +105,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def peer() -> Iterator[_Peer]:
-    srv = _Peer()
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with serving(_Peer()) as srv:
         yield srv
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        thread.join(TIMEOUT)
 
 
 class _FramedPeer(socketserver.ThreadingUnixStreamServer):

@@ -21,7 +21,6 @@ import json
 import os
 import threading
 import zlib
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
