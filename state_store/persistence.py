@@ -114,7 +114,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
 from . import prefix_snapshot
-from .errors import GeometryMismatch, SnapshotError, SnapshotNotDurable
+from .errors import GeometryMismatch, SnapshotError, SnapshotNotDurable, UnknownSlot
 from .pool import StatePool
 from .prefix_cache import PrefixCache
 from .snapshot import PathLike, Stamp, fsync_directory, remove_temporaries
@@ -371,9 +371,21 @@ class Persistence:
         else:
             lost, gone, refreed = sorted(live), [], []
         for slot_id in refreed:
-            self._pool.free(slot_id)
-        self._pool.mark_lost(lost)
+            with contextlib.suppress(UnknownSlot):  # expired since `live` was read: freed all the same
+                self._pool.free(slot_id)
+        self._mark_lost_while_live(lost)
         return RestoreReport(stamp, len(self._pool.slot_ids()), lost, gone, refreed, trusted)
+
+    def _mark_lost_while_live(self, slot_ids: list[str]) -> None:
+        """`StatePool.mark_lost` of ``slot_ids``, less any that idled past the ttl since they
+        were read as live (the pool then expires it as it resolves it: gone, its flag moot)."""
+        pending = list(slot_ids)
+        while True:
+            try:
+                self._pool.mark_lost(pending)
+                return
+            except UnknownSlot as exc:  # each try drops one id, so at most len(slot_ids) tries
+                pending.remove(exc.slot_id)
 
     def snapshot(self) -> int:
         """Write snapshot generation n+1 atomically, then empty the journal; returns n+1.

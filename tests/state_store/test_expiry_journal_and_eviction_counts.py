@@ -156,6 +156,43 @@ def test_an_expiry_during_the_restore_is_in_the_snapshot_it_writes(tmp_path):
     assert third.slot_ids() == []
 
 
+
+@pytest.mark.parametrize("journaled", ["advance", "free"])
+def test_a_slot_expiring_while_the_restore_applies_the_journal_is_skipped(tmp_path, monkeypatch, journaled):
+    """A slot the journal names (advanced: to flag lost; freed: to free again) that idles
+    past the ttl between the restore's look at the live slots and its use of them is
+    expired, not an error: the restore goes on, and another crash does not bring it back."""
+    path, clock = tmp_path / "pool.safetensors", FakeClock()
+    pool, persistence = _restored(path, clock)
+    named, other = pool.alloc(2)
+    assert persistence.snapshot() == 1
+    if journaled == "advance":
+        persistence.advancing([named])
+    else:
+        persistence.freeing(named)
+        pool.free(named)
+    persistence.close()  # kill -9
+
+    restart_clock = FakeClock()
+    again = make_pool(clock=restart_clock, ttl=TTL)
+    restarted = Persistence(again, path)
+    looked = again.slot_ids
+
+    def slot_ids_then_idle() -> list[str]:  # the first look at the slots, then the ttl passes
+        ids = looked()
+        monkeypatch.setattr(again, "slot_ids", looked)
+        restart_clock.advance(TTL + 1)
+        return ids
+
+    monkeypatch.setattr(again, "slot_ids", slot_ids_then_idle)
+    restarted.restore()
+    restarted.close()
+    assert again.slot_ids() == [] and again.stats().expiries == 2
+    third, last = _restored(path, FakeClock())
+    last.close()
+    assert third.slot_ids() == [] and not third.contains(named) and not third.contains(other)
+
+
 # -- prefix cache eviction counts ----------------------------------------------------------------
 
 def _cache(device_entries: int, host_entries: int = 0) -> tuple[PrefixCache, list[str]]:
