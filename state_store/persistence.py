@@ -373,17 +373,18 @@ class Persistence:
         for slot_id in refreed:
             with contextlib.suppress(UnknownSlot):  # expired since `live` was read: freed all the same
                 self._pool.free(slot_id)
-        self._mark_lost_while_live(lost)
+        lost = self._mark_lost_while_live(lost)
         return RestoreReport(stamp, len(self._pool.slot_ids()), lost, gone, refreed, trusted)
 
-    def _mark_lost_while_live(self, slot_ids: list[str]) -> None:
+    def _mark_lost_while_live(self, slot_ids: list[str]) -> list[str]:
         """`StatePool.mark_lost` of ``slot_ids``, less any that idled past the ttl since they
-        were read as live (the pool then expires it as it resolves it: gone, its flag moot)."""
+        were read as live (the pool then expires it as it resolves it: gone, its flag moot);
+        returns those flagged."""
         pending = list(slot_ids)
         while True:
             try:
                 self._pool.mark_lost(pending)
-                return
+                return pending
             except UnknownSlot as exc:  # each try drops one id, so at most len(slot_ids) tries
                 pending.remove(exc.slot_id)
 
