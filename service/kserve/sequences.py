@@ -11,7 +11,10 @@ The table is in memory. With a snapshot path it is kept on disk as the pool is
 
 - The table (``<snapshot>.kserve-sequences.json``) is saved after each pool snapshot, the
   periodic ones and the one at shutdown (atomically: a temporary file, fsync, rename), and
-  the journal is emptied then.
+  the journal is emptied then. It is also saved when the journal outgrows
+  ``max(COMPACT_MIN_BYTES, 4 x the table's last saved size)`` (with periodic snapshots
+  off it would otherwise grow by a record per change for the server's whole life); what a
+  restart restores is the same either way (the saved table is the journal's net effect).
 - The journal (``<snapshot>.kserve-sequences.json.journal``) gets one JSON line per change
   since: ``{"op": "bind", "id": .., "slot": ..}`` or ``{"op": "unbind", "id": ..}``,
   appended (``O_APPEND``) when the change is made, without fsync: the page cache outlives a
@@ -64,6 +67,8 @@ _FORMAT = "kda-serve/kserve-sequences/1"
 _BIND, _UNBIND = "bind", "unbind"
 _LEGACY_TEMPORARY = re.compile(r"\.kserve-sequences-[a-z0-9_]{8}")  # temporaries of versions before the journal
 Entries = dict[SequenceId, str]
+COMPACT_MIN_BYTES = 1 << 20
+"""The floor of the journal's size past which a change saves the table (see above)."""
 
 
 class SequenceTable:
@@ -82,6 +87,8 @@ class SequenceTable:
         self._ordering = SlotOrdering()
         self._journal: Optional[int] = None  # the fd, while open
         self._journaling = True  # False from a failed write until a save empties the journal
+        self._journal_bytes = 0  # appended since the last save (or failed save) began
+        self._table_bytes = 0  # the size of the table last saved
 
     @asynccontextmanager
     async def hold(self, sequence: SequenceId) -> AsyncIterator[None]:
@@ -109,6 +116,7 @@ class SequenceTable:
         journal. Raises OSError when the table cannot be written (the journal stays)."""
         if self.path is None:
             return
+        self._journal_bytes = 0  # a failed save is not retried before the journal grows as much again
         self._write_table()
         log.info("saved %d sequence(s) to %s", len(self._slots), self.path)
         self._empty_journal()
@@ -156,6 +164,13 @@ class SequenceTable:
             self._journaling = False  # a gap: later records would mislead until a save covers it
             log.warning("cannot append to the sequence journal %s (%s): changes are kept in memory and saved "
                         "with the next snapshot; a kill -9 before it loses them", self.journal_path, e)
+            return
+        self._journal_bytes += len(line)
+        if self._journal_bytes > max(COMPACT_MIN_BYTES, 4 * self._table_bytes):
+            try:  # fold the journal into the table: the same restore, a bounded journal
+                self.save()
+            except OSError as e:  # the journal is intact and still journals every change
+                log.warning("cannot save the sequence table %s to empty its journal: %s", self.path, e)
 
     def _write_table(self) -> None:
         assert self.path is not None
@@ -167,7 +182,9 @@ class SequenceTable:
                 json.dump(doc, f)
                 f.flush()
                 os.fsync(f.fileno())
+                size = f.tell()
             os.replace(tmp, self.path)
+            self._table_bytes = size
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
