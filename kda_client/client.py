@@ -416,6 +416,17 @@ def _prefill_call(
     return _Call("POST", "/prefill", parse, body, media, media)
 
 
+def _geometry(info: Any) -> Geometry:
+    """`Geometry.from_info`, its sizes checked (ValueError for one that is not a positive
+    integer: the region's layout would fail on it, or be wrong)."""
+    geometry = Geometry.from_info(info)
+    for name in ("num_heads", "head_v_dim", "head_k_dim"):
+        value = getattr(geometry, name)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r:.40}")
+    return geometry
+
+
 class _Calls:
     """Builds every call; `KDAClient` and `AsyncKDAClient` only differ in how they send."""
 
@@ -450,8 +461,9 @@ class _Calls:
         return _Call("GET", f"/slots/{_q(slot)}", _json)
 
     def geometry(self) -> _Call[Geometry]:
-        """The pool's geometry, from /info (what a shared memory prefill lays out by)."""
-        return _Call("GET", "/info", lambda h, b: Geometry.from_info(_json(h, b)))
+        """The pool's geometry, from /info (what a shared memory prefill lays out by; a size
+        that is not a positive integer is a reply the client cannot decode)."""
+        return _Call("GET", "/info", lambda h, b: _geometry(_json(h, b)))
 
     def get_state(self, slot: str) -> _Call[torch.Tensor]:
         return _Call("GET", f"/slots/{_q(slot)}/state", _read_state, accept=self.media)

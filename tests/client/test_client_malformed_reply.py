@@ -442,3 +442,26 @@ def test_malformed_response_is_exported() -> None:
 
     assert "MalformedResponse" in kda_client.__all__
     assert service.client.MalformedResponse is MalformedResponse  # the old import path too
+
+
+@pytest.mark.parametrize("member", [{"num_heads": "2"}, {"head_v_dim": 8.0}, {"head_k_dim": True}, {"num_heads": 0},
+                                    {"head_v_dim": -8}])
+def test_an_info_reply_with_a_wrong_typed_geometry_member_raises_malformed_response(peer: _Peer,
+                                                                                  member: dict[str, Any]) -> None:
+    """A geometry member of /info that is not a positive integer is a reply the client
+    cannot decode: MalformedResponse at once, not a bare TypeError while laying out the
+    region, nor a region laid out by it and a prefill sent."""
+    peer.info = {**GEOMETRY, **member}
+    with KDAClient(peer.url, transport="shm", timeout=TIMEOUT) as c:
+        with pytest.raises(MalformedResponse) as err:
+            c.prefill(0, [_sequence(4)])
+    _check(err)
+    assert "GET /info" in err.value.what and "POST /prefill" not in peer.served
+
+    async def main() -> None:
+        async with AsyncKDAClient(peer.url, transport="shm", timeout=TIMEOUT) as c:
+            await c.prefill(0, [_sequence(4)])
+
+    with pytest.raises(MalformedResponse) as err:
+        _arun(main())
+    _check(err)
