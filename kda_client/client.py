@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import urllib.parse
 import weakref
@@ -119,7 +120,13 @@ def _retry_member(problem: dict[str, Any]) -> Optional[float]:
     """The problem's ``retry_after`` seconds (the framed socket's replies have no headers),
     or None."""
     value = problem.get("retry_after")
-    return float(value) if type(value) in (int, float) and value >= 0 else None
+    if type(value) not in (int, float) or not value >= 0:
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past float's range
+        return None
+    return seconds if math.isfinite(seconds) else None
 
 
 def _raise_for(status: int, headers: Headers, body: bytearray) -> None:

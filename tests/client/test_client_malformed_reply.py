@@ -27,7 +27,7 @@ import pytest
 import torch
 from http_peers import serving
 
-from kda_client import AsyncKDAClient, KDAClient, KDAError, MalformedResponse
+from kda_client import AsyncKDAClient, KDAClient, KDAError, MalformedResponse, ServiceUnavailable
 from kda_client.errors import decoding
 from service.errors import MalformedBody
 from service.wire.frames import Op, reply_frame
@@ -465,3 +465,16 @@ def test_an_info_reply_with_a_wrong_typed_geometry_member_raises_malformed_respo
     with pytest.raises(MalformedResponse) as err:
         _arun(main())
     _check(err)
+
+
+@pytest.mark.parametrize("retry_after", [10 ** 400, -1, "5", None], ids=["huge", "negative", "string", "null"])
+def test_a_503_whose_retry_after_member_is_no_number_of_seconds_gives_none(peer: _Peer, retry_after: Any) -> None:
+    """A 503 without the header (as the framed socket's replies are) whose problem member
+    ``retry_after`` is too large for a float, negative or not a number: the client's
+    ServiceUnavailable, its ``retry_after`` None, not an OverflowError."""
+    problem = {"type": "urn:kda-serve:pool-full", "status": 503, "detail": "full", "retry_after": retry_after}
+    peer.prefill = lambda _: (503, "application/problem+json", json.dumps(problem).encode())
+    with KDAClient(peer.url, timeout=TIMEOUT) as c:
+        with pytest.raises(ServiceUnavailable) as err:
+            c.prefill(0, [_sequence(4)])
+    assert err.value.retry_after is None
