@@ -312,7 +312,10 @@ class Persistence:
         flags just set, and the expiries, survive another crash.
 
         Raises SnapshotError or GeometryMismatch when the snapshot cannot be used (the pool
-        is then left as it was, and nothing is written).
+        is then left as it was, and nothing is written), and SnapshotError when the snapshot
+        written after the journal fails (a full disk: the pool is then restored, but the
+        files still hold the previous snapshot and journal, and a restart redoes the same
+        restore).
         """
         with self._pool.lock:
             # a crash mid-snapshot left them (each file's size), or mid-compaction (the journal's)
