@@ -313,9 +313,9 @@ class Persistence:
 
         Raises SnapshotError or GeometryMismatch when the snapshot cannot be used (the pool
         is then left as it was, and nothing is written), and SnapshotError when the snapshot
-        written after the journal fails (a full disk: the pool is then restored, but the
-        files still hold the previous snapshot and journal, and a restart redoes the same
-        restore).
+        written after the journal fails (a full disk: the pool is then restored in memory,
+        and the files a restart finds, the previous snapshot and its journal or the new
+        snapshot, restore it the same way).
         """
         with self._pool.lock:
             # a crash mid-snapshot left them (each file's size), or mid-compaction (the journal's)
