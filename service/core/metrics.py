@@ -11,10 +11,10 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, GCCollector, Histogram, Info,
     PlatformCollector, ProcessCollector, generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from state_store import PoolStats, TierStats
+from state_store import Persistence, PoolStats, TierStats
 
 from ..version import __version__
 
@@ -56,12 +56,27 @@ class _PoolGauges(Collector):
                                 "recovered after a crash)", value=stats.state_lost)
 
 
+class _JournalFigures(Collector):
+    """The pool journal's size and compactions, read from its `Persistence` per scrape."""
+
+    def __init__(self, persistence: Persistence) -> None:
+        self.persistence = persistence
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily("kda_journal_bytes", "Bytes in the pool's journal (the changes since the latest "
+                                "snapshot; compacted to their net effect past a bound)",
+                                value=self.persistence.journal_size)
+        yield CounterMetricFamily("kda_journal_compactions", "Times the pool's journal was rewritten as its net "
+                                  "effect", value=self.persistence.compactions)
+
+
 class Metrics:
     """The server's metrics: HTTP requests and errors by route and status (those the HTTP
     protocol refused before any route included), requests in flight, gRPC requests by
     method and status, framed socket requests by op and status, prefill tokens, launch
     sizes, time queued before a launch and time in the kernel, free slots, expired slots,
-    abandoned responses, snapshots, the prefix cache's hits, misses, hit tokens, evictions,
+    abandoned responses, snapshots (and, with `watch_journal`, the journal's size and
+    compactions), the prefix cache's hits, misses, hit tokens, evictions,
     entries and bytes per tier, and the process's collectors. A core with a pool adds its
     gauges and build information (`add_pool`)."""
 
@@ -137,6 +152,10 @@ class Metrics:
             self.prefix_entries.labels(tier).set_function(lambda tier=tier: stats()[tier].entries)
             self.prefix_bytes.labels(tier).set_function(lambda tier=tier: stats()[tier].bytes)
             self.prefix_evictions.labels(tier)  # present at 0 before the first eviction
+
+    def watch_journal(self, persistence: Persistence) -> None:
+        """Serve ``kda_journal_bytes`` and ``kda_journal_compactions_total`` of ``persistence``."""
+        self.registry.register(_JournalFigures(persistence))
 
     def prepared_launch(self, sequences: int, tokens: int, seconds: float) -> None:
         """One launch of a prepared run of ``sequences`` sequences and ``tokens`` tokens that

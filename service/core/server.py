@@ -134,6 +134,8 @@ class ServerCore:
         self.metrics.watch_prefix_cache(self.prefix_cache.stats)
         self.persistence = (Persistence(self.pool, settings.snapshot_path, prefix_cache=self.prefix_cache)
                             if settings.snapshot_path else None)
+        if self.persistence is not None:
+            self.metrics.watch_journal(self.persistence)
         self._snapshot_task: Optional[asyncio.Task[None]] = None
         self._background: set[asyncio.Task[None]] = set()  # `_in_background`'s tasks
         self._checkpoint_hooks: list[Callable[[], None]] = []

@@ -163,7 +163,8 @@ def test_a_busy_metrics_port_is_one_line_and_exit_2() -> None:
 
 def test_state_lost_slots_after_a_crash(tmp_path: Path) -> None:
     """A slot that advanced after the last snapshot comes back from a kill -9 flagged
-    state_lost, and the gauge counts it."""
+    state_lost, and the gauge counts it; before the crash ``kda_journal_bytes`` is the
+    journal's size (the advance record)."""
     args = [*GEOMETRY_ARGS, "--snapshot-path", str(tmp_path / "pool.snapshot"), "--snapshot-interval-s", "0"]
     server = start_server(args, tmp_path / "first.log")
     with KDAClient(server.url) as client:
@@ -172,6 +173,8 @@ def test_state_lost_slots_after_a_crash(tmp_path: Path) -> None:
     server = start_server(args, tmp_path / "second.log")
     with KDAClient(server.url) as client:
         client.prefill(0, [(advanced, *make_sequence(4, torch.Generator().manual_seed(3)))])  # journalled
+    journal = tmp_path / "pool.snapshot.journal"
+    assert metric(_page(server.url), "kda_journal_bytes") == journal.stat().st_size > 0  # its one record
     kill_9(server)
     server = start_server(args, tmp_path / "third.log")
     try:

@@ -610,3 +610,25 @@ def test_a_snapshot_renamed_in_but_not_durable_moves_the_generation_gauge(tmp_pa
             await core.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_the_journal_gauges_follow_its_size_and_compactions(tmp_path):
+    """``kda_journal_bytes`` is the pool journal's size and ``kda_journal_compactions_total``
+    the times it was compacted (read at each scrape from the persistence), both 0 without a
+    journal's growth, and both follow frees and a compaction."""
+    from state_store import Persistence, StatePool
+
+    pool = StatePool(LAYERS, 4, HV, K, V)
+    persistence = Persistence(pool, tmp_path / "pool.snap", compact_min_bytes=512)
+    persistence.restore()
+    metrics = Metrics(free_slots=lambda: pool.stats().free)
+    metrics.watch_journal(persistence)
+    sample = metrics.registry.get_sample_value
+    assert sample("kda_journal_bytes") == 0 and sample("kda_journal_compactions_total") == 0
+    for _ in range(40):  # ~60 bytes a free: past 512 bytes, so compacted at least once
+        (slot,) = pool.alloc(1)
+        persistence.freeing(slot)
+        pool.free(slot)
+        assert sample("kda_journal_bytes") == persistence.journal_size == (tmp_path / "pool.snap.journal").stat().st_size
+    assert sample("kda_journal_compactions_total") == persistence.compactions >= 1
+    persistence.close()
