@@ -7,7 +7,6 @@ After every restart a slot either holds the state it last held, unflagged, or is
 ``state_lost``; a freed slot stays freed; a restart restores what it can."""
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from typing import Callable
 
 import pytest
 import torch
+from journal_faults import HalfWrites
 
 from state_store import Persistence, PrefixCache, SnapshotError, StatePool
 from state_store import snapshot as snapshot_module
@@ -119,7 +119,7 @@ def child(path: str, point: str) -> None:
 def run_child(path: Path, point: str) -> tuple[str, str]:
     """Run `child` in a new interpreter; the ids of slots a and b it printed."""
     code = f"import test_crash_points as t; t.child({str(path)!r}, {point!r})"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(Path(__file__).parent)])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == CRASHED, done.stderr
     a, b = done.stdout.split()
@@ -164,29 +164,6 @@ def test_a_restart_removes_the_temporary_files_a_crash_left_mid_snapshot(tmp_pat
 
 # -- a journal write that fails midway (a full disk) -------------------------------------------
 
-def _fail_midway(persistence: Persistence, monkeypatch: pytest.MonkeyPatch, cut_back_fails: bool) -> None:
-    """The journal's next write stores half its bytes, then the disk is full (ENOSPC); with
-    ``cut_back_fails`` an ftruncate of the journal fails too, once."""
-    real_write, real_ftruncate = os.write, os.ftruncate
-    failures = {"write": 1, "ftruncate": 1 if cut_back_fails else 0}
-
-    def write(fd: int, data) -> int:
-        if fd != persistence._fd or not failures["write"]:
-            return real_write(fd, data)
-        failures["write"] = 0
-        real_write(fd, bytes(data[:len(data) // 2]))
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    def ftruncate(fd: int, length: int) -> None:
-        if fd == persistence._fd and failures["ftruncate"]:
-            failures["ftruncate"] = 0
-            raise OSError(errno.EIO, "injected")
-        real_ftruncate(fd, length)
-
-    monkeypatch.setattr(os, "write", write)
-    monkeypatch.setattr(os, "ftruncate", ftruncate)
-
-
 AFTER_THE_FAILURE: dict[str, Callable[[StatePool, Persistence, str], None]] = {
     "a later record": lambda pool, persistence, b: write(pool, persistence, b, 4),
     "a snapshot, then a later record": lambda pool, persistence, b: (persistence.snapshot(),
@@ -207,7 +184,7 @@ def test_a_journal_record_cut_short_by_a_full_disk_flags_only_what_advanced(tmp_
     for seed, slot in enumerate((a, b, c)):
         write(pool, persistence, slot, seed)
     assert persistence.snapshot() == 1
-    _fail_midway(persistence, monkeypatch, cut_back_fails)
+    HalfWrites(persistence, monkeypatch).arm(cut_back_fails)
     with pytest.raises(SnapshotError, match="cannot write the journal"):
         write(pool, persistence, a, 3)  # refused: a keeps state 0
     AFTER_THE_FAILURE[then](pool, persistence, b)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from journal_faults import HalfWrites
 from pool_helpers import FakeClock, assert_bit_equal, make_pool, random_state
 
 import state_store.persistence as persistence_module
@@ -469,30 +470,13 @@ def test_a_record_cut_off_after_a_failed_append_still_works_with_compaction(tmp_
     """A record half-written when the disk filled, whose cut-back failed too, is cut off
     before the next record; a compaction right after that record leaves a readable journal."""
     pool, persistence, abc, kept = _setup_abc(tmp_path, compact_min_bytes=2048)
-    real_write, real_ftruncate = os.write, os.ftruncate
-    failures = {"write": 0, "ftruncate": 0}  # armed below
-
-    def write(fd, data):
-        if fd != persistence._fd or not failures["write"]:
-            return real_write(fd, data)
-        failures["write"] = 0
-        real_write(fd, bytes(data[:len(data) // 2]))
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    def ftruncate(fd, length):
-        if fd == persistence._fd and failures["ftruncate"]:
-            failures["ftruncate"] = 0
-            raise OSError(errno.EIO, "injected")
-        real_ftruncate(fd, length)
-
-    monkeypatch.setattr(os, "write", write)
-    monkeypatch.setattr(os, "ftruncate", ftruncate)
+    faults = HalfWrites(persistence, monkeypatch)  # armed below
     churned = []
     while os.path.getsize(persistence.journal_path) < 1900:
         churned.append(_churn(pool, persistence, len(churned)))
     assert persistence.compactions == 0
     doomed, = pool.alloc(1)
-    failures.update(write=1, ftruncate=1)
+    faults.arm(cut_back_fails=True)
     with pytest.raises(SnapshotError):
         persistence.advancing([doomed])  # half written, not cut back: the next record cuts it
     assert persistence._failed_from is not None
