@@ -5,13 +5,11 @@ and the journal emptied, as the pool's own journal is compacted. A restart still
 exactly what the uncompacted journal would have."""
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
-from service.kserve.sequences import SequenceTable
-
-COMPACT_MIN_BYTES = 1 << 20
-"""The floor of the journal's bound (`service.kserve.sequences`)."""
+from service.kserve.sequences import COMPACT_MIN_BYTES, SequenceTable
 
 
 def test_the_journal_is_folded_into_the_table_once_it_outgrows_its_bound(tmp_path: Path) -> None:
@@ -37,7 +35,11 @@ def test_a_failed_fold_keeps_the_journal_and_journaling(tmp_path: Path) -> None:
     writable, say) leaves the journal as it is: every change is still in it."""
     path = str(tmp_path / "t.json")
     table = SequenceTable(path)
-    table.save = lambda: (_ for _ in ()).throw(OSError(28, "No space left on device"))  # type: ignore[method-assign]
+
+    def full_disk() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    table.save = full_disk  # type: ignore[method-assign]
     for i in range(30_000):
         table.bind(i, f"slot-{i:022d}")
         table.unbind(i)
