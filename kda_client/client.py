@@ -48,7 +48,7 @@ import threading
 import urllib.parse
 import weakref
 from collections import deque
-from contextlib import suppress
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import (
@@ -184,31 +184,22 @@ class _Call(Generic[_T]):
         media = media_type(headers.get("content-type"))
         return f"the {self.method} {self.path} response" + (f" ({media:.60})" if media else "")
 
+    def decoding(self, status: int, headers: Headers) -> AbstractContextManager[None]:
+        """`decoding` of the answer of ``status`` with ``headers`` (named only on a failure)."""
+        return decoding(status, partial(self.what, headers))
+
     def read(self, status: int, headers: Headers, body: bytearray) -> _T:
         """The answer of ``status``, parsed: the error of an error status raised, and
         MalformedResponse for a body ``parse`` cannot decode."""
         _raise_for(status, headers, body)
-        with decoding(status, self.what(headers)):
+        with self.decoding(status, headers):
             return self.parse(headers, body)
 
 
-class _Received(BodyBuffer):
-    """`BodyBuffer` for the answer to ``call`` of ``status`` with ``headers`` (httpx's path):
-    a body longer or shorter than its Content-Length is a MalformedResponse."""
-
-    def __init__(self, call: _Call[Any], status: int, headers: Headers) -> None:
-        self._decoding = partial(decoding, status, call.what(headers))
-        length = headers.get("content-length")
-        with self._decoding():
-            super().__init__(int(length) if length is not None else None)
-
-    def add(self, chunk: bytes | bytearray) -> None:
-        with self._decoding():
-            super().add(chunk)
-
-    def finish(self) -> bytearray:
-        with self._decoding():
-            return super().finish()
+def _body_buffer(headers: Headers) -> BodyBuffer:
+    """A buffer for a body of the answer's Content-Length (ValueError for one that is no number)."""
+    length = headers.get("content-length")
+    return BodyBuffer(int(length) if length is not None else None)
 
 
 def _q(slot: str) -> str:
@@ -592,11 +583,13 @@ class KDAClient:
             answer = self._small.request(call.method, call.path, call.headers(), body)
             return call.read(answer.status, answer.headers, answer.body)
         content = None if call.body is None else _chunks(call.body)
-        with self._http.stream(call.method, call.path, content=content, headers=call.headers()) as r:
-            buf = _Received(call, r.status_code, r.headers)
+        with self._http.stream(call.method, call.path, content=content, headers=call.headers()) as r, \
+                call.decoding(r.status_code, r.headers):  # a body longer or shorter than its length
+            buf = _body_buffer(r.headers)
             for chunk in r.iter_bytes():
                 buf.add(chunk)
-        return call.read(r.status_code, r.headers, buf.finish())
+            body = buf.finish()
+        return call.read(r.status_code, r.headers, body)
 
     def alloc(self, count: int = 1, prefix: Optional[Sequence[str]] = None) -> Union[list[str], PrefixAlloc]:
         """``count`` new slots with zero state, all or none (PoolFullError when short). With
@@ -824,10 +817,12 @@ class AsyncKDAClient:
             return call.read(answer.status, answer.headers, answer.body)
         content = None if call.body is None else _achunks(call.body)
         async with self._http.stream(call.method, call.path, content=content, headers=call.headers()) as r:
-            buf = _Received(call, r.status_code, r.headers)
-            async for chunk in r.aiter_bytes():
-                buf.add(chunk)
-        return call.read(r.status_code, r.headers, buf.finish())
+            with call.decoding(r.status_code, r.headers):  # as `KDAClient._send`
+                buf = _body_buffer(r.headers)
+                async for chunk in r.aiter_bytes():
+                    buf.add(chunk)
+                body = buf.finish()
+        return call.read(r.status_code, r.headers, body)
 
     async def alloc(self, count: int = 1, prefix: Optional[Sequence[str]] = None) -> Union[list[str], PrefixAlloc]:
         if prefix is not None:

@@ -5,7 +5,7 @@ Network failures raise httpx's exceptions, bad inputs ValueError."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 from service.errors import ServiceError
 
@@ -97,15 +97,17 @@ OSError or anything else."""
 
 
 @contextmanager
-def decoding(status: int, what: str) -> Iterator[None]:
+def decoding(status: int, what: Union[str, Callable[[], str]]) -> Iterator[None]:
     """Decode a reply of ``status`` inside the block: a decoding error raised in it
-    (`_DECODING_ERRORS`) comes out as `MalformedResponse` naming ``what``, the error its
-    ``__cause__``; every other exception passes unchanged."""
+    (`_DECODING_ERRORS`) comes out as `MalformedResponse` naming ``what`` (or what it
+    returns: worked out only on a failure), the error its ``__cause__``; every other
+    exception passes unchanged."""
     try:
         yield
     except _DECODING_ERRORS as e:
         reason = e.detail if isinstance(e, ServiceError) else str(e) or type(e).__name__
-        raise MalformedResponse(status, what, f"{type(e).__name__}: {reason}") from e
+        named = what if isinstance(what, str) else what()
+        raise MalformedResponse(status, named, f"{type(e).__name__}: {reason}") from e
 
 
 class ClientClosed(ValueError):
